@@ -1,0 +1,127 @@
+"""Llama-family hyperparameters, read from GGUF metadata by one explicit mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import gguf
+
+from model.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape-defining hyperparameters of a Llama-architecture decoder (Touvron et al. 2023).
+
+    Frozen and hashable, so it can be a static argument of jitted functions.
+
+    Attributes:
+        vocab_size: V, number of token ids.
+        hidden_size: D, the residual-stream width.
+        intermediate_size: F, the SwiGLU MLP width.
+        num_layers: L, decoder blocks.
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads (grouped-query attention, Ainslie et al. 2023); N % K == 0.
+        head_dim: H, per-head width (usually D // N).
+        rope_theta: RoPE base frequency (Su et al. 2021, eq. 15).
+        rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
+        max_position_embeddings: the context length the model was trained for, in tokens.
+        tie_word_embeddings: the LM head reuses the token embedding matrix.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        """G, query heads sharing one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV-cache bytes per token: 2 (K and V) * L * K * H * itemsize."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def param_count(self) -> int:
+        """Number of parameters (embedding counted once when tied)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + head + self.num_layers * per_layer + d
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | gguf.GGUFReader) -> LlamaConfig:
+        """Build the config from a GGUF file's ``llama.*`` metadata.
+
+        Tied embeddings are inferred from the absence of an ``output.weight`` tensor,
+        as llama.cpp does. The vocabulary size falls back to the tokenizer's token count.
+
+        Raises:
+            GGUFMetadataError: the architecture is not Llama or a required key is missing.
+        """
+        reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+        arch = architecture(reader)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise GGUFMetadataError(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def key(name: str, default: object = ...) -> object:
+            return field_value(reader, f"{arch}.{name}", default)
+
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        vocab = key("vocab_size", None)
+        if vocab is None:
+            vocab = len(field_value(reader, "tokenizer.ggml.tokens"))
+        tensor_names = {t.name for t in reader.tensors}
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=int(key("attention.key_length", hidden // num_heads)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(key("context_length")),
+            tie_word_embeddings="output.weight" not in tensor_names,
+        )
+
+    @classmethod
+    def tiny(cls, **overrides: object) -> LlamaConfig:
+        """A small random-weight config for fast tests (2 layers, GQA with 4 query / 2 KV heads)."""
+        base: dict[str, object] = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
+        base.update(overrides)
+        return cls(**base)  # type: ignore[arg-type]

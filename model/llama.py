@@ -1,0 +1,324 @@
+"""A Llama decoder in Flax NNX, with the two pure entry points the engine jits: prefill and decode.
+
+Architecture (Touvron et al. 2023, "LLaMA", §2.2): pre-norm RMSNorm (Zhang & Sennrich 2019),
+rotary position embeddings (Su et al. 2021, "RoFormer", §3.4.2, in Hugging Face's rotate-half
+form), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), optionally
+tied LM head.
+
+Einsum letters used throughout:
+    B batch rows (slots in decode, 1 in prefill)   T query positions   U new key positions
+    S cached key positions (the attended window)   D embed (hidden)   F MLP width
+    N query heads   K KV heads   G query heads per KV head (N = K * G)   H head dim   V vocab
+    L layers
+
+Layers are stored stacked (every parameter has a leading L axis) and run with ``jax.lax.scan``,
+so a 30-layer model compiles one block, not thirty. Every parameter carries ``logical_axes``
+metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import LlamaConfig
+from model.kv_cache import KVCache
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    assert value.ndim == len(axes), (value.shape, axes)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+    """The L decoder blocks, with parameters stacked on a leading layer axis.
+
+    Parameters (shape, logical axes):
+        attn_norm [L, D] (layers, embed); wq [L, D, N, H] (layers, embed, q_heads, head_dim);
+        wk, wv [L, D, K, H] (layers, embed, kv_heads, head_dim); wo [L, N, H, D]
+        (layers, q_heads, head_dim, embed); mlp_norm [L, D]; w_gate, w_up [L, D, F]
+        (layers, embed, mlp); w_down [L, F, D] (layers, mlp, embed).
+    Weights are stored input-major (x @ W), the faster layout for XLA on CPU.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        L, D, N, K, H, F = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        init = nnx.initializers.normal(0.02)
+
+        def w(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+            return _param(init(rngs.params(), shape, dtype), axes)
+
+        self.attn_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
+        self.wq = w((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
+        self.wk = w((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wv = w((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = w((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
+        self.mlp_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
+        self.w_gate = w((L, D, F), ("layers", "embed", "mlp"))
+        self.w_up = w((L, D, F), ("layers", "embed", "mlp"))
+        self.w_down = w((L, F, D), ("layers", "mlp", "embed"))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """The raw stacked arrays, keyed by parameter name (the scan's xs)."""
+        names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+        return {name: getattr(self, name)[...] for name in names}
+
+
+class Llama(nnx.Module):
+    """A Llama-architecture causal LM.
+
+    Parameters: ``embed`` [V, D] (vocab, embed); ``layers`` (see DecoderLayers); ``final_norm``
+    [D] (embed); ``lm_head`` [D, V] (embed, vocab) only when embeddings are untied.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
+        self.cfg = cfg
+        self.embed = _param(
+            nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype),
+            ("vocab", "embed"),
+        )
+        self.layers = DecoderLayers(cfg, rngs=rngs, dtype=dtype)
+        self.final_norm = _param(jnp.ones((cfg.hidden_size,), dtype), ("embed",))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(
+                nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype),
+                ("embed", "vocab"),
+            )
+
+    # ---- pieces -------------------------------------------------------------------------
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_word_embeddings:
+            emb = self.embed[...]
+            return jnp.einsum("...D,VD->...V", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32)
+        head = self.lm_head[...]
+        return jnp.einsum("...D,DV->...V", h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+
+    def run_layers(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache_k: jax.Array | None,
+        cache_v: jax.Array | None,
+        cache_mask: jax.Array | None,
+        new_mask: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """All decoder blocks over new tokens that attend to a read-only cache window.
+
+        Args:
+            tokens: [B, T] int32 token ids.
+            positions: [B, T] int32 absolute positions (RoPE angles).
+            cache_k, cache_v: [L, B, K, S, H] the cached keys/values each row may attend to,
+                or None when nothing is cached yet.
+            cache_mask: [B, T, S] bool, True where query t may attend cached position s.
+            new_mask: [B, T, U] bool, True where query t may attend new token u (U = T).
+
+        Returns:
+            hidden [B, T, D] float32 after the last block; new keys and values
+            [L, B, T, K, H] each (RoPE applied), to be written into the cache by the caller.
+        """
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        xs: dict[str, Any] = {"p": self.layers.stacked()}
+        if cache_k is not None:
+            xs["ck"], xs["cv"] = cache_k, cache_v
+
+        def body(x: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            x, k, v = decoder_block(
+                cfg, x, layer["p"], cos, sin, layer.get("ck"), layer.get("cv"), cache_mask, new_mask
+            )
+            return x, (k, v)
+
+        x, (new_k, new_v) = jax.lax.scan(body, x, xs)
+        return x, new_k, new_v
+
+
+# ---- the math of one block ------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019, eq. 4), computed in float32: x [..., D] -> [..., D] f32."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * weight.astype(jnp.float32)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [B, T, H] float32 for RoPE at integer ``positions`` [B, T].
+
+    Frequencies theta^(-2i/H) for i < H/2, duplicated over both halves (Hugging Face's
+    rotate-half layout; GGUF's interleaved layout is undone at load time).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, H] by the tables [B, T, H]: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def decoder_block(
+    cfg: LlamaConfig,
+    x: jax.Array,
+    p: dict[str, jax.Array],
+    cos: jax.Array,
+    sin: jax.Array,
+    cache_k: jax.Array | None,
+    cache_v: jax.Array | None,
+    cache_mask: jax.Array | None,
+    new_mask: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm block: x + Attn(norm(x)), then + MLP(norm(x)).
+
+    Shapes: x [B, T, D] f32; cache_k/v [B, K, S, H]; masks as in ``Llama.run_layers``.
+    Returns the new x [B, T, D] f32 and this block's new k, v [B, T, K, H].
+    """
+    B, T, _ = x.shape
+    K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
+    wdt = p["wq"].dtype
+    f32 = jnp.float32
+
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
+    q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"], preferred_element_type=f32)
+    k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"], preferred_element_type=f32)
+    v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"], preferred_element_type=f32)
+    q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
+    k = apply_rope(k, cos, sin)
+    cdt = cache_k.dtype if cache_k is not None else f32
+    k, v = k.astype(cdt), v.astype(cdt)  # attend to exactly what the cache will hold
+
+    scores_new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
+    scores_new = jnp.where(new_mask[:, None, None], scores_new, NEG_INF)
+    if cache_k is not None:
+        scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
+        scores_cache = jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)
+        probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
+        S = cache_k.shape[2]
+        p_cache, p_new = probs[..., :S], probs[..., S:]
+        attn = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache.astype(cdt), cache_v, preferred_element_type=f32)
+        attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
+    else:
+        p_new = jax.nn.softmax(scores_new, axis=-1)
+        attn = jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
+    attn = attn.reshape(B, T, K * G, H).astype(wdt)
+    x = x + jnp.einsum("BTNH,NHD->BTD", attn, p["wo"], preferred_element_type=f32)
+
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
+    gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"], preferred_element_type=f32)
+    up = jnp.einsum("BTD,DF->BTF", h, p["w_up"], preferred_element_type=f32)
+    act = (jax.nn.silu(gate) * up).astype(wdt)
+    x = x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
+    return x, k, v
+
+
+# ---- the two entry points -------------------------------------------------------------------
+def prefill(
+    model: Llama,
+    cache: KVCache,
+    tokens: jax.Array,
+    start_pos: jax.Array,
+    true_len: jax.Array,
+    slot: jax.Array,
+    *,
+    kv_len: int,
+) -> tuple[jax.Array, KVCache]:
+    """Run one prompt chunk through the model and write its KV into one slot of the cache.
+
+    Args:
+        model: the Llama module (merged from graphdef and params inside jit).
+        cache: the KV cache [L, S, K, T_max, H] (donated by the caller's jit).
+        tokens: [T] int32, the chunk padded to a length bucket T (padding ids are ignored).
+        start_pos: int32 scalar, absolute position of tokens[0] (0 for a whole prompt; > 0 for
+            later chunks of a chunked prefill, which attend to the slot's cached prefix).
+        true_len: int32 scalar in [1, T], number of real tokens in the chunk.
+        slot: int32 scalar, the cache slot to write.
+        kv_len: static; how many cached positions to attend to (>= start_pos, <= T_max); 0 when
+            start_pos is 0, which skips reading the cache.
+
+    Returns:
+        logits [V] float32 at the last real position (start_pos + true_len - 1), and the cache
+        with positions [start_pos, start_pos + T) of ``slot`` overwritten. Writes past T_max are
+        dropped (never clamped onto the last position); the caller guarantees the real tokens fit.
+    """
+    T = tokens.shape[0]
+    positions = (start_pos + jnp.arange(T, dtype=jnp.int32))[None, :]  # [1, T]
+    new_mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]  # [1, T, U] causal
+    if kv_len > 0:
+        ck = jax.lax.dynamic_index_in_dim(cache.k[:, :, :, :kv_len], slot, axis=1, keepdims=True)
+        cv = jax.lax.dynamic_index_in_dim(cache.v[:, :, :, :kv_len], slot, axis=1, keepdims=True)
+        cache_mask = jnp.broadcast_to(jnp.arange(kv_len)[None, None, :] < start_pos, (1, T, kv_len))
+    else:
+        ck = cv = cache_mask = None
+    h, new_k, new_v = model.run_layers(tokens[None, :], positions, ck, cv, cache_mask, new_mask)
+    last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
+    logits = model.logits(last)
+
+    pos = positions[0]
+    # cache.k[:, slot, :, pos, :] has shape [T, L, K, H] (advanced indices go first).
+    k_vals = new_k[:, 0].transpose(1, 0, 2, 3)
+    v_vals = new_v[:, 0].transpose(1, 0, 2, 3)
+    cache = KVCache(
+        k=cache.k.at[:, slot, :, pos, :].set(k_vals.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slot, :, pos, :].set(v_vals.astype(cache.v.dtype), mode="drop"),
+    )
+    return logits, cache
+
+
+def decode_step(
+    model: Llama,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    kv_len: int,
+) -> tuple[jax.Array, KVCache]:
+    """One new token for every slot.
+
+    Args:
+        model: the Llama module.
+        cache: the KV cache [L, S, K, T_max, H] (donated by the caller's jit).
+        tokens: [S] int32, the last token of each slot.
+        positions: [S] int32, each token's absolute position (= tokens already cached in the
+            slot). An idle slot passes T_max: its KV write is dropped and its output ignored.
+        kv_len: static window of cached positions attended to; must exceed every active
+            position (the engine picks a power-of-two bucket, so reads scale with the
+            longest live sequence, not with T_max).
+
+    Returns:
+        logits [S, V] float32 and the cache with each active slot's new K/V at its position.
+    """
+    S = tokens.shape[0]
+    pos2d = positions[:, None]  # [S, 1]
+    ck = cache.k[:, :, :, :kv_len]
+    cv = cache.v[:, :, :, :kv_len]
+    cache_mask = (jnp.arange(kv_len)[None, :] < positions[:, None])[:, None, :]  # [S, 1, kv_len]
+    new_mask = jnp.ones((S, 1, 1), bool)
+    h, new_k, new_v = model.run_layers(tokens[:, None], pos2d, ck, cv, cache_mask, new_mask)
+    logits = model.logits(h[:, 0])
+
+    slots = jnp.arange(S)
+    # cache.k[:, slots, :, positions, :] has shape [S, L, K, H].
+    k_vals = new_k[:, :, 0].transpose(1, 0, 2, 3)
+    v_vals = new_v[:, :, 0].transpose(1, 0, 2, 3)
+    cache = KVCache(
+        k=cache.k.at[:, slots, :, positions, :].set(k_vals.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slots, :, positions, :].set(v_vals.astype(cache.v.dtype), mode="drop"),
+    )
+    return logits, cache

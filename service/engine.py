@@ -1,0 +1,267 @@
+"""The engine: params, KV cache and compiled steps of one model on one mesh.
+
+Two jitted programs, each with explicit in/out shardings and the KV cache donated:
+
+* ``prefill``: one prompt chunk padded to a power-of-two bucket -> that slot's KV written, and
+  the first generated token sampled when the chunk is the prompt's last;
+* ``decode``: one token for every slot.
+
+Shape variants are bounded: prefill buckets are powers of two from ``MIN_BUCKET`` up to the
+chunk size (times two attention windows: none for a first chunk, the whole cache for later
+chunks); decode attends to a power-of-two window of the cache that covers the longest live
+sequence. Everything compiled lands in JAX's persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.config import LlamaConfig
+from model.kv_cache import KVCache
+from model.llama import decode_step, prefill
+from model.sampling import SamplingParams, sample, seed_to_key
+from service.request import SamplingOptions
+from sharding.layouts import Layout
+from sharding.mesh import make_mesh
+from sharding.rules import cache_sharding, logical_rules, param_shardings, replicated
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+MIN_DECODE_WINDOW = 128
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
+    """Powers of two from ``smallest`` while below ``largest``, then ``largest`` itself."""
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    out.append(largest)
+    return out
+
+
+def pick_bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n. Raises ValueError if n exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of one engine.
+
+    Attributes:
+        num_slots: S, decode slots (concurrent sequences).
+        max_seq_len: T_max, tokens per slot in the KV cache (prompt + generated).
+        chunk_size: most prompt tokens per prefill call (the largest prefill bucket).
+        dtype: parameter and KV-cache dtype name ("float32" on CPU; "bfloat16" on accelerators).
+    """
+
+    num_slots: int = 4
+    max_seq_len: int = 2048
+    chunk_size: int = 512
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+class Engine:
+    """Owns the sharded params, the KV cache and the compiled steps of one layout.
+
+    Not thread-safe: one engine-loop thread calls every method after construction.
+
+    Args:
+        cfg: model hyperparameters.
+        graphdef: the Llama module's graph (``nnx.split``).
+        params: host or device state of the parameters (placed here with the layout's shardings).
+        layout: the mesh layout.
+        engine_cfg: slot count, max length, chunk size, dtype.
+        devices: devices to build the mesh on (default: all).
+
+    Raises:
+        LayoutError: the layout does not fit the devices or does not divide the model's axes.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        graphdef: nnx.GraphDef,
+        params: Any,
+        layout: Layout,
+        engine_cfg: EngineConfig,
+        devices: list[jax.Device] | None = None,
+    ):
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.layout = layout
+        self.ecfg = engine_cfg
+        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.mesh = make_mesh(layout, devices)
+        rules = logical_rules(layout)
+        S, T = engine_cfg.num_slots, engine_cfg.max_seq_len
+        self.param_sharding = param_shardings(params, self.mesh, rules)
+        self.cache_sharding = cache_sharding(KVCache.shape(cfg, S, T), self.mesh, rules)
+        self.repl = replicated(self.mesh)
+
+        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
+        self.params = jax.device_put(params, self.param_sharding)
+        cache_sh = KVCache(k=self.cache_sharding, v=self.cache_sharding)  # type: ignore[arg-type]
+        self.cache = jax.jit(partial(KVCache.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()
+        self._cache_sh = cache_sh
+
+        self.prefill_buckets = power_of_two_buckets(MIN_BUCKET, min(engine_cfg.chunk_size, T))
+        self.decode_windows = power_of_two_buckets(min(MIN_DECODE_WINDOW, T), T)
+        self._prefill_fns: dict[int, Any] = {}
+        self._decode_fns: dict[int, Any] = {}
+
+        # Host copies of the per-slot sampling parameters (sent with every decode step).
+        self._sp = SamplingParams.host(S)
+
+    # ---- compiled programs ---------------------------------------------------------------
+    def _prefill_fn(self, kv_len: int) -> Any:
+        if kv_len not in self._prefill_fns:
+            graphdef = self.graphdef
+
+            def run(params, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
+                model = nnx.merge(graphdef, params)
+                logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len)
+                token = sample(logits[None], sp, (start + true_len)[None])[0]
+                return token, logits, cache
+
+            r = self.repl
+            self._prefill_fns[kv_len] = jax.jit(
+                run,
+                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r),
+                out_shardings=(r, r, self._cache_sh),
+                donate_argnums=(1,),
+            )
+        return self._prefill_fns[kv_len]
+
+    def _decode_fn(self, kv_len: int) -> Any:
+        if kv_len not in self._decode_fns:
+            graphdef = self.graphdef
+
+            def run(params, cache, tokens, positions, sp):  # type: ignore[no-untyped-def]
+                model = nnx.merge(graphdef, params)
+                logits, cache = decode_step(model, cache, tokens, positions, kv_len=kv_len)
+                return sample(logits, sp, positions + 1), logits, cache
+
+            r = self.repl
+            self._decode_fns[kv_len] = jax.jit(
+                run,
+                in_shardings=(self.param_sharding, self._cache_sh, r, r, r),
+                out_shardings=(r, r, self._cache_sh),
+                donate_argnums=(1,),
+            )
+        return self._decode_fns[kv_len]
+
+    # ---- steps -----------------------------------------------------------------------------
+    def set_sampling(self, slot: int, options: SamplingOptions) -> None:
+        """Install a request's sampling parameters in its slot (host arrays; no recompile)."""
+        self._sp["temperature"][slot] = options.temperature
+        self._sp["top_k"][slot] = options.top_k
+        self._sp["top_p"][slot] = options.top_p
+        self._sp["keys"][slot] = seed_to_key(options.seed)
+
+    def _slot_sampling(self, slot: int) -> SamplingParams:
+        return SamplingParams(**{k: v[slot : slot + 1] for k, v in self._sp.items()})
+
+    def prefill(self, slot: int, tokens: list[int], start: int) -> tuple[jax.Array, jax.Array]:
+        """Write prompt tokens at positions [start, start + len(tokens)) of ``slot``.
+
+        Args:
+            slot: the slot being filled.
+            tokens: 1..chunk_size prompt ids.
+            start: position of tokens[0]; later chunks attend to the slot's cached prefix.
+
+        Returns:
+            (next token [] int32, logits [V] float32) as device arrays; meaningful only after
+            the prompt's last chunk. Dispatch is asynchronous.
+        """
+        n = len(tokens)
+        if start + n > self.ecfg.max_seq_len:
+            raise ValueError(f"prefill past the cache: {start} + {n} > {self.ecfg.max_seq_len}")
+        bucket = pick_bucket(n, self.prefill_buckets)
+        padded = np.zeros(bucket, np.int32)
+        padded[:n] = tokens
+        kv_len = 0 if start == 0 else self.ecfg.max_seq_len
+        token, logits, self.cache = self._prefill_fn(kv_len)(
+            self.params,
+            self.cache,
+            padded,
+            np.int32(start),
+            np.int32(n),
+            np.int32(slot),
+            self._slot_sampling(slot),
+        )
+        return token, logits
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """One decode step for all slots.
+
+        Args:
+            tokens: [S] int32, each slot's last id (anything for idle slots).
+            positions: [S] int32, each id's position; ``max_seq_len`` marks an idle slot.
+
+        Returns:
+            (next ids [S] int32, logits [S, V] float32) as device arrays (dispatch is async).
+        """
+        live = positions[positions < self.ecfg.max_seq_len]
+        need = int(live.max()) + 1 if live.size else 1
+        kv_len = pick_bucket(need, self.decode_windows)
+        sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
+        next_ids, logits, self.cache = self._decode_fn(kv_len)(
+            self.params, self.cache, tokens.astype(np.int32), positions.astype(np.int32), sp
+        )
+        return next_ids, logits
+
+    def warmup(self, full: bool = False) -> float:
+        """Compile (and run once) the programs the first requests need; all variants if ``full``.
+
+        Returns the seconds spent. Writes only to positions that are masked for every request.
+        """
+        t0 = time.perf_counter()
+        S, T = self.ecfg.num_slots, self.ecfg.max_seq_len
+        buckets = self.prefill_buckets if full else self.prefill_buckets[:1]
+        for b in buckets:
+            self.prefill(0, [0] * b, 0)[0].block_until_ready()
+        if full and T > self.prefill_buckets[-1]:
+            for b in buckets:
+                self.prefill(0, [0] * b, 1)[0].block_until_ready()
+        windows = self.decode_windows if full else self.decode_windows[:1]
+        idle = np.full(S, T, np.int32)
+        for w in windows:
+            pos = idle.copy()
+            pos[0] = w - 1
+            self.decode(np.zeros(S, np.int32), pos)[0].block_until_ready()
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up compiled %d prefill and %d decode programs in %.1f s", len(buckets), len(windows), elapsed)
+        return elapsed
+
+    # ---- facts -------------------------------------------------------------------------------
+    def weight_bytes_per_device(self) -> dict[str, int]:
+        """Bytes of parameters held by each device, keyed by device id string."""
+        out: dict[str, int] = {}
+        for leaf in jax.tree.leaves(self.params):
+            for shard in leaf.addressable_shards:
+                key = str(shard.device.id)
+                out[key] = out.get(key, 0) + shard.data.nbytes
+        return out

@@ -1,0 +1,141 @@
+"""Request state: plain Python, no JAX, so the scheduler is testable without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+from service.text_stream import TextStream
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped; values match ``meshserve.v1.FinishReason``."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP_STRING = 3
+    CANCELLED = 4
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    PREFILLING = "prefilling"  # holds a slot; prompt chunks still being written to the KV cache
+    DECODING = "decoding"  # prompt cached; one token per engine step
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (see ``model.sampling``)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One streamed event: the text delta and the ids generated since the last chunk.
+
+    ``finish_reason`` and the usage counts are set on the last chunk only. ``error`` is set
+    when the engine failed and the request cannot complete (the server maps it to UNAVAILABLE).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A generation request as the engine loop sees it.
+
+    Attributes:
+        request_id: id used in logs and responses.
+        prompt_ids: the prompt's token ids (non-empty, each < vocab size).
+        max_tokens: most ids to generate (>= 1); prompt + max_tokens <= the engine's max length.
+        sampling: sampling parameters.
+        text: detokenizer and stop-string matcher for this request's output.
+        emit: called from the engine thread with each Chunk (must not block).
+        eos_ids: ids that end generation (excluded from the output).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    text: TextStream
+    emit: Callable[[Chunk], None]
+    eos_ids: frozenset[int]
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    slot: int | None = None
+    num_cached: int = 0  # tokens whose K/V are in the cache (prompt chunks, then fed-back ids)
+    finish_reason: FinishReason | None = None
+    arrival_s: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (thread-safe); it frees its slot within one step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def accept_token(self, token_id: int) -> None:
+        """Record one sampled id: check EOS, stop strings and max_tokens, and emit a chunk."""
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        if token_id in self.eos_ids:
+            self.finish(FinishReason.EOS)
+            return
+        self.output_ids.append(token_id)
+        delta, stopped = self.text.push(token_id)
+        if stopped:
+            self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id])
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id])
+        else:
+            self.emit(Chunk(text=delta, token_ids=[token_id]))
+
+    def finish(self, reason: FinishReason, last_text: str = "", last_ids: list[int] | None = None) -> None:
+        """Mark finished and emit the final chunk (held-back text is flushed unless a stop
+        string matched, in which case nothing of it is sent)."""
+        if self.state is RequestState.FINISHED:
+            return
+        if reason is not FinishReason.STOP_STRING:
+            last_text += self.text.finish()
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.finished_s = time.monotonic()
+        self.emit(
+            Chunk(
+                text=last_text,
+                token_ids=list(last_ids or []),
+                finish_reason=reason,
+                prompt_tokens=self.prompt_len,
+                completion_tokens=len(self.output_ids),
+            )
+        )
+
+    def fail(self, message: str) -> None:
+        """End the request because the engine failed."""
+        if self.state is RequestState.FINISHED:
+            return
+        self.state = RequestState.FINISHED
+        self.finished_s = time.monotonic()
+        self.emit(Chunk(text="", token_ids=[], error=message))

@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill: which prompt chunk and which slots run each step.
+
+Plain Python and no JAX, so it is testable without a model. Policy (in the spirit of
+Orca, Yu et al. 2022, and Sarathi, Agrawal et al. 2023):
+
+* a bounded FCFS queue; ``add`` raises ``QueueFull`` when it is at capacity;
+* a request takes a free slot when its prefill starts and keeps it until it finishes;
+* each step runs at most one prefill chunk of at most ``chunk_size`` tokens, plus one decode
+  step for every slot whose prompt is fully cached, so running streams keep a steady TPOT
+  while a long prompt is prefilled piece by piece;
+* a queued request whose client is gone is dropped without being prefilled; a cancelled
+  running request is finished (CANCELLED) and its slot freed at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from service.request import FinishReason, Request, RequestState
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity (maps to RESOURCE_EXHAUSTED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Write prompt tokens [start, start + length) of ``request`` into ``slot``'s KV cache."""
+
+    request: Request
+    slot: int
+    start: int
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.length == self.request.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one engine step executes."""
+
+    prefill: PrefillChunk | None
+    decode: tuple[Request, ...]  # requests in DECODING state, one new token each
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill is None and not self.decode
+
+
+class Scheduler:
+    """Slots, the waiting queue and the per-step plan.
+
+    Args:
+        num_slots: decode slots (rows of the KV cache), >= 1.
+        max_queue: most requests waiting for a slot, >= 0.
+        chunk_size: most prompt tokens prefilled per step, >= 1.
+    """
+
+    def __init__(self, num_slots: int, max_queue: int, chunk_size: int):
+        self.num_slots = num_slots
+        self.max_queue = max_queue
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * num_slots
+        self.prefills_started = 0  # requests whose first prompt chunk was scheduled
+
+    # ---- admission ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request. Raises QueueFull when ``max_queue`` requests already wait."""
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"queue full: {len(self.waiting)} requests waiting (max {self.max_queue})")
+        self.waiting.append(request)
+
+    # ---- the plan ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Reap cancelled requests, then choose this step's prefill chunk and decode set."""
+        self._reap_cancelled()
+        chunk = self._next_prefill_chunk()
+        decode = tuple(r for r in self.slots if r is not None and r.state is RequestState.DECODING)
+        return StepPlan(prefill=chunk, decode=decode)
+
+    def _reap_cancelled(self) -> None:
+        kept: deque[Request] = deque()
+        for r in self.waiting:
+            if r.cancelled:
+                r.finish(FinishReason.CANCELLED)
+            else:
+                kept.append(r)
+        self.waiting = kept
+        for r in self.slots:
+            if r is not None and r.cancelled:
+                r.finish(FinishReason.CANCELLED)
+        self.release_finished()
+
+    def _next_prefill_chunk(self) -> PrefillChunk | None:
+        request = next((r for r in self.slots if r is not None and r.state is RequestState.PREFILLING), None)
+        if request is None:
+            free = self.free_slot()
+            if free is None or not self.waiting:
+                return None
+            request = self.waiting.popleft()
+            request.slot = free
+            request.state = RequestState.PREFILLING
+            self.slots[free] = request
+            self.prefills_started += 1
+        assert request.slot is not None
+        length = min(self.chunk_size, request.prompt_len - request.num_cached)
+        return PrefillChunk(request=request, slot=request.slot, start=request.num_cached, length=length)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def free_slot(self) -> int | None:
+        return next((i for i, r in enumerate(self.slots) if r is None), None)
+
+    def release_finished(self) -> None:
+        """Free the slots of finished requests."""
+        for i, r in enumerate(self.slots):
+            if r is not None and r.state is RequestState.FINISHED:
+                self.slots[i] = None
+
+    @property
+    def active_slots(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def all_requests(self) -> list[Request]:
+        return [r for r in self.slots if r is not None] + list(self.waiting)

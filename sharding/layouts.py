@@ -1,0 +1,74 @@
+"""Layouts: named mesh shapes and sharding choices, loaded from ``configs/layouts/*.yaml``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+LAYOUT_DIR = Path(__file__).resolve().parent.parent / "configs" / "layouts"
+ATTENTION_MODES = ("heads", "replicated")
+
+
+class LayoutError(ValueError):
+    """A layout is malformed, unknown, or cannot be built on the devices present."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A device mesh shape plus how attention is split over it.
+
+    Attributes:
+        name: preset name (the file stem in ``configs/layouts``).
+        description: one line for ``meshserve layouts``.
+        data: size of the ``data`` mesh axis (slots of the KV cache are split over it).
+        model: size of the ``model`` mesh axis (tensor parallelism, Megatron-style:
+            Shoeybi et al. 2019, §3).
+        attention: ``"heads"`` splits Q/K/V/O and the KV cache over attention heads on
+            ``model``; ``"replicated"`` keeps attention weights and the KV cache whole on every
+            ``model`` device (only the MLP and the vocabulary are split).
+    """
+
+    name: str
+    description: str = ""
+    data: int = 1
+    model: int = 1
+    attention: str = "heads"
+
+    def __post_init__(self) -> None:
+        if self.data < 1 or self.model < 1:
+            raise LayoutError(f"layout {self.name!r}: data and model must be >= 1, got {self.data}x{self.model}")
+        if self.attention not in ATTENTION_MODES:
+            raise LayoutError(
+                f"layout {self.name!r}: attention must be one of {ATTENTION_MODES}, got {self.attention!r}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.model
+
+
+def load_layout(name_or_path: str) -> Layout:
+    """Load a preset by name (``configs/layouts/NAME.yaml``) or from a YAML file path.
+
+    Raises:
+        LayoutError: unknown name (the message lists the presets) or bad fields.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = LAYOUT_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise LayoutError(f"unknown layout {name_or_path!r}; presets: {', '.join(preset_names())}")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.setdefault("name", path.stem)
+    known = {f.name for f in dataclasses.fields(Layout)}
+    unknown = set(data) - known
+    if unknown:
+        raise LayoutError(f"layout file {path}: unknown fields {sorted(unknown)}")
+    return Layout(**data)
+
+
+def preset_names() -> list[str]:
+    """Names of the layout presets shipped in ``configs/layouts``."""
+    return sorted(p.stem for p in LAYOUT_DIR.glob("*.yaml"))

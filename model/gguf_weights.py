@@ -54,9 +54,7 @@ class _TensorTable:
         return array
 
 
-def load_gguf_params(
-    source: str | Path | gguf.GGUFReader, cfg: LlamaConfig, dtype: Any = np.float32
-) -> dict[str, Any]:
+def load_gguf_params(source: str | Path | gguf.GGUFReader, cfg: LlamaConfig, dtype: Any = np.float32) -> dict[str, Any]:
     """Dequantize every weight of a Llama GGUF into the nested dict of ``Llama``'s state.
 
     Args:

@@ -52,9 +52,7 @@ class KVCache:
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @classmethod
-    def abstract(
-        cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: jnp.dtype = jnp.float32
-    ) -> KVCache:
+    def abstract(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """Shape-and-dtype structs of the cache, for ahead-of-time lowering."""
         shape = cls.shape(cfg, num_slots, max_len)
         return cls(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype))

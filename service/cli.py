@@ -137,7 +137,9 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 
     for name in preset_names():
         layout = load_layout(name)
-        print(f"{name:12s} data {layout.data} x model {layout.model}  attention={layout.attention}  {layout.description}")
+        print(
+            f"{name:12s} data {layout.data} x model {layout.model}  attention={layout.attention}  {layout.description}"
+        )
     return 0
 
 

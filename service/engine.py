@@ -243,7 +243,7 @@ class Engine:
         buckets = self.prefill_buckets if full else self.prefill_buckets[:1]
         for b in buckets:
             self.prefill(0, [0] * b, 0)[0].block_until_ready()
-        if full and T > self.prefill_buckets[-1]:
+        if full and self.prefill_buckets[-1] < T:
             for b in buckets:
                 self.prefill(0, [0] * b, 1)[0].block_until_ready()
         windows = self.decode_windows if full else self.decode_windows[:1]

@@ -109,7 +109,7 @@ class EngineLoop:
                 self.heartbeat = time.monotonic()
                 if self.on_step is not None:
                     self.on_step(plan, time.perf_counter() - t0)
-        except BaseException as exc:  # noqa: BLE001 - any failure must fail requests, not hang them
+        except BaseException as exc:
             log.exception("engine loop died")
             self.error = exc
         finally:

@@ -209,7 +209,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                     resp.usage.completion_tokens = chunk.completion_tokens
                 yield resp
                 if chunk.finish_reason is not None:
-                    log.info("request %s: finished %s, %d tokens", rid, chunk.finish_reason.name, chunk.completion_tokens)
+                    log.info(
+                        "request %s: finished %s, %d tokens", rid, chunk.finish_reason.name, chunk.completion_tokens
+                    )
                     return
         finally:
             req.cancel()  # no-op when finished; frees the slot when the client went away
@@ -218,7 +220,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 class RunningServer:
     """A started server: its bound port, its servicer, and how to stop it."""
 
-    def __init__(self, server: grpc.aio.Server, service: GenerationService, health: health_aio.HealthServicer, port: int):
+    def __init__(
+        self, server: grpc.aio.Server, service: GenerationService, health: health_aio.HealthServicer, port: int
+    ):
         self.server = server
         self.service = service
         self.health = health

@@ -53,9 +53,7 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
         ids = list(req.token_ids.ids)
         bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise InvalidRequest(
-                f"token_ids: {len(bad)} id(s) outside [0, {tokenizer.vocab_size}), first {bad[0]}"
-            )
+            raise InvalidRequest(f"token_ids: {len(bad)} id(s) outside [0, {tokenizer.vocab_size}), first {bad[0]}")
     if not ids:
         raise InvalidRequest(f"{which}: the prompt is empty (0 tokens)")
     return ids

@@ -67,9 +67,7 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
         axes = var.get_metadata()["logical_axes"]
         return NamedSharding(mesh, spec_for(axes, var.shape, rules, mesh, f"parameter {name}"))
 
-    return jax.tree_util.tree_map_with_path(
-        one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
+    return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def cache_sharding(cache_shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:

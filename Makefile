@@ -1,0 +1,45 @@
+# meshserve — the two README commands are `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 50051
+QUESTION ?= What is the capital of France?
+
+.PHONY: venv demo test test-fast lint protos serve clean
+
+$(BIN)/meshserve: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/meshserve
+
+# Start the server on the default model, stream a real answer, stop the server.
+demo: venv
+	$(BIN)/meshserve fetch
+	@$(BIN)/meshserve serve --port $(PORT) > $(VENV)/demo-server.log 2>&1 & echo $$! > $(VENV)/demo-server.pid
+	@trap 'kill $$(cat $(VENV)/demo-server.pid) 2>/dev/null' EXIT; \
+	  $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --wait 600 --temperature 0 --max-tokens 128 "$(QUESTION)" \
+	  || { echo "--- server log ---"; cat $(VENV)/demo-server.log; exit 1; }
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy model sharding service
+
+# Regenerate the committed Python stubs from protos/meshserve/v1/*.proto.
+protos: venv
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/meshserve/v1/meshserve.proto
+
+serve: venv
+	$(BIN)/meshserve serve --port $(PORT)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,113 @@
+"""The model against itself on a tiny random config: the cache paths must agree exactly."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.config import LlamaConfig
+from model.kv_cache import KVCache
+from model.llama import decode_step, prefill
+from model.loader import random_llama
+
+CFG = LlamaConfig.tiny()
+SLOTS, MAX_LEN = 4, 64
+
+
+@pytest.fixture(scope="module")
+def fns():  # type: ignore[no-untyped-def]
+    graphdef, params = random_llama(CFG, seed=0)
+
+    def pf(params, cache, tokens, start, n, slot, kv_len):  # type: ignore[no-untyped-def]
+        return prefill(nnx.merge(graphdef, params), cache, tokens, start, n, slot, kv_len=kv_len)
+
+    def dec(params, cache, tokens, positions, kv_len):  # type: ignore[no-untyped-def]
+        return decode_step(nnx.merge(graphdef, params), cache, tokens, positions, kv_len=kv_len)
+
+    return (
+        params,
+        jax.jit(pf, static_argnames="kv_len", donate_argnums=1),
+        jax.jit(dec, static_argnames="kv_len", donate_argnums=1),
+    )
+
+
+def _padded(ids: np.ndarray, bucket: int) -> np.ndarray:
+    out = np.zeros(bucket, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+def test_prefill_n_equals_prefill_1_then_decode(fns) -> None:  # type: ignore[no-untyped-def]
+    params, pf, dec = fns
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 13).astype(np.int32)
+    slot = 2
+    full_logits, full_cache = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 16), 0, 13, slot, 0)
+
+    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    logits, cache = pf(params, cache, _padded(ids[:1], 16), 0, 1, slot, 0)
+    for i in range(1, len(ids)):
+        tokens = np.full(SLOTS, 5, np.int32)
+        positions = np.full(SLOTS, MAX_LEN, np.int32)  # idle slots: writes dropped
+        tokens[slot], positions[slot] = ids[i], i
+        step_logits, cache = dec(params, cache, tokens, positions, 32)
+        logits = step_logits[slot]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(cache.k[:, slot, :, :13]), np.asarray(full_cache.k[:, slot, :, :13]), atol=1e-5
+    )
+    # Idle slots were never written (their positions were out of range).
+    assert not np.asarray(cache.k[:, 0]).any()
+
+
+def test_chunked_prefill_equals_whole_prefill(fns) -> None:  # type: ignore[no-untyped-def]
+    params, pf, _ = fns
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 29).astype(np.int32)
+    whole, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 32), 0, 29, 1, 0)
+    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    _, cache = pf(params, cache, _padded(ids[:16], 16), 0, 16, 1, 0)
+    chunked, _ = pf(params, cache, _padded(ids[16:], 16), 16, 13, 1, MAX_LEN)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_bucket_does_not_change_logits(fns) -> None:  # type: ignore[no-untyped-def]
+    params, pf, _ = fns
+    ids = np.random.default_rng(2).integers(0, CFG.vocab_size, 9).astype(np.int32)
+    a, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 16), 0, 9, 0, 0)
+    b, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 64), 0, 9, 0, 0)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_is_batch_invariant(fns) -> None:  # type: ignore[no-untyped-def]
+    """A slot's logits do not depend on what the other slots hold."""
+    params, pf, dec = fns
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, CFG.vocab_size, 7).astype(np.int32)
+    results = []
+    for others in (False, True):
+        cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+        _, cache = pf(params, cache, _padded(ids, 16), 0, 7, 0, 0)
+        tokens = np.zeros(SLOTS, np.int32)
+        positions = np.full(SLOTS, MAX_LEN, np.int32)
+        if others:
+            for s in (1, 2, 3):
+                other = rng.integers(0, CFG.vocab_size, 5 * s).astype(np.int32)
+                _, cache = pf(params, cache, _padded(other, 16), 0, len(other), s, 0)
+                tokens[s], positions[s] = 3, len(other)
+        tokens[0], positions[0] = 11, 7
+        logits, _ = dec(params, cache, tokens, positions, 32)
+        results.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
+def test_write_past_the_cache_is_dropped_not_clamped(fns) -> None:  # type: ignore[no-untyped-def]
+    """A padded chunk ending beyond T_max must not overwrite the last position (JAX clamps
+    dynamic_update_slice indices; the scatter here drops them instead)."""
+    params, pf, _ = fns
+    ids = np.random.default_rng(4).integers(0, CFG.vocab_size, 60).astype(np.int32)
+    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    _, cache = pf(params, cache, _padded(ids, 64), 0, 60, 0, 0)
+    before = np.asarray(cache.k[:, 0, :, :60]).copy()
+    _, cache = pf(params, cache, _padded(ids[:2], 16), 60, 2, 0, MAX_LEN)  # positions 60..75, T_max 64
+    np.testing.assert_array_equal(np.asarray(cache.k[:, 0, :, :60]), before)

@@ -1,0 +1,83 @@
+"""Sampling inside the jitted step: per-slot parameters, edge values, determinism."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.sampling import SamplingParams, sample, seed_to_key
+
+V = 50
+sample_jit = jax.jit(sample)
+
+
+def _params(temperature, top_k, top_p, seeds) -> SamplingParams:  # type: ignore[no-untyped-def]
+    return SamplingParams(
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_k=jnp.asarray(top_k, jnp.int32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        keys=jnp.asarray(np.stack([seed_to_key(s) for s in seeds])),
+    )
+
+
+def _logits(rows: int, seed: int = 0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(rows, V)).astype(np.float32) * 2)
+
+
+def test_greedy_rows_take_argmax_whatever_other_rows_do() -> None:
+    logits = _logits(4)
+    sp = _params([0.0, 1.0, 0.0, 0.7], [0, 0, 0, 3], [1.0, 1.0, 1.0, 0.5], [1, 2, 3, 4])
+    out = np.asarray(sample_jit(logits, sp, jnp.arange(4)))
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    assert out[0] == greedy[0] and out[2] == greedy[2]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = _logits(3, seed=1)
+    sp = _params([0.7, 0.7, 5.0], [1, 0, 1], [1.0, 1e-6, 1.0], [1, 2, 3])
+    for pos in range(20):
+        out = np.asarray(sample_jit(logits, sp, jnp.full(3, pos)))
+        np.testing.assert_array_equal(out, np.asarray(jnp.argmax(logits, -1)))
+
+
+def test_top_k_at_or_above_vocab_is_disabled() -> None:
+    logits = _logits(1, seed=2)
+    draws = {}
+    for k in (0, V, 10 * V):
+        sp = _params([1.0], [k], [1.0], [9])
+        draws[k] = [int(sample_jit(logits, sp, jnp.array([p]))[0]) for p in range(30)]
+    assert draws[0] == draws[V] == draws[10 * V]
+
+
+def test_top_k_restricts_to_the_k_most_likely() -> None:
+    logits = _logits(1, seed=3)
+    allowed = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+    sp = _params([2.0], [3], [1.0], [5])
+    seen = {int(sample_jit(logits, sp, jnp.array([p]))[0]) for p in range(200)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)], jnp.float32))
+    sp = _params([1.0], [0], [0.7], [11])
+    seen = {int(sample_jit(logits, sp, jnp.array([p]))[0]) for p in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.7 needs token 1; 0.8 >= 0.7 stops before token 2
+
+
+def test_frequencies_follow_the_softmax() -> None:
+    probs = np.array([0.6, 0.3, 0.1] + [0.0] * (V - 3))
+    logits = jnp.log(jnp.asarray(probs[None] + 1e-12, jnp.float32))
+    sp = _params([1.0], [0], [1.0], [123])
+    n = 3000
+    draws = np.array([int(sample_jit(logits, sp, jnp.array([p]))[0]) for p in range(n)])
+    freq = np.bincount(draws, minlength=V)[:3] / n
+    np.testing.assert_allclose(freq, probs[:3], atol=0.04)
+
+
+def test_same_seed_same_position_same_token_in_any_row() -> None:
+    logits = jnp.tile(_logits(1, seed=4), (3, 1))
+    sp = _params([1.0, 1.0, 1.0], [0, 0, 0], [1.0, 1.0, 1.0], [42, 7, 42])
+    outs = [np.asarray(sample_jit(logits, sp, jnp.array([p, p, p]))) for p in range(40)]
+    assert all(o[0] == o[2] for o in outs)
+    assert any(o[0] != o[1] for o in outs)

@@ -1,0 +1,141 @@
+"""Our GGUF tokenizer against the transformers reference in ``tests/fixtures/tokenizer_cases.json``.
+
+The fixture is made by ``scripts/make_golden.py`` with transformers reading the same GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from model.tokenizer import Tokenizer
+
+CASES = json.loads((Path(__file__).parent / "fixtures" / "tokenizer_cases.json").read_text(encoding="utf-8"))
+
+
+@cache
+def _load(path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(path)
+
+
+@pytest.fixture
+def tok(smollm2_gguf: Path) -> Tokenizer:
+    return _load(smollm2_gguf)
+
+
+def _id(case: dict) -> str:
+    return ascii(case["text"])[:40]
+
+
+@pytest.mark.parametrize("case", CASES["encode"], ids=_id)
+def test_encode_matches_reference(tok: Tokenizer, case: dict) -> None:
+    assert tok.encode(case["text"]) == case["ids"]
+
+
+@pytest.mark.parametrize("case", CASES["encode"], ids=_id)
+def test_decode_matches_reference(tok: Tokenizer, case: dict) -> None:
+    assert tok.decode(case["ids"]) == case["decode"]
+    assert tok.decode(case["ids"], skip_special_tokens=False) == case["decode_keep_special"]
+
+
+@pytest.mark.parametrize("case", CASES["decode"], ids=lambda c: str(c["ids"])[:40])
+def test_decode_of_arbitrary_ids_matches_reference(tok: Tokenizer, case: dict) -> None:
+    assert tok.decode(case["ids"]) == case["decode"]
+    assert tok.decode(case["ids"], skip_special_tokens=False) == case["decode_keep_special"]
+
+
+@pytest.mark.parametrize(
+    "case", CASES["chat"], ids=lambda c: f"{len(c['messages'])}msg-agp{c['add_generation_prompt']}"
+)
+def test_chat_template_matches_reference(tok: Tokenizer, case: dict) -> None:
+    rendered = tok.apply_chat_template(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+    assert rendered == case["rendered"]
+
+
+def test_fixture_has_enough_cases() -> None:
+    assert len(CASES["encode"]) >= 30
+    assert {"transformers", "torch", "tokenizers"} <= CASES["meta"].keys()
+
+
+def test_special_ids_and_metadata(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 49152
+    assert tok.bos_id == 1
+    assert tok.eos_ids == frozenset({2})
+    assert {0, 1, 2} <= tok.special_ids
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1  # control token matched whole
+    assert tok.encode("hi")[0] != tok.bos_id  # add_bos_token is False in this file
+    assert tok.decode([1, 2, 0]) == ""
+
+
+def test_chat_prompt_ids(tok: Tokenizer) -> None:
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.encode(text).count(1) == 3  # system, user, assistant turns
+
+
+def _tiny_gguf(path: Path, model: str = "gpt2", pre: str = "smollm", template: str | None = None) -> Path:
+    """Write a GGUF file with only tokenizer metadata: a 4-token byte-level vocabulary."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["<|end|>", "h", "i", "hi"])
+    writer.add_token_types([3, 1, 1, 1])
+    writer.add_token_merges(["h i"])
+    writer.add_eos_token_id(0)
+    if template is not None:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_tiny_gguf_tokenizer(tmp_path: Path) -> None:
+    tok = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf", template="{{ eos_token }}{{ messages[0].content }}"))
+    assert tok.encode("hih<|end|>") == [3, 1, 0]
+    assert tok.decode([3, 1, 0]) == "hih"
+    assert tok.eos_ids == frozenset({0}) and tok.bos_id is None
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|end|>x"
+
+
+def test_raise_exception_helper(tmp_path: Path) -> None:
+    import jinja2
+
+    tok = Tokenizer.from_gguf(
+        _tiny_gguf(tmp_path / "t.gguf", template="{{ raise_exception('no ' + messages[0].role) }}")
+    )
+    with pytest.raises(jinja2.TemplateError, match="no user"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_chat_template_raises(tmp_path: Path) -> None:
+    tok = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf"))
+    with pytest.raises(ValueError, match="chat_template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_unsupported_tokenizer_model_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf", model="llama"))
+
+
+def test_unsupported_pre_tokenizer_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.pre='qwen2'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf", pre="qwen2"))
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_golden_prompts_encode_like_reference(tok: Tokenizer, i: int) -> None:
+    import numpy as np
+
+    golden = np.load(Path(__file__).parent / "fixtures" / "golden_logits.npz")
+    assert tok.encode(str(golden[f"prompt_text_{i}"])) == golden[f"prompt_ids_{i}"].tolist()
+    if i == 1:
+        france = [{"role": "user", "content": "What is the capital of France?"}]
+        assert tok.apply_chat_template(france) == str(golden["prompt_text_1"])

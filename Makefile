@@ -36,7 +36,7 @@ lint: venv
 
 # Regenerate the committed Python stubs from protos/meshserve/v1/*.proto.
 protos: venv
-	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/meshserve/v1/meshserve.proto
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/meshserve/v1/meshserve.proto protos/meshserve/v1/admin.proto
 
 serve: venv
 	$(BIN)/meshserve serve --port $(PORT)

@@ -32,7 +32,8 @@ from model.sampling import SamplingParams, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
-from sharding.rules import cache_sharding, logical_rules, param_shardings, replicated
+from sharding.plan import make_plan
+from sharding.rules import cache_sharding, param_shardings, replicated
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ class Engine:
         self.layout = layout
         self.ecfg = engine_cfg
         self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.plan = make_plan(layout, cfg, engine_cfg.num_slots)
         self.mesh = make_mesh(layout, devices)
-        rules = logical_rules(layout)
+        rules = self.plan.rules
         S, T = engine_cfg.num_slots, engine_cfg.max_seq_len
         self.param_sharding = param_shardings(params, self.mesh, rules)
         self.cache_sharding = cache_sharding(KVCache.shape(cfg, S, T), self.mesh, rules)
@@ -255,6 +257,25 @@ class Engine:
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d prefill and %d decode programs in %.1f s", len(buckets), len(windows), elapsed)
         return elapsed
+
+    # ---- layout switch -----------------------------------------------------------------------
+    def relayout(self, layout: Layout, devices: list[jax.Device]) -> Engine:
+        """A new engine with this engine's weights on ``layout``'s mesh over ``devices``.
+
+        The weights move device to device (``jax.device_put`` to the new shardings); the new
+        engine has its own zeroed KV cache until ``adopt_state`` moves the live one. Safe to call
+        from another thread while this engine keeps stepping (it only reads the weights).
+
+        Raises:
+            LayoutError: the layout does not fit ``devices`` or the model's axes.
+        """
+        return Engine(self.cfg, self.graphdef, self.params, layout, self.ecfg, devices)
+
+    def adopt_state(self, old: Engine) -> None:
+        """Take over ``old``'s live KV cache (moved to this mesh) and per-slot sampling state.
+        Call between two steps of ``old``, on the thread that steps it."""
+        self.cache = jax.device_put(old.cache, self._cache_sh)
+        self._sp = {k: v.copy() for k, v in old._sp.items()}
 
     # ---- facts -------------------------------------------------------------------------------
     def weight_bytes_per_device(self) -> dict[str, int]:

@@ -53,6 +53,7 @@ class EngineLoop:
         self.steps = 0
         self._pending = 0  # requests in the inbox, counted against the queue bound
         self._lock = threading.Lock()
+        self._switch: tuple[Engine, threading.Event] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup_full: bool = False) -> None:
@@ -89,6 +90,35 @@ class EngineLoop:
         self._inbox.put(request)
         self._wake.set()
 
+    # ---- live layout switch --------------------------------------------------------------------
+    def switch_engine(self, new_engine: Engine, timeout_s: float = 600.0) -> None:
+        """Swap in ``new_engine`` (built and warmed by the caller) between two steps: the live KV
+        cache and slot state move to it and every stream continues. Blocks until done.
+
+        Raises:
+            EngineUnavailable: the loop is not running or did not reach a step boundary in time.
+        """
+        done = threading.Event()
+        with self._lock:
+            self._switch = (new_engine, done)
+        self._wake.set()
+        if not done.wait(timeout_s):
+            with self._lock:
+                self._switch = None
+            raise EngineUnavailable("the engine loop did not apply the layout switch in time")
+
+    def _apply_switch(self) -> None:
+        with self._lock:
+            pending, self._switch = self._switch, None
+        if pending is None:
+            return
+        new_engine, done = pending
+        t0 = time.perf_counter()
+        new_engine.adopt_state(self.engine)
+        self.engine = new_engine
+        log.info("layout switched to %s in %.2f s", new_engine.layout.name, time.perf_counter() - t0)
+        done.set()
+
     # ---- the loop ------------------------------------------------------------------------------
     def _run(self, warmup_full: bool) -> None:
         try:
@@ -96,6 +126,7 @@ class EngineLoop:
             self.heartbeat = time.monotonic()
             self.ready.set()
             while not self._stop.is_set():
+                self._apply_switch()
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.empty:

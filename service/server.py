@@ -32,8 +32,10 @@ from model.loader import load_gguf_model
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
+from service.admin import start_admin_server
 from service.engine import Engine, EngineConfig
 from service.loop import EngineLoop, EngineUnavailable
+from service.pools import Pool, PoolSpec, assign_devices, parse_pool
 from service.request import Request
 from service.scheduler import QueueFull, Scheduler
 from service.text_stream import TextStream
@@ -66,6 +68,11 @@ class ServerConfig:
             for this long, in seconds.
         grace_period_s: on SIGTERM, how long in-flight streams may run before they are
             cancelled with UNAVAILABLE, in seconds.
+        pools: ``NAME=LAYOUT[:N]`` engine pools on disjoint devices (``service/pools.py``);
+            empty = one pool "default" on ``layout`` owning every device.
+        admin_token: enables the Admin service (layouts, live switch) when set; clients must
+            send ``authorization: Bearer <token>``.
+        admin_host, admin_port: where the Admin service listens (loopback by default).
     """
 
     model: str | None = None
@@ -82,6 +89,10 @@ class ServerConfig:
     warmup_full: bool = False
     stall_timeout_s: float = 120.0
     grace_period_s: float = 10.0
+    pools: list[str] = dataclasses.field(default_factory=list)
+    admin_token: str | None = None
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 50052
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
@@ -95,14 +106,25 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        self.loop: EngineLoop | None = None
+        self.pools: list[Pool] = []
         self.tokenizer: Tokenizer | None = None
         self.info: pb.ModelInfo | None = None
         self.accepting = True
 
+    @property
+    def loop(self) -> EngineLoop | None:
+        """The default pool's engine loop (None while loading)."""
+        return self.pools[0].loop if self.pools else None
+
     # ---- startup ------------------------------------------------------------------------------
     def load(self) -> None:
-        """Blocking: fetch/read the model, place it, start the engine loop and wait for warm-up."""
+        """Blocking: fetch/read the model, build the pools, start their loops, wait for warm-up.
+
+        Raises:
+            LayoutError: a layout or pool does not fit the devices or the model (at startup,
+                never on the first request).
+            RuntimeError: warm-up failed.
+        """
         from model.fetch import cache_dir
 
         cfg = self.cfg
@@ -113,24 +135,34 @@ class GenerationService(pb_grpc.GenerationServicer):
         model_cfg, graphdef, params = load_gguf_model(path)
         self.tokenizer = Tokenizer.from_gguf(path)
         t_load = time.perf_counter() - t0
-        layout = load_layout(cfg.layout)
-        engine = Engine(
-            model_cfg,
-            graphdef,
-            params,
-            layout,
-            EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype),
-        )
-        self.loop = EngineLoop(engine, Scheduler(cfg.num_slots, cfg.max_queue, cfg.chunk_size))
-        self.loop.start(warmup_full=cfg.warmup_full)
+
+        devices = jax.devices()
+        if cfg.pools:
+            specs = [parse_pool(p) for p in cfg.pools]
+            device_sets = assign_devices(specs, devices)
+        else:
+            specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
+            device_sets = [devices]
+        ecfg = EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype)
+        engines = [
+            Engine(model_cfg, graphdef, params, s.layout, ecfg, ds) for s, ds in zip(specs, device_sets, strict=True)
+        ]
         t1 = time.perf_counter()
-        while not self.loop.ready.wait(0.2):
-            if self.loop.error is not None:
-                raise RuntimeError(f"engine warm-up failed: {self.loop.error!r}")
+        for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
+            loop = EngineLoop(engine, Scheduler(cfg.num_slots, cfg.max_queue, cfg.chunk_size))
+            loop.start(warmup_full=cfg.warmup_full)
+            self.pools.append(Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0))
+        for pool in self.pools:
+            while not pool.loop.ready.wait(0.2):
+                if pool.loop.error is not None:
+                    raise RuntimeError(f"pool {pool.name}: engine warm-up failed: {pool.loop.error!r}")
         log.info(
-            "model %s loaded in %.1f s, compiled in %.1f s; layout %s, %d slots x %d tokens",
-            path.name, t_load, time.perf_counter() - t1, layout.name, cfg.num_slots, cfg.max_seq_len,
+            "model %s loaded in %.1f s, placed and compiled in %.1f s; pools: %s; %d slots x %d tokens each",
+            path.name, t_load, time.perf_counter() - t1,
+            ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
+            cfg.num_slots, cfg.max_seq_len,
         )  # fmt: skip
+        self.model_cfg = model_cfg
         self.info = pb.ModelInfo(
             name=path.stem,
             architecture="llama",
@@ -147,17 +179,39 @@ class GenerationService(pb_grpc.GenerationServicer):
             eos_token_ids=sorted(self.tokenizer.eos_ids),
             dtype=cfg.dtype,
             num_parameters=model_cfg.param_count(),
-            layout=layout.name,
+            layout=self.pools[0].layout.name,
             model_path=str(path),
         )
 
+    def find_pool(self, name: str) -> Pool:
+        """The pool called ``name`` (or whose current layout is called ``name``); "" = default.
+
+        Raises:
+            InvalidRequest: no such pool (the message lists the valid names).
+        """
+        if not name:
+            return self.pools[0]
+        for pool in self.pools:
+            if name == pool.name:
+                return pool
+        for pool in self.pools:
+            if name == pool.layout.name:
+                return pool
+        valid = sorted({p.name for p in self.pools} | {p.layout.name for p in self.pools})
+        raise InvalidRequest(f"layout: unknown layout or pool {name!r}; valid: {', '.join(valid)}")
+
     def healthy(self) -> bool:
-        """The loop runs, and if it has work it made progress within ``stall_timeout_s``."""
-        loop = self.loop
-        if loop is None or not loop.ready.is_set() or not loop.alive:
+        """Every pool's loop runs, and a loop with work made progress within ``stall_timeout_s``."""
+        if not self.pools:
             return False
-        busy = loop.scheduler.active_slots > 0 or loop.scheduler.queue_depth > 0
-        return not busy or time.monotonic() - loop.heartbeat < self.cfg.stall_timeout_s
+        for pool in self.pools:
+            loop = pool.loop
+            if not loop.ready.is_set() or not loop.alive:
+                return False
+            busy = loop.scheduler.active_slots > 0 or loop.scheduler.queue_depth > 0
+            if busy and time.monotonic() - loop.heartbeat >= self.cfg.stall_timeout_s:
+                return False
+        return True
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -168,13 +222,14 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        loop, tok = self.loop, self.tokenizer
-        if loop is None or tok is None or not self.healthy():
+        tok = self.tokenizer
+        if tok is None or not self.healthy():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not serving (loading, stalled or stopped)")
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        assert loop is not None and tok is not None
+        assert tok is not None
         try:
+            loop = self.find_pool(request.layout).loop
             v = validate(request, tok, self.cfg.max_seq_len, self.cfg.default_max_tokens)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -228,6 +283,8 @@ class RunningServer:
         self.health = health
         self.port = port
         self._watchdog: asyncio.Task | None = None
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_port: int | None = None
 
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -250,14 +307,16 @@ class RunningServer:
         """Stop admitting, let streams finish for ``grace_s`` seconds, then cancel the rest."""
         self.service.accepting = False
         await self.set_health(False)
-        loop = self.service.loop
+        loops = [p.loop for p in self.service.pools]
         deadline = time.monotonic() + grace_s
-        while loop is not None and loop.alive and time.monotonic() < deadline:
-            if loop.scheduler.active_slots == 0 and loop.scheduler.queue_depth == 0:
-                break
+        while time.monotonic() < deadline and any(
+            loop.alive and (loop.scheduler.active_slots or loop.scheduler.queue_depth) for loop in loops
+        ):
             await asyncio.sleep(0.1)
-        if loop is not None:
+        for loop in loops:
             await asyncio.to_thread(loop.stop)  # fails what is left with UNAVAILABLE
+        if self.admin_server is not None:
+            await self.admin_server.stop(1.0)
         await self.server.stop(1.0)
         if self._watchdog is not None:
             self._watchdog.cancel()
@@ -286,6 +345,8 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     await server.start()
     log.info("listening on %s:%d (NOT_SERVING until warm-up is done)", cfg.host, port)
     await asyncio.to_thread(service.load)
+    if cfg.admin_token:
+        running.admin_server, running.admin_port = await start_admin_server(service, cfg)
     running._watchdog = asyncio.create_task(running.watch())
     log.info("SERVING on %s:%d", cfg.host, port)
     return running

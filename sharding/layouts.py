@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import yaml
 
 LAYOUT_DIR = Path(__file__).resolve().parent.parent / "configs" / "layouts"
-ATTENTION_MODES = ("heads", "replicated")
+ATTENTION_MODES = ("auto", "heads", "replicated")
 
 
 class LayoutError(ValueError):
@@ -26,15 +27,17 @@ class Layout:
         model: size of the ``model`` mesh axis (tensor parallelism, Megatron-style:
             Shoeybi et al. 2019, §3).
         attention: ``"heads"`` splits Q/K/V/O and the KV cache over attention heads on
-            ``model``; ``"replicated"`` keeps attention weights and the KV cache whole on every
-            ``model`` device (only the MLP and the vocabulary are split).
+            ``model`` (needs ``model`` to divide both head counts); ``"replicated"`` keeps
+            attention weights and the KV cache whole on every ``model`` device (only the MLP and
+            the vocabulary are split); ``"auto"`` picks ``heads`` when the head counts allow it,
+            else ``replicated`` (see ``sharding/plan.py``).
     """
 
     name: str
     description: str = ""
     data: int = 1
     model: int = 1
-    attention: str = "heads"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.data < 1 or self.model < 1:
@@ -50,16 +53,23 @@ class Layout:
 
 
 def load_layout(name_or_path: str) -> Layout:
-    """Load a preset by name (``configs/layouts/NAME.yaml``) or from a YAML file path.
+    """Load a preset by name (``configs/layouts/NAME.yaml``), a YAML file path, or the shorthand
+    ``"DxM"`` (data D x model M, attention auto; e.g. ``"1x4"``, ``"2x4"``).
 
     Raises:
         LayoutError: unknown name (the message lists the presets) or bad fields.
     """
+    shorthand = re.fullmatch(r"(\d+)x(\d+)", name_or_path)
+    if shorthand:
+        data, model = map(int, shorthand.groups())
+        return Layout(name=name_or_path, description=f"data {data} x model {model}", data=data, model=model)
     path = Path(name_or_path)
     if not path.suffix:
         path = LAYOUT_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise LayoutError(f"unknown layout {name_or_path!r}; presets: {', '.join(preset_names())}")
+        raise LayoutError(
+            f"unknown layout {name_or_path!r}; presets: {', '.join(preset_names())} (or 'DxM', e.g. '1x4')"
+        )
     data = yaml.safe_load(path.read_text()) or {}
     data.setdefault("name", path.stem)
     known = {f.name for f in dataclasses.fields(Layout)}

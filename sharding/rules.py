@@ -17,25 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.kv_cache import CACHE_AXES
-from sharding.layouts import Layout, LayoutError
+from sharding.layouts import LayoutError
 
 Rules = Mapping[str, str | None]
-
-
-def logical_rules(layout: Layout) -> dict[str, str | None]:
-    """The logical-axis -> mesh-axis mapping for a layout (None = replicated)."""
-    heads = "model" if layout.attention == "heads" else None
-    return {
-        "layers": None,
-        "embed": None,
-        "head_dim": None,
-        "cache_len": None,
-        "vocab": "model",
-        "mlp": "model",
-        "q_heads": heads,
-        "kv_heads": heads,
-        "slots": "data",
-    }
 
 
 def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh, what: str) -> P:

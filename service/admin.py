@@ -1,0 +1,146 @@
+"""The Admin gRPC service: list layouts, read a pool's layout, switch it live.
+
+Off unless an admin token is configured; then it listens on its own port (loopback by
+default) and every call must carry ``authorization: Bearer <token>`` (UNAUTHENTICATED
+otherwise). A switch builds the new engine (weights moved device to device) and compiles
+every shape variant on a worker thread while the old engine keeps serving, then the engine
+loop moves the live KV cache across at a step boundary (``EngineLoop.switch_engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from protos.meshserve.v1 import admin_pb2 as apb
+from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service.validation import InvalidRequest
+from sharding.layouts import Layout, LayoutError, load_layout, preset_names
+from sharding.plan import make_plan
+
+if TYPE_CHECKING:
+    from service.pools import Pool
+    from service.server import GenerationService, ServerConfig
+
+log = logging.getLogger("meshserve.admin")
+
+
+def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = None) -> apb.LayoutInfo:
+    """Predictions for ``layout`` on the served model (raises LayoutError if it cannot work)."""
+    cfg, ecfg = service.model_cfg, service.cfg
+    plan = make_plan(layout, cfg, ecfg.num_slots)
+    itemsize = 2 if ecfg.dtype == "bfloat16" else 4
+    info = apb.LayoutInfo(
+        name=layout.name,
+        data=layout.data,
+        model=layout.model,
+        attention=plan.attention,
+        weight_bytes_per_device=plan.weight_bytes_per_device(cfg, itemsize),
+        kv_cache_bytes_per_device=plan.kv_bytes_per_device(cfg, ecfg.num_slots, ecfg.max_seq_len, itemsize),
+        all_reduces_per_layer=plan.all_reduces_per_layer,
+        description=layout.description,
+    )
+    if pool is not None:
+        info.pool = pool.name
+        info.device_ids.extend(d.id for d in pool.loop.engine.mesh.devices.flat)
+    return info
+
+
+class AdminService(apb_grpc.AdminServicer):
+    """Admin RPCs over the pools of one GenerationService."""
+
+    def __init__(self, service: GenerationService, token: str):
+        self.service = service
+        self._token = token
+        self._switch_lock = asyncio.Lock()
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        sent = metadata.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin calls need 'authorization: Bearer <token>'")
+
+    async def _pool(self, name: str, context: grpc.aio.ServicerContext) -> Pool:
+        try:
+            return self.service.find_pool(name)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+
+    async def ListLayouts(
+        self, request: apb.ListLayoutsRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ListLayoutsResponse:
+        await self._authorize(context)
+        resp = apb.ListLayoutsResponse()
+        for name in preset_names():
+            try:
+                resp.presets.append(layout_info(self.service, load_layout(name)))
+            except LayoutError as exc:
+                log.debug("preset %s does not fit this model: %s", name, exc)
+        for pool in self.service.pools:
+            resp.pools.append(
+                apb.PoolInfo(
+                    name=pool.name,
+                    layout=layout_info(self.service, pool.layout, pool),
+                    device_ids=pool.device_ids,
+                    is_default=pool.is_default,
+                )
+            )
+        return resp
+
+    async def GetLayout(self, request: apb.GetLayoutRequest, context: grpc.aio.ServicerContext) -> apb.LayoutInfo:
+        await self._authorize(context)
+        pool = await self._pool(request.pool, context)
+        return layout_info(self.service, pool.layout, pool)
+
+    async def SetLayout(self, request: apb.SetLayoutRequest, context: grpc.aio.ServicerContext) -> apb.LayoutInfo:
+        await self._authorize(context)
+        pool = await self._pool(request.pool, context)
+        try:
+            layout = load_layout(request.layout)
+            make_plan(layout, self.service.model_cfg, self.service.cfg.num_slots)
+            if layout.num_devices > len(pool.devices):
+                raise LayoutError(
+                    f"layout {layout.name!r} needs {layout.num_devices} devices; pool {pool.name!r} owns {len(pool.devices)}"
+                )
+        except LayoutError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with self._switch_lock:
+            t0 = time.perf_counter()
+            old = pool.loop.engine
+
+            def build():  # type: ignore[no-untyped-def]
+                engine = old.relayout(layout, pool.devices)
+                engine.warmup(full=True)
+                return engine
+
+            new_engine = await asyncio.to_thread(build)
+            t_build = time.perf_counter() - t0
+            await asyncio.to_thread(pool.loop.switch_engine, new_engine)
+            log.info(
+                "pool %s: %s -> %s (built and compiled in %.1f s, total %.1f s)",
+                pool.name, old.layout.name, layout.name, t_build, time.perf_counter() - t0,
+            )  # fmt: skip
+        return layout_info(self.service, pool.layout, pool)
+
+
+async def start_admin_server(service: GenerationService, cfg: ServerConfig) -> tuple[grpc.aio.Server, int]:
+    """Start the Admin service on ``cfg.admin_host:cfg.admin_port``; returns (server, bound port).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    assert cfg.admin_token
+    server = grpc.aio.server()
+    apb_grpc.add_AdminServicer_to_server(AdminService(service, cfg.admin_token), server)
+    port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind the admin port {cfg.admin_host}:{cfg.admin_port}")
+    await server.start()
+    log.info("admin service on %s:%d", cfg.admin_host, port)
+    return server, port

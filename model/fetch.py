@@ -104,8 +104,9 @@ def default_model_path(cache: str | Path | None = None) -> Path:
 
 
 def resolve_model(model: str | None, cache: str | Path | None = None) -> Path:
-    """``--model`` value to a GGUF path: None or "default" fetches the default model; anything
-    else must be an existing local GGUF file.
+    """``--model`` value to a model path: None or "default" fetches the default model; anything
+    else must be an existing local GGUF file or model directory (a converted checkpoint or a
+    Hugging Face model directory; ``model.loader.model_format`` tells which).
 
     Raises:
         FileNotFoundError: a local path that does not exist.
@@ -114,6 +115,6 @@ def resolve_model(model: str | None, cache: str | Path | None = None) -> Path:
     if model in (None, "", "default"):
         return default_model_path(cache)
     path = Path(model).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"model file not found: {path}")
+    if not (path.is_file() or path.is_dir()):
+        raise FileNotFoundError(f"model file or directory not found: {path}")
     return path

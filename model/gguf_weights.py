@@ -9,6 +9,7 @@ so the rotate-half RoPE of ``model/llama.py`` applies, exactly as Hugging Face d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class _TensorTable:
-    def __init__(self, reader: gguf.GGUFReader):
+    def __init__(self, reader: gguf.GGUFReader, progress: Callable[[str], None] | None = None):
         self._tensors = {t.name: t for t in reader.tensors}
+        self._progress = progress
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         tensor = self._tensors.get(name)
@@ -51,16 +53,29 @@ class _TensorTable:
         array = array.reshape(array.shape[-len(shape) :]) if array.ndim > len(shape) else array
         if tuple(array.shape) != shape:
             raise WeightError(f"GGUF tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
+        if self._progress is not None:
+            self._progress(name)
         return array
 
 
-def load_gguf_params(source: str | Path | gguf.GGUFReader, cfg: LlamaConfig, dtype: Any = np.float32) -> dict[str, Any]:
+def num_tensors(cfg: LlamaConfig) -> int:
+    """How many tensors ``load_gguf_params`` reads for ``cfg`` (for a progress bar)."""
+    return 9 * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
+
+
+def load_gguf_params(
+    source: str | Path | gguf.GGUFReader,
+    cfg: LlamaConfig,
+    dtype: Any = np.float32,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Dequantize every weight of a Llama GGUF into the nested dict of ``Llama``'s state.
 
     Args:
         source: a GGUF path or open reader.
         cfg: the config read from the same file (``LlamaConfig.from_gguf``).
         dtype: numpy dtype of the returned arrays (float32 by default; ml_dtypes.bfloat16 works).
+        progress: called with each tensor's name after it is read (a progress bar's hook).
 
     Returns:
         ``{"embed": [V, D], "final_norm": [D], "layers": {"wq": [L, D, N, H], ...},
@@ -71,7 +86,7 @@ def load_gguf_params(source: str | Path | gguf.GGUFReader, cfg: LlamaConfig, dty
         GGUFMetadataError: the file uses RoPE scaling, which this model does not implement.
     """
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
-    table = _TensorTable(reader)
+    table = _TensorTable(reader, progress)
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise GGUFMetadataError("GGUF has rope_freqs.weight (Llama-3 RoPE scaling), which is not supported")
     L, D, N, K, H, F, V = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ class KVCache:
     def abstract(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """Shape-and-dtype structs of the cache, for ahead-of-time lowering."""
         shape = cls.shape(cfg, num_slots, max_len)
-        return cls(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype))
+        struct: Any = jax.ShapeDtypeStruct(shape, dtype)
+        return cls(k=struct, v=struct)
 
     def nbytes(self) -> int:
         """Total bytes of K and V."""

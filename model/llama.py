@@ -18,13 +18,14 @@ metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import LlamaConfig
+from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import KVCache
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
@@ -132,7 +133,7 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         xs: dict[str, Any] = {"p": self.layers.stacked()}
         if cache_k is not None:
             xs["ck"], xs["cv"] = cache_k, cache_v
@@ -155,13 +156,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * weight.astype(jnp.float32)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def llama3_inv_freq(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+    """Llama 3.1's RoPE frequency scaling of ``inv_freq`` [H/2] (float32), as Hugging Face's
+    ``_compute_llama3_parameters``: high frequencies kept, low ones divided by ``s.factor``, the
+    band between interpolated."""
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables [B, T, H] float32 for RoPE at integer ``positions`` [B, T].
 
-    Frequencies theta^(-2i/H) for i < H/2, duplicated over both halves (Hugging Face's
-    rotate-half layout; GGUF's interleaved layout is undone at load time).
+    Frequencies theta^(-2i/H) for i < H/2 (rescaled by ``llama3_inv_freq`` when ``scaling`` is
+    given), duplicated over both halves (Hugging Face's rotate-half layout; GGUF's interleaved
+    layout is undone at load time).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -207,6 +228,7 @@ def decoder_block(
     scores_new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
     scores_new = jnp.where(new_mask[:, None, None], scores_new, NEG_INF)
     if cache_k is not None:
+        assert cache_v is not None and cache_mask is not None
         scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
         scores_cache = jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)
         probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)

@@ -30,10 +30,10 @@ NEG_INF = -1e30
 class SamplingParams:
     """Per-slot sampling arrays (see the module docstring for meanings and dtypes)."""
 
-    temperature: jax.Array  # [S] float32
-    top_k: jax.Array  # [S] int32
-    top_p: jax.Array  # [S] float32
-    keys: jax.Array  # [S, 2] uint32
+    temperature: jax.Array | np.ndarray  # [S] float32
+    top_k: jax.Array | np.ndarray  # [S] int32
+    top_p: jax.Array | np.ndarray  # [S] float32
+    keys: jax.Array | np.ndarray  # [S, 2] uint32
 
     @staticmethod
     def host(num_slots: int) -> dict[str, np.ndarray]:
@@ -99,7 +99,7 @@ def sample(logits: jax.Array, sp: SamplingParams, positions: jax.Array) -> jax.A
             lambda: _filtered_logits(logits, sp),
             lambda: logits / jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None],
         )
-        step_keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(sp.keys), positions)
+        step_keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.wrap_key_data)(jnp.asarray(sp.keys)), positions)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(step_keys)
         drawn = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
         return jnp.where(sp.temperature > 0, drawn, greedy)

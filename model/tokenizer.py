@@ -27,6 +27,11 @@ was trained:
   (``token_type == 4``) are plain added tokens.
 
 Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) is supported.
+
+A Hugging Face model directory already has a ``tokenizer.json``; :meth:`Tokenizer.from_hf_dir` loads
+it as saved and reads the special tokens and chat template from ``tokenizer_config.json``. A converted
+checkpoint (``model/checkpoint.py``) carries a ``tokenizer.json`` and ``meshserve_tokenizer.json``
+written by :meth:`Tokenizer.save`, whatever the source was (:meth:`Tokenizer.from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -132,17 +137,67 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-class Tokenizer:
-    """A byte-level BPE tokenizer read from a GGUF file, plus its chat template.
+TOKENIZER_META_FILE = "meshserve_tokenizer.json"
 
-    Build it with :meth:`from_gguf`. Token ids are Python ``int`` in ``[0, vocab_size)``.
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents, or {} when the file does not exist.
+
+    Raises:
+        ValueError: the file is not valid JSON or not an object.
+    """
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    """A token id field (None, an int or a list of ints) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _hf_chat_template(root: Path, tc: dict[str, Any]) -> str | None:
+    """The default chat template: ``tokenizer_config.json``'s ``chat_template`` (a string, or a
+    list of named templates of which "default" is taken), else ``chat_template.jinja``."""
+    template = tc.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja = root / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+class Tokenizer:
+    """A tokenizer plus its chat template and special ids.
+
+    Build it with :meth:`from_gguf` (a byte-level BPE rebuilt from GGUF metadata),
+    :meth:`from_hf_dir` (a Hugging Face model directory's ``tokenizer.json``) or
+    :meth:`from_checkpoint` (what :meth:`save` wrote beside a converted checkpoint). Token ids are
+    Python ``int`` in ``[0, vocab_size)``.
     """
 
     def __init__(
         self,
         backend: HFTokenizer,
-        tokens: list[str],
-        token_types: list[int],
+        vocab_size: int,
+        special_ids: frozenset[int],
         bos_id: int | None,
         eos_ids: frozenset[int],
         add_bos: bool,
@@ -150,11 +205,11 @@ class Tokenizer:
         template_tokens: dict[str, str],
     ) -> None:
         self._backend = backend
-        self._tokens = tokens
+        self._vocab_size = vocab_size
         self._bos_id = bos_id
         self._eos_ids = eos_ids
         self._add_bos = add_bos
-        self._special_ids = frozenset(i for i, t in enumerate(token_types) if t == _CONTROL)
+        self._special_ids = special_ids
         self._chat_template = chat_template
         self._template_tokens = template_tokens
 
@@ -219,14 +274,127 @@ class Tokenizer:
         template_tokens = {name: tokens[i] for name, i in names.items() if i is not None}
         return cls(
             backend=backend,
-            tokens=tokens,
-            token_types=token_types,
+            vocab_size=len(tokens),
+            special_ids=frozenset(i for i, t in enumerate(token_types) if t == _CONTROL),
             bos_id=bos_id,
             eos_ids=eos_ids,
             add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
             chat_template=field_value(reader, "tokenizer.chat_template", None),
             template_tokens=template_tokens,
         )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Build the tokenizer of a Hugging Face model directory.
+
+        Reads ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``: its normalizer,
+        pre-tokenizer, model, decoder and added tokens as saved), and from
+        ``tokenizer_config.json`` the BOS/EOS/UNK/PAD token strings, ``add_bos_token`` and the chat
+        template (or from ``chat_template.jinja``, where transformers 5 saves it). EOS ids are the
+        EOS token plus every ``eos_token_id`` of ``generation_config.json`` and ``config.json``
+        (Llama 3 Instruct ends turns with ``<|eot_id|>``, listed only there). Special ids are the
+        added tokens marked ``special``. Without ``add_bos_token``, BOS is prepended when the
+        ``tokenizer.json`` post-processor adds it.
+
+        Raises:
+            FileNotFoundError: no ``tokenizer.json`` (slow-only tokenizers are not supported).
+            ValueError: a JSON file is malformed, or a named special token is not in the vocabulary.
+        """
+        root = Path(path)
+        file = root / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found (a Hugging Face fast tokenizer's tokenizer.json is required)")
+        backend = HFTokenizer.from_file(str(file))
+        tc = _read_json_object(root / "tokenizer_config.json")
+        gen = _read_json_object(root / "generation_config.json")
+        model_cfg = _read_json_object(root / "config.json")
+
+        def token_id(name: str) -> int | None:
+            text = _token_text(tc.get(name))
+            if text is None:
+                return None
+            i = backend.token_to_id(text)
+            if i is None:
+                raise ValueError(f"{root / 'tokenizer_config.json'}: {name} {text!r} is not in the vocabulary")
+            return int(i)
+
+        bos_id = token_id("bos_token")
+        if bos_id is None:
+            bos_id = next(iter(_ids(gen.get("bos_token_id")) or _ids(model_cfg.get("bos_token_id"))), None)
+        eos_ids = set(_ids(gen.get("eos_token_id"))) | set(_ids(model_cfg.get("eos_token_id")))
+        eos_id = token_id("eos_token")
+        if eos_id is not None:
+            eos_ids.add(eos_id)
+        template_tokens: dict[str, str] = {}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            text = _token_text(tc.get(name))
+            if text is not None:
+                template_tokens[name] = text
+        for name, fallback in (("bos_token", bos_id), ("eos_token", min(eos_ids, default=None))):
+            spelled = backend.id_to_token(fallback) if fallback is not None else None
+            if name not in template_tokens and spelled is not None:
+                template_tokens[name] = spelled
+
+        add_bos = tc.get("add_bos_token")
+        if add_bos is None:
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
+        special = frozenset(int(i) for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        return cls(
+            backend=backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            special_ids=special,
+            bos_id=bos_id,
+            eos_ids=frozenset(eos_ids),
+            add_bos=bool(add_bos),
+            chat_template=_hf_chat_template(root, tc),
+            template_tokens=template_tokens,
+        )
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write this tokenizer into ``out_dir`` as ``tokenizer.json`` (the ``tokenizers`` backend)
+        and ``meshserve_tokenizer.json`` (vocabulary size, special/BOS/EOS ids, ``add_bos``, chat
+        template and template token strings); :meth:`from_checkpoint` reads them back."""
+        out = Path(out_dir)
+        self._backend.save(str(out / "tokenizer.json"))
+        meta = {
+            "format_version": 1,
+            "vocab_size": self._vocab_size,
+            "special_ids": sorted(self._special_ids),
+            "bos_id": self._bos_id,
+            "eos_ids": sorted(self._eos_ids),
+            "add_bos": self._add_bos,
+            "chat_template": self._chat_template,
+            "template_tokens": self._template_tokens,
+        }
+        (out / TOKENIZER_META_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer :meth:`save` wrote into a converted checkpoint directory.
+
+        Raises:
+            FileNotFoundError: ``tokenizer.json`` or ``meshserve_tokenizer.json`` is missing.
+            ValueError: ``meshserve_tokenizer.json`` is malformed.
+        """
+        root = Path(path)
+        for name in ("tokenizer.json", TOKENIZER_META_FILE):
+            if not (root / name).is_file():
+                raise FileNotFoundError(f"{root / name} not found: the checkpoint's tokenizer is incomplete")
+        meta = _read_json_object(root / TOKENIZER_META_FILE)
+        try:
+            return cls(
+                backend=HFTokenizer.from_file(str(root / "tokenizer.json")),
+                vocab_size=int(meta["vocab_size"]),
+                special_ids=frozenset(int(i) for i in meta["special_ids"]),
+                bos_id=None if meta["bos_id"] is None else int(meta["bos_id"]),
+                eos_ids=frozenset(int(i) for i in meta["eos_ids"]),
+                add_bos=bool(meta["add_bos"]),
+                chat_template=meta["chat_template"],
+                template_tokens={str(k): str(v) for k, v in meta["template_tokens"].items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{root / TOKENIZER_META_FILE} is malformed: {exc!r}") from exc
 
     @property
     def backend(self) -> HFTokenizer:
@@ -235,7 +403,7 @@ class Tokenizer:
 
     @property
     def bos_id(self) -> int | None:
-        """``tokenizer.ggml.bos_token_id`` (None if the file has none)."""
+        """The BOS id (``tokenizer.ggml.bos_token_id`` for a GGUF; None if the model has none)."""
         return self._bos_id
 
     @property
@@ -250,8 +418,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of tokens in the GGUF vocabulary (49152 for SmolLM2)."""
-        return len(self._tokens)
+        """Number of token ids (the GGUF vocabulary, 49152 for SmolLM2; for ``tokenizer.json``,
+        its vocabulary plus added tokens)."""
+        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; control-token strings in it become their single ids.
@@ -272,7 +441,7 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the GGUF chat template.
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's chat template.
 
         The template runs in a jinja2 sandbox with ``trim_blocks``/``lstrip_blocks``, the
         ``raise_exception``/``strftime_now`` helpers, a non-escaping ``tojson`` filter, and the
@@ -280,11 +449,11 @@ class Tokenizer:
         ``unk_token``, ``pad_token`` (those the file defines), ``tools``/``documents`` (None) and ``kwargs``.
 
         Raises:
-            ValueError: the file has no ``tokenizer.chat_template``.
+            ValueError: the model has no chat template.
             jinja2.TemplateError: the template raised (e.g. via ``raise_exception``) or is malformed.
         """
         if not self._chat_template:
-            raise ValueError("this GGUF file has no tokenizer.chat_template; cannot render chat messages")
+            raise ValueError("this model has no chat template (tokenizer.chat_template); cannot render chat messages")
         template = _compile_template(self._chat_template)
         variables = {"tools": None, "documents": None, **self._template_tokens, **kwargs}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)

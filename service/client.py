@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,7 +51,7 @@ def make_request(
     prompt: str | None = None,
     chat: Sequence[tuple[str, str]] | None = None,
     token_ids: Sequence[int] | None = None,
-    **params: object,
+    **params: Any,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest; ``params`` are GenerateRequest fields (max_tokens, temperature,
     top_p, top_k, seed, stop); a None value leaves the field unset (server default)."""

@@ -59,6 +59,60 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+TOP_LOGPROBS = 20  # most alternatives a request may ask for
+
+
+def pack_step(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Pack a step's host-bound results into one float32 array, so each step makes a single
+    device-to-host copy.
+
+    Args:
+        logits: [R, V] float32. ids: [R] int32 sampled ids.
+
+    Returns:
+        [R, 2 + 2 * TOP_LOGPROBS] float32: the id (exact in float32 below 2**24), its
+        log-probability under the model's raw distribution (log-softmax of the logits, before
+        temperature and filtering), the TOP_LOGPROBS highest log-probabilities, and their ids.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+    return jnp.concatenate([ids[:, None].astype(jnp.float32), chosen, top_lp, top_ids.astype(jnp.float32)], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+    """A step's results on the host, one row per slot (or one row for a prefill).
+
+    Attributes: ids [R] int32; logprob [R] float32 (of each sampled id); top_logprobs
+    [R, TOP_LOGPROBS] float32, descending; top_ids [R, TOP_LOGPROBS] int32.
+    """
+
+    ids: np.ndarray
+    logprob: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Device results of one compiled step: ``packed`` (see ``pack_step``) and logits [R, V]."""
+
+    packed: jax.Array
+    logits: jax.Array
+
+    def host(self) -> HostStep:
+        """The one device-to-host copy of the step (blocks until the step is done)."""
+        a = np.asarray(self.packed)
+        n = TOP_LOGPROBS
+        return HostStep(
+            ids=a[:, 0].astype(np.int32),
+            logprob=a[:, 1],
+            top_logprobs=a[:, 2 : 2 + n],
+            top_ids=a[:, 2 + n :].astype(np.int32),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes of one engine.
@@ -145,8 +199,8 @@ class Engine:
             def run(params, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
                 model = nnx.merge(graphdef, params)
                 logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len)
-                token = sample(logits[None], sp, (start + true_len)[None])[0]
-                return token, logits, cache
+                token = sample(logits[None], sp, (start + true_len)[None])
+                return pack_step(logits[None], token), logits, cache
 
             r = self.repl
             self._prefill_fns[kv_len] = jax.jit(
@@ -161,15 +215,21 @@ class Engine:
         if kv_len not in self._decode_fns:
             graphdef = self.graphdef
 
-            def run(params, cache, tokens, positions, sp):  # type: ignore[no-untyped-def]
+            def run(params, cache, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
+                # Each slot's input id comes from the host (source 0), from the previous decode
+                # step's output (1) or from the previous prefill's output (2), so the next step
+                # can be dispatched before the previous one's ids reach the host.
+                from_decode = prev_decode[:, 0].astype(jnp.int32)
+                from_prefill = jnp.broadcast_to(prev_prefill[0, 0].astype(jnp.int32), host_tokens.shape)
+                tokens = jnp.select([source == 1, source == 2], [from_decode, from_prefill], host_tokens)
                 model = nnx.merge(graphdef, params)
                 logits, cache = decode_step(model, cache, tokens, positions, kv_len=kv_len)
-                return sample(logits, sp, positions + 1), logits, cache
+                return pack_step(logits, sample(logits, sp, positions + 1)), logits, cache
 
             r = self.repl
             self._decode_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, self._cache_sh, r, r, r),
+                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r, r),
                 out_shardings=(r, r, self._cache_sh),
                 donate_argnums=(1,),
             )
@@ -186,7 +246,7 @@ class Engine:
     def _slot_sampling(self, slot: int) -> SamplingParams:
         return SamplingParams(**{k: v[slot : slot + 1] for k, v in self._sp.items()})
 
-    def prefill(self, slot: int, tokens: list[int], start: int) -> tuple[jax.Array, jax.Array]:
+    def prefill(self, slot: int, tokens: list[int], start: int) -> StepOutput:
         """Write prompt tokens at positions [start, start + len(tokens)) of ``slot``.
 
         Args:
@@ -195,8 +255,9 @@ class Engine:
             start: position of tokens[0]; later chunks attend to the slot's cached prefix.
 
         Returns:
-            (next token [] int32, logits [V] float32) as device arrays; meaningful only after
-            the prompt's last chunk. Dispatch is asynchronous.
+            The step's output for one row (the slot): the sampled first token, its log-probs, and
+            the last position's logits [1, V]; meaningful only after the prompt's last chunk.
+            Dispatch is asynchronous.
         """
         n = len(tokens)
         if start + n > self.ecfg.max_seq_len:
@@ -205,7 +266,7 @@ class Engine:
         padded = np.zeros(bucket, np.int32)
         padded[:n] = tokens
         kv_len = 0 if start == 0 else self.ecfg.max_seq_len
-        token, logits, self.cache = self._prefill_fn(kv_len)(
+        packed, logits, self.cache = self._prefill_fn(kv_len)(
             self.params,
             self.cache,
             padded,
@@ -214,26 +275,47 @@ class Engine:
             np.int32(slot),
             self._slot_sampling(slot),
         )
-        return token, logits
+        return StepOutput(packed, logits[None])
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    def decode(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        source: np.ndarray | None = None,
+        prev_decode: StepOutput | None = None,
+        prev_prefill: StepOutput | None = None,
+    ) -> StepOutput:
         """One decode step for all slots.
 
         Args:
-            tokens: [S] int32, each slot's last id (anything for idle slots).
+            tokens: [S] int32, each slot's last id when it is known on the host (anything for
+                idle slots).
             positions: [S] int32, each id's position; ``max_seq_len`` marks an idle slot.
+            source: [S] int32 or None (all 0): where each slot's input id is: 0 ``tokens``,
+                1 row ``slot`` of ``prev_decode``, 2 row 0 of ``prev_prefill`` (still on the
+                device: the caller need not wait for the previous step).
+            prev_decode, prev_prefill: the previous step's outputs, when ``source`` uses them.
 
         Returns:
-            (next ids [S] int32, logits [S, V] float32) as device arrays (dispatch is async).
+            One row per slot (dispatch is async; rows of idle slots are meaningless).
         """
+        S = self.ecfg.num_slots
         live = positions[positions < self.ecfg.max_seq_len]
         need = int(live.max()) + 1 if live.size else 1
         kv_len = pick_bucket(need, self.decode_windows)
         sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
-        next_ids, logits, self.cache = self._decode_fn(kv_len)(
-            self.params, self.cache, tokens.astype(np.int32), positions.astype(np.int32), sp
+        width = 2 + 2 * TOP_LOGPROBS
+        packed, logits, self.cache = self._decode_fn(kv_len)(
+            self.params,
+            self.cache,
+            tokens.astype(np.int32),
+            np.zeros(S, np.int32) if source is None else source.astype(np.int32),
+            prev_decode.packed if prev_decode is not None else np.zeros((S, width), np.float32),
+            prev_prefill.packed if prev_prefill is not None else np.zeros((1, width), np.float32),
+            positions.astype(np.int32),
+            sp,
         )
-        return next_ids, logits
+        return StepOutput(packed, logits)
 
     def warmup(self, full: bool = False) -> float:
         """Compile (and run once) the programs the first requests need; all variants if ``full``.
@@ -244,16 +326,16 @@ class Engine:
         S, T = self.ecfg.num_slots, self.ecfg.max_seq_len
         buckets = self.prefill_buckets if full else self.prefill_buckets[:1]
         for b in buckets:
-            self.prefill(0, [0] * b, 0)[0].block_until_ready()
+            self.prefill(0, [0] * b, 0).host()
         if full and self.prefill_buckets[-1] < T:
             for b in buckets:
-                self.prefill(0, [0] * b, 1)[0].block_until_ready()
+                self.prefill(0, [0] * b, 1).host()
         windows = self.decode_windows if full else self.decode_windows[:1]
         idle = np.full(S, T, np.int32)
         for w in windows:
             pos = idle.copy()
             pos[0] = w - 1
-            self.decode(np.zeros(S, np.int32), pos)[0].block_until_ready()
+            self.decode(np.zeros(S, np.int32), pos).host()
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d prefill and %d decode programs in %.1f s", len(buckets), len(windows), elapsed)
         return elapsed

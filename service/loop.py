@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
-from service.engine import Engine
-from service.request import Request, RequestState
+from service.engine import Engine, HostStep, StepOutput
+from service.request import Request, RequestState, TokenLogprob
 from service.scheduler import QueueFull, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedStep:
+    """A step whose programs are launched but whose results are not yet on the host."""
+
+    plan: StepPlan
+    prefill_out: StepOutput | None
+    decode_out: StepOutput | None
+    started: float  # perf_counter() at dispatch
+
+
+def token_logprob(host: HostStep, row: int, top_n: int | None) -> TokenLogprob | None:
+    """Row ``row``'s log-probability record with ``top_n`` alternatives (None when not asked)."""
+    if top_n is None:
+        return None
+    top = tuple((int(host.top_ids[row, i]), float(host.top_logprobs[row, i])) for i in range(top_n))
+    return TokenLogprob(token_id=int(host.ids[row]), logprob=float(host.logprob[row]), top=top)
 
 
 class EngineUnavailable(Exception):
@@ -54,6 +74,11 @@ class EngineLoop:
         self._pending = 0  # requests in the inbox, counted against the queue bound
         self._lock = threading.Lock()
         self._switch: tuple[Engine, threading.Event] | None = None
+        self._inflight: DispatchedStep | None = None  # dispatched, not yet postprocessed
+        self._dispatched = 0  # steps dispatched so far
+        # Test hook (fault injection), None in production: called with the plan at the top of
+        # every step on the loop thread; raising kills the loop, blocking simulates a stall.
+        self.step_hook: Callable[[StepPlan], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup_full: bool = False) -> None:
@@ -114,6 +139,7 @@ class EngineLoop:
             return
         new_engine, done = pending
         t0 = time.perf_counter()
+        self._finish_inflight()  # the old engine's last step must land before its cache moves
         new_engine.adopt_state(self.engine)
         self.engine = new_engine
         log.info("layout switched to %s in %.2f s", new_engine.layout.name, time.perf_counter() - t0)
@@ -121,6 +147,7 @@ class EngineLoop:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _run(self, warmup_full: bool) -> None:
+        """schedule -> dispatch step N -> postprocess step N-1 (while step N runs) -> repeat."""
         try:
             self.engine.warmup(full=warmup_full)
             self.heartbeat = time.monotonic()
@@ -130,16 +157,17 @@ class EngineLoop:
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.empty:
+                    if self._inflight is not None:
+                        self._finish_inflight()  # its results may free slots or end requests
+                        continue
                     self.heartbeat = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                t0 = time.perf_counter()
-                self.step(plan)
-                self.steps += 1
-                self.heartbeat = time.monotonic()
-                if self.on_step is not None:
-                    self.on_step(plan, time.perf_counter() - t0)
+                dispatched = self.dispatch(plan)
+                self._finish_inflight()
+                self._inflight = dispatched
+            self._finish_inflight()
         except BaseException as exc:
             log.exception("engine loop died")
             self.error = exc
@@ -150,6 +178,17 @@ class EngineLoop:
                 r.fail(message)
             self.scheduler.release_finished()
             self.scheduler.waiting.clear()
+
+    def _finish_inflight(self) -> None:
+        """Postprocess the dispatched step, if any (blocks until its results are on the host)."""
+        if self._inflight is None:
+            return
+        step, self._inflight = self._inflight, None
+        self.postprocess(step)
+        self.steps += 1
+        self.heartbeat = time.monotonic()
+        if self.on_step is not None:
+            self.on_step(step.plan, time.perf_counter() - step.started)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -162,40 +201,83 @@ class EngineLoop:
                 self.scheduler.waiting.append(request)
 
     def step(self, plan: StepPlan) -> None:
-        """Execute one plan and postprocess its tokens (one device-to-host copy per program)."""
+        """Run one plan to completion (dispatch, then postprocess), without pipelining."""
+        self._finish_inflight()
+        self.postprocess(self.dispatch(plan))
+
+    def dispatch(self, plan: StepPlan) -> DispatchedStep:
+        """Launch one plan's programs (asynchronously) and advance the host bookkeeping that does
+        not depend on their results: cached lengths, slot states, sampled-token counts.
+
+        A decoding slot whose last id came from the still-running previous step reads it on the
+        device (``Engine.decode``'s ``source``), so no host round trip separates two steps.
+        """
+        if self.step_hook is not None:
+            self.step_hook(plan)
         engine = self.engine
-        prefill_token = None
+        prev = self._inflight
+        number = self._dispatched
+        self._dispatched += 1
+        prefill_out = None
         chunk = plan.prefill
         if chunk is not None:
             request = chunk.request
             if request.num_cached == 0:
                 engine.set_sampling(chunk.slot, request.sampling)
             ids = request.prompt_ids[chunk.start : chunk.start + chunk.length]
-            prefill_token, _ = engine.prefill(chunk.slot, ids, chunk.start)
+            prefill_out = engine.prefill(chunk.slot, ids, chunk.start)
+            request.num_cached += chunk.length
+            if chunk.is_last:
+                request.state = RequestState.DECODING
+                request.sampled = 1
+                request.last_token_from = ("prefill", number)
 
-        decode_ids = None
+        decode_out = None
         if plan.decode:
             S, T = engine.ecfg.num_slots, engine.ecfg.max_seq_len
             tokens = np.zeros(S, np.int32)
             positions = np.full(S, T, np.int32)
+            source = np.zeros(S, np.int32)
             for r in plan.decode:
                 assert r.slot is not None
-                tokens[r.slot] = r.output_ids[-1]
                 positions[r.slot] = r.num_cached
-            decode_ids, _ = engine.decode(tokens, positions)
+                if prev is not None and r.last_token_from == ("decode", number - 1):
+                    source[r.slot] = 1
+                elif prev is not None and r.last_token_from == ("prefill", number - 1):
+                    source[r.slot] = 2
+                else:
+                    tokens[r.slot] = r.output_ids[-1]
+                r.num_cached += 1
+                r.sampled += 1
+                r.last_token_from = ("decode", number)
+            decode_out = engine.decode(
+                tokens,
+                positions,
+                source,
+                prev.decode_out if prev is not None else None,
+                prev.prefill_out if prev is not None else None,
+            )
+        return DispatchedStep(plan, prefill_out, decode_out, time.perf_counter())
 
-        # Postprocess: the prefill's first token, then every decoding slot's next token.
+    def postprocess(self, step: DispatchedStep) -> None:
+        """Bring the step's ids to the host (one copy) and hand each to its request, which checks
+        EOS, stop strings and max_tokens and streams the text. Requests that ended meanwhile
+        (cancelled, or finished by the step before) are skipped; their slots are released."""
+        outputs = [o for o in (step.prefill_out, step.decode_out) if o is not None]
+        packed = outputs[0].packed if len(outputs) == 1 else jnp.concatenate([o.packed for o in outputs])
+        host = StepOutput(packed, outputs[0].logits).host()
+        row = 0
+        chunk = step.plan.prefill
         if chunk is not None:
             request = chunk.request
-            request.num_cached += chunk.length
-            if chunk.is_last:
-                request.state = RequestState.DECODING
-                request.accept_token(int(prefill_token))  # type: ignore[arg-type]
-        if decode_ids is not None:
-            host_ids = np.asarray(decode_ids)
-            for r in plan.decode:
+            if chunk.is_last and request.state is RequestState.DECODING:
+                request.accept_token(int(host.ids[0]), token_logprob(host, 0, request.logprobs))
+            row = 1
+        if step.decode_out is not None:
+            for r in step.plan.decode:
                 if r.state is not RequestState.DECODING:
                     continue
-                r.num_cached += 1
-                r.accept_token(int(host_ids[r.slot]))
+                assert r.slot is not None
+                i = row + r.slot
+                r.accept_token(int(host.ids[i]), token_logprob(host, i, r.logprobs))
         self.scheduler.release_finished()

@@ -37,6 +37,17 @@ class SamplingOptions:
     seed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated id under the model's raw distribution (log-softmax of
+    the logits, before temperature and filtering), with the ``top`` most likely alternatives as
+    (id, log-probability) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class Chunk:
     """One streamed event: the text delta and the ids generated since the last chunk.
@@ -51,6 +62,7 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,6 +77,8 @@ class Request:
         text: detokenizer and stop-string matcher for this request's output.
         emit: called from the engine thread with each Chunk (must not block).
         eos_ids: ids that end generation (excluded from the output).
+        logprobs: None, or how many top alternatives (0..TOP_LOGPROBS) to return with each
+            generated id's log-probability.
     """
 
     request_id: str
@@ -74,15 +88,19 @@ class Request:
     text: TextStream
     emit: Callable[[Chunk], None]
     eos_ids: frozenset[int]
+    logprobs: int | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens whose K/V are in the cache (prompt chunks, then fed-back ids)
+    sampled: int = 0  # ids sampled by dispatched steps (EOS included), known before they land
+    last_token_from: tuple[str, int] | None = None  # ("prefill"|"decode", step) that made the last id
     finish_reason: FinishReason | None = None
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finished_s: float | None = None
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _finish_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request (thread-safe); it frees its slot within one step."""
@@ -96,8 +114,9 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
-    def accept_token(self, token_id: int) -> None:
-        """Record one sampled id: check EOS, stop strings and max_tokens, and emit a chunk."""
+    def accept_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Record one sampled id: check EOS, stop strings and max_tokens, and emit a chunk
+        (with ``logprob`` attached when the request asked for log-probabilities)."""
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
         if token_id in self.eos_ids:
@@ -105,21 +124,29 @@ class Request:
             return
         self.output_ids.append(token_id)
         delta, stopped = self.text.push(token_id)
+        lps = [logprob] if logprob is not None and self.logprobs is not None else []
         if stopped:
-            self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id])
+            self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)
         elif len(self.output_ids) >= self.max_tokens:
-            self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id])
+            self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id], logprobs=lps)
         else:
-            self.emit(Chunk(text=delta, token_ids=[token_id]))
+            self.emit(Chunk(text=delta, token_ids=[token_id], logprobs=lps))
 
-    def finish(self, reason: FinishReason, last_text: str = "", last_ids: list[int] | None = None) -> None:
+    def finish(
+        self,
+        reason: FinishReason,
+        last_text: str = "",
+        last_ids: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
         """Mark finished and emit the final chunk (held-back text is flushed unless a stop
         string matched, in which case nothing of it is sent)."""
-        if self.state is RequestState.FINISHED:
-            return
+        with self._finish_lock:
+            if self.state is RequestState.FINISHED:
+                return
+            self.state = RequestState.FINISHED
         if reason is not FinishReason.STOP_STRING:
             last_text += self.text.finish()
-        self.state = RequestState.FINISHED
         self.finish_reason = reason
         self.finished_s = time.monotonic()
         self.emit(
@@ -129,13 +156,15 @@ class Request:
                 finish_reason=reason,
                 prompt_tokens=self.prompt_len,
                 completion_tokens=len(self.output_ids),
+                logprobs=list(logprobs or []),
             )
         )
 
     def fail(self, message: str) -> None:
-        """End the request because the engine failed."""
-        if self.state is RequestState.FINISHED:
-            return
-        self.state = RequestState.FINISHED
+        """End the request because the engine failed (thread-safe; only the first end counts)."""
+        with self._finish_lock:
+            if self.state is RequestState.FINISHED:
+                return
+            self.state = RequestState.FINISHED
         self.finished_s = time.monotonic()
         self.emit(Chunk(text="", token_ids=[], error=message))

@@ -79,7 +79,10 @@ class Scheduler:
         """Reap cancelled requests, then choose this step's prefill chunk and decode set."""
         self._reap_cancelled()
         chunk = self._next_prefill_chunk()
-        decode = tuple(r for r in self.slots if r is not None and r.state is RequestState.DECODING)
+        # A request whose dispatched steps already sampled max_tokens ids is done once they land.
+        decode = tuple(
+            r for r in self.slots if r is not None and r.state is RequestState.DECODING and r.sampled < r.max_tokens
+        )
         return StepPlan(prefill=chunk, decode=decode)
 
     def _reap_cancelled(self) -> None:
@@ -90,9 +93,9 @@ class Scheduler:
             else:
                 kept.append(r)
         self.waiting = kept
-        for r in self.slots:
-            if r is not None and r.cancelled:
-                r.finish(FinishReason.CANCELLED)
+        for running in self.slots:
+            if running is not None and running.cancelled:
+                running.finish(FinishReason.CANCELLED)
         self.release_finished()
 
     def _next_prefill_chunk(self) -> PrefillChunk | None:

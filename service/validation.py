@@ -13,6 +13,7 @@ import secrets
 
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.engine import TOP_LOGPROBS
 from service.request import SamplingOptions
 
 DEFAULT_TEMPERATURE = 1.0
@@ -31,6 +32,7 @@ class ValidatedRequest:
     max_tokens: int
     sampling: SamplingOptions
     stop: tuple[str, ...]
+    logprobs: int | None = None
 
 
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -104,9 +106,15 @@ def validate(
     for i, s in enumerate(req.stop):
         if not s:
             raise InvalidRequest(f"stop[{i}]: stop strings must be non-empty")
+    logprobs = None
+    if req.HasField("logprobs"):
+        logprobs = req.logprobs
+        if logprobs > TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs: at most {TOP_LOGPROBS} alternatives, got {logprobs}")
     return ValidatedRequest(
         prompt_ids=ids,
         max_tokens=max_tokens,
         sampling=SamplingOptions(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed),
         stop=tuple(req.stop),
+        logprobs=logprobs,
     )

@@ -70,13 +70,13 @@ def load_layout(name_or_path: str) -> Layout:
         raise LayoutError(
             f"unknown layout {name_or_path!r}; presets: {', '.join(preset_names())} (or 'DxM', e.g. '1x4')"
         )
-    data = yaml.safe_load(path.read_text()) or {}
-    data.setdefault("name", path.stem)
+    fields = yaml.safe_load(path.read_text()) or {}
+    fields.setdefault("name", path.stem)
     known = {f.name for f in dataclasses.fields(Layout)}
-    unknown = set(data) - known
+    unknown = set(fields) - known
     if unknown:
         raise LayoutError(f"layout file {path}: unknown fields {sorted(unknown)}")
-    return Layout(**data)
+    return Layout(**fields)
 
 
 def preset_names() -> list[str]:

@@ -7,12 +7,20 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +43,9 @@ def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
     """A real gRPC server on the default model (4 slots x 1024 tokens), shared by a session."""
     from service.server import ServerConfig, ServerThread
 
-    cfg = ServerConfig(model=str(smollm2_gguf), port=0, num_slots=4, max_seq_len=1024, max_queue=64)
+    cfg = ServerConfig(
+        model=str(smollm2_gguf), port=0, num_slots=4, max_seq_len=1024, max_queue=64, metrics_port=free_port()
+    )
     srv = ServerThread(cfg).start()
     yield srv
     srv.stop()

@@ -39,16 +39,16 @@ def greedy_run(engine: Engine, prompt: list[int], n: int, slot: int = 1) -> tupl
     engine.set_sampling(slot, GREEDY)
     chunk = engine.ecfg.chunk_size
     for start in range(0, len(prompt), chunk):
-        token, logits = engine.prefill(slot, prompt[start : start + chunk], start)
-    ids = [int(token)]
+        out = engine.prefill(slot, prompt[start : start + chunk], start)
+    ids = [int(out.host().ids[0])]
+    logits = np.asarray(out.logits)[0]
     S, T = engine.ecfg.num_slots, engine.ecfg.max_seq_len
     for i in range(n - 1):
         tokens = np.zeros(S, np.int32)
         positions = np.full(S, T, np.int32)
         tokens[slot], positions[slot] = ids[-1], len(prompt) + i
-        next_ids, _ = engine.decode(tokens, positions)
-        ids.append(int(np.asarray(next_ids)[slot]))
-    return np.asarray(logits), ids
+        ids.append(int(engine.decode(tokens, positions).host().ids[slot]))
+    return logits, ids
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])

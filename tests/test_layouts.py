@@ -42,17 +42,16 @@ def run_greedy(engine: Engine) -> tuple[dict[int, list[int]], dict[int, np.ndarr
     logits: dict[int, np.ndarray] = {}
     for slot, prompt in PROMPTS.items():
         engine.set_sampling(slot, SamplingOptions(temperature=0.0))
-        token, lg = engine.prefill(slot, prompt, 0)
-        ids[slot] = [int(token)]
-        logits[slot] = np.asarray(lg)
+        out = engine.prefill(slot, prompt, 0)
+        ids[slot] = [int(out.host().ids[0])]
+        logits[slot] = np.asarray(out.logits)[0]
     S, T = ECFG.num_slots, ECFG.max_seq_len
     for step in range(STEPS - 1):
         tokens = np.zeros(S, np.int32)
         positions = np.full(S, T, np.int32)
         for slot, prompt in PROMPTS.items():
             tokens[slot], positions[slot] = ids[slot][-1], len(prompt) + step
-        next_ids, _ = engine.decode(tokens, positions)
-        host = np.asarray(next_ids)
+        host = engine.decode(tokens, positions).host().ids
         for slot in PROMPTS:
             ids[slot].append(int(host[slot]))
     return ids, logits
@@ -109,7 +108,9 @@ def _ops(text: str, op: str) -> list[str]:
     return re.findall(rf"= (\S+) {op}(?:-start)?\(", text)
 
 
-@pytest.mark.parametrize(("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"])
+@pytest.mark.parametrize(
+    ("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"]
+)
 def test_decode_step_collectives(data: int, tp: int) -> None:
     cfg = LlamaConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)
     graphdef, abstract = abstract_llama(cfg)  # only shapes matter here: zero weights
@@ -127,7 +128,7 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
         assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
 
     # The layer loop is the while whose carry holds the stacked [L, ...] weights.
-    loops = re.findall(rf"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text)
+    loops = re.findall(r"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text)
     layer_bodies = [b for b in loops if re.search(r"f32\[30,576,", _computation(text, b))]
     assert len(layer_bodies) == 1
     per_layer = len(_ops(_computation(text, layer_bodies[0]), "all-reduce"))

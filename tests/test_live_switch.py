@@ -89,7 +89,11 @@ def test_unknown_layout_in_a_request_lists_the_valid_names(clients) -> None:  # 
 
 def test_set_layout_rejects_what_cannot_work(clients) -> None:  # type: ignore[no-untyped-def]
     _, admin = clients
-    for layout, needle in (("2x4", "needs 8 devices"), ("tp2-heads.yaml", "unknown layout"), ("nope", "unknown layout")):
+    for layout, needle in (
+        ("2x4", "needs 8 devices"),
+        ("tp2-heads.yaml", "unknown layout"),
+        ("nope", "unknown layout"),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout=layout), metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

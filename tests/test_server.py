@@ -312,3 +312,29 @@ def test_cancelled_stream_frees_its_slot(server, client: Client) -> None:
     assert scheduler.queue_depth == 0
     follow = gen(client, prompt="Hello", temperature=0.0, max_tokens=4)
     assert follow.finish_reason == "FINISH_REASON_LENGTH" and len(follow.token_ids) == 4
+
+
+def test_logprobs_of_each_token_and_top_alternatives(client) -> None:  # type: ignore[no-untyped-def]
+    """Greedy ids are the most likely alternative; log-probabilities are sorted and <= 0."""
+    req = make_request(prompt="The capital of France is", temperature=0.0, max_tokens=6, logprobs=3)
+    ids, records = [], []
+    for resp in client.stream(req, timeout_s=120):
+        ids.extend(resp.token_ids)
+        records.extend(resp.logprobs)
+    assert len(records) == len(ids) == 6
+    for token, rec in zip(ids, records, strict=True):
+        assert rec.token_id == token
+        assert len(rec.top) == 3
+        assert rec.top[0].token_id == token  # greedy picks the argmax
+        assert rec.logprob == pytest.approx(rec.top[0].logprob, abs=1e-6)
+        values = [t.logprob for t in rec.top]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+    plain = client.generate(make_request(prompt="The capital of France is", temperature=0.0, max_tokens=6))
+    assert plain.token_ids == ids
+
+
+def test_logprobs_over_the_limit_is_invalid(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(make_request(prompt="Hi", max_tokens=2, logprobs=21), timeout_s=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs" in err.value.details()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/meshserve/v1/meshserve.proto\x12\x0cmeshserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd9\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x0e\n\x06layout\x18\x0b \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe4\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x19\n\x11intermediate_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x0b \x01(\r\x12\x11\n\tnum_slots\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x16\n\x0enum_parameters\x18\x0f \x01(\x04\x12\x0e\n\x06layout\x18\x10 \x01(\t\x12\x12\n\nmodel_path\x18\x11 \x01(\t*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xa5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.meshserve.v1.GetModelInfoRequest\x1a\x17.meshserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/meshserve/v1/meshserve.proto\x12\x0cmeshserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfd\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x0e\n\x06layout\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x06\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.meshserve.v1.TopLogprob\"\xcc\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xe4\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x19\n\x11intermediate_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\n \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x0b \x01(\r\x12\x11\n\tnum_slots\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\x05\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x16\n\x0enum_parameters\x18\x0f \x01(\x04\x12\x0e\n\x06layout\x18\x10 \x01(\t\x12\x12\n\nmodel_path\x18\x11 \x01(\t*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xa5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.meshserve.v1.GetModelInfoRequest\x1a\x17.meshserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.meshserve.v1.meshserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1128
-  _globals['_FINISHREASON']._serialized_end=1282
+  _globals['_FINISHREASON']._serialized_start=1349
+  _globals['_FINISHREASON']._serialized_end=1503
   _globals['_CHATMESSAGE']._serialized_start=53
   _globals['_CHATMESSAGE']._serialized_end=97
   _globals['_CHAT']._serialized_start=99
@@ -40,15 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=152
   _globals['_TOKENIDS']._serialized_end=175
   _globals['_GENERATEREQUEST']._serialized_start=178
-  _globals['_GENERATEREQUEST']._serialized_end=523
-  _globals['_USAGE']._serialized_start=525
-  _globals['_USAGE']._serialized_end=582
-  _globals['_GENERATERESPONSE']._serialized_start=585
-  _globals['_GENERATERESPONSE']._serialized_end=743
-  _globals['_GETMODELINFOREQUEST']._serialized_start=745
-  _globals['_GETMODELINFOREQUEST']._serialized_end=766
-  _globals['_MODELINFO']._serialized_start=769
-  _globals['_MODELINFO']._serialized_end=1125
-  _globals['_GENERATION']._serialized_start=1285
-  _globals['_GENERATION']._serialized_end=1450
+  _globals['_GENERATEREQUEST']._serialized_end=559
+  _globals['_USAGE']._serialized_start=561
+  _globals['_USAGE']._serialized_end=618
+  _globals['_TOPLOGPROB']._serialized_start=620
+  _globals['_TOPLOGPROB']._serialized_end=667
+  _globals['_TOKENLOGPROB']._serialized_start=669
+  _globals['_TOKENLOGPROB']._serialized_end=757
+  _globals['_GENERATERESPONSE']._serialized_start=760
+  _globals['_GENERATERESPONSE']._serialized_end=964
+  _globals['_GETMODELINFOREQUEST']._serialized_start=966
+  _globals['_GETMODELINFOREQUEST']._serialized_end=987
+  _globals['_MODELINFO']._serialized_start=990
+  _globals['_MODELINFO']._serialized_end=1346
+  _globals['_GENERATION']._serialized_start=1506
+  _globals['_GENERATION']._serialized_end=1671
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,509 @@
+"""``meshserve bench``: a gRPC load generator that reports serving latencies and throughput.
+
+Load: ``concurrency`` closed-loop clients (each sends its next request when the previous one
+ends), or Poisson arrivals at ``rate`` requests/s (exponential gaps from a seeded generator;
+``concurrency`` then caps the requests in flight, and one that waits for the cap is sent late).
+Requests: synthetic prompts of random token ids sent as ``token_ids``, so prompt lengths are
+exact, with ``max_tokens`` forced and greedy decoding (lengths fixed, ``N``, or uniform,
+``LO:HI``); or the prompts of a JSONL file (``{"prompt": ..., "max_tokens": ...}`` per line). EOS
+can end a request before ``max_tokens``: the report gives requested and generated counts.
+Warm-up requests run first and are not counted.
+
+Per request: TTFT (send to the first chunk with a token), inter-token latencies (the gap
+between consecutive chunks with tokens, split evenly over a chunk's tokens; tokens that arrive
+with the first one count as 0 so that there are n - 1 of them), TPOT (mean inter-token time after
+the first token: (t_last - t_first) / (n - 1)), and end-to-end latency (send to the stream's
+end). The run reports p50/p90/p99 of each, output and total tokens/s and requests/s over the
+measured wall time (first send to last end), and goodput: completed requests per second that met
+the SLO (TTFT <= X ms and TPOT <= Y ms; a request with one token has no TPOT and meets that part),
+the metric of DistServe (Zhong et al. 2024, §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.client import Client, make_request
+
+PERCENTILES = (50, 90, 99)
+
+
+# ---- pure statistics --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RequestRecord:
+    """One measured request. Times are seconds; ``start_s`` is relative to the run's start.
+
+    Attributes:
+        index: position in the run.
+        prompt_tokens: the server's count (``usage.prompt_tokens``), or what was sent if it failed.
+        max_tokens: requested output tokens.
+        output_tokens: generated tokens received.
+        start_s: when it was sent.
+        ttft_s: send to the first chunk with a token (None if no token came).
+        e2e_s: send to the end of the stream (or to the error).
+        itl_s: inter-token latencies, ``output_tokens - 1`` of them.
+        finish_reason: e.g. ``"FINISH_REASON_LENGTH"``; "" on error.
+        error: the gRPC status code name, or None.
+    """
+
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    start_s: float
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: list[float]
+    finish_reason: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean inter-token time after the first token; None with fewer than 2 tokens."""
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+
+
+def record_from_chunks(
+    index: int,
+    start_s: float,
+    chunks: Sequence[tuple[float, int]],
+    end_s: float,
+    prompt_tokens: int,
+    max_tokens: int,
+    finish_reason: str = "",
+    error: str | None = None,
+) -> RequestRecord:
+    """Build a record from the arrival of each chunk.
+
+    Args:
+        start_s: send time, seconds since the run's start.
+        chunks: (seconds since send, tokens in the chunk) for every chunk, in order.
+        end_s: seconds from send to the end of the stream.
+    """
+    itl: list[float] = []
+    ttft: float | None = None
+    last = 0.0
+    total = 0
+    for t, n in chunks:
+        if n <= 0:
+            continue
+        if ttft is None:
+            ttft = t
+            itl.extend([0.0] * (n - 1))
+        else:
+            itl.extend([(t - last) / n] * n)
+        last = t
+        total += n
+    return RequestRecord(
+        index=index,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        output_tokens=total,
+        start_s=start_s,
+        ttft_s=ttft,
+        e2e_s=end_s,
+        itl_s=itl,
+        finish_reason=finish_reason,
+        error=error,
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear interpolation between order statistics (numpy's
+    default, as vLLM's benchmark reports them); NaN for no values."""
+    if len(values) == 0:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """count, mean, min, p50, p90, p99, max of ``values`` times ``scale`` (e.g. 1e3 for ms)."""
+    xs = [v * scale for v in values]
+    out: dict[str, float] = {"count": len(xs)}
+    out["mean"] = float(np.mean(xs)) if xs else math.nan
+    out["min"] = min(xs) if xs else math.nan
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(xs, q)
+    out["max"] = max(xs) if xs else math.nan
+    return out
+
+
+def meets_slo(record: RequestRecord, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    """Whether a completed request met TTFT <= ``ttft_ms`` and TPOT <= ``tpot_ms`` (None = no bound)."""
+    if not record.ok or record.ttft_s is None:
+        return False
+    if ttft_ms is not None and record.ttft_s * 1e3 > ttft_ms:
+        return False
+    tpot = record.tpot_s
+    return not (tpot_ms is not None and tpot is not None and tpot * 1e3 > tpot_ms)
+
+
+def goodput(
+    records: Iterable[RequestRecord], duration_s: float, ttft_ms: float | None, tpot_ms: float | None
+) -> dict[str, Any]:
+    """Requests per second that completed within the SLO, and their share of all requests."""
+    records = list(records)
+    met = sum(meets_slo(r, ttft_ms, tpot_ms) for r in records)
+    return {
+        "slo_ttft_ms": ttft_ms,
+        "slo_tpot_ms": tpot_ms,
+        "requests": met,
+        "fraction": met / len(records) if records else math.nan,
+        "requests_per_s": met / duration_s if duration_s > 0 else math.nan,
+    }
+
+
+def summarize_run(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict[str, Any]:
+    """The report of a run: counts, throughput over ``duration_s``, latency percentiles (ms),
+    goodput."""
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+    return {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": dict(Counter(r.error for r in records if r.error)),
+        "finish_reasons": dict(Counter(r.finish_reason for r in ok)),
+        "duration_s": duration_s,
+        "prompt_tokens": prompt,
+        "requested_output_tokens": sum(r.max_tokens for r in ok),
+        "output_tokens": output,
+        "requests_per_s": per_s(len(ok)),
+        "output_tokens_per_s": per_s(output),
+        "total_tokens_per_s": per_s(prompt + output),
+        "ttft_ms": summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1e3),
+        "tpot_ms": summarize([t for r in ok if (t := r.tpot_s) is not None], 1e3),
+        "itl_ms": summarize([x for r in ok for x in r.itl_s], 1e3),
+        "e2e_ms": summarize([r.e2e_s for r in ok], 1e3),
+        "goodput": goodput(records, duration_s, slo_ttft_ms, slo_tpot_ms),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The terminal table of a report from :func:`run_bench` (or :func:`summarize_run`)."""
+    lines = []
+    cfg = report.get("config")
+    if cfg:
+        load = (
+            f"Poisson {cfg['rate']:g} req/s (seed {cfg['seed']})"
+            + (f", at most {cfg['concurrency']} in flight" if cfg.get("concurrency") else "")
+            if cfg.get("rate")
+            else f"concurrency {cfg['concurrency']}"
+        )
+        server = report.get("server", {})
+        lines.append(
+            f"meshserve bench: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
+            f"server {server.get('name', '?')}, layout {server.get('layout', '?')}, {server.get('num_slots', '?')} slots"
+        )
+    lines.append(
+        f"completed {report['completed']}, failed {report['failed']}"
+        + (f" {report['errors']}" if report["errors"] else "")
+        + f"; {report['duration_s']:.2f} s"
+    )
+    lines.append(
+        f"requests/s {report['requests_per_s']:.2f}   output tokens/s {report['output_tokens_per_s']:.1f}   "
+        f"total tokens/s {report['total_tokens_per_s']:.1f}"
+    )
+    lines.append(
+        f"tokens: prompt {report['prompt_tokens']}, output {report['output_tokens']} of "
+        f"{report['requested_output_tokens']} requested; finish {report['finish_reasons']}"
+    )
+    lines.append(f"{'(ms)':10s} {'mean':>9s} {'p50':>9s} {'p90':>9s} {'p99':>9s} {'max':>9s} {'n':>7s}")
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        s = report[key]
+        lines.append(
+            f"{label:10s} {s['mean']:9.2f} {s['p50']:9.2f} {s['p90']:9.2f} {s['p99']:9.2f} {s['max']:9.2f} "
+            f"{s['count']:7d}"
+        )
+    g = report["goodput"]
+    slo = " and ".join(
+        f"{name} <= {v:g} ms" for name, v in (("TTFT", g["slo_ttft_ms"]), ("TPOT", g["slo_tpot_ms"])) if v is not None
+    )
+    lines.append(
+        f"goodput ({slo or 'no SLO: every completed request'}): {g['requests_per_s']:.2f} req/s, "
+        f"{g['requests']} of {report['num_requests']} requests ({g['fraction']:.0%})"
+    )
+    return "\n".join(lines)
+
+
+# ---- requests -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: ``token_ids`` or ``prompt`` (raw text), and ``max_tokens``."""
+
+    max_tokens: int
+    token_ids: tuple[int, ...] | None = None
+    prompt: str | None = None
+
+    @property
+    def sent_prompt_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else 0
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"128"`` -> (128, 128); ``"64:256"`` -> (64, 256), a uniform integer range, both ends included.
+
+    Raises:
+        ValueError: not an integer or range of integers >= 1, or LO > HI.
+    """
+    lo_s, _, hi_s = text.partition(":")
+    try:
+        lo, hi = int(lo_s), int(hi_s or lo_s)
+    except ValueError:
+        raise ValueError(f"expected N or LO:HI (integers), got {text!r}") from None
+    if lo < 1 or hi < lo:
+        raise ValueError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def synthetic_specs(
+    n: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    rng: np.random.Generator,
+    exclude_ids: Iterable[int] = (),
+) -> list[RequestSpec]:
+    """``n`` requests of random token ids (never an id in ``exclude_ids``, e.g. EOS), lengths
+    uniform in the inclusive ranges."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(exclude_ids, dtype=np.int64))
+    specs = []
+    for _ in range(n):
+        p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        o = int(rng.integers(output_len[0], output_len[1] + 1))
+        specs.append(RequestSpec(max_tokens=o, token_ids=tuple(int(i) for i in rng.choice(allowed, p))))
+    return specs
+
+
+def load_jsonl(path: str | Path, default_output_len: tuple[int, int], rng: np.random.Generator) -> list[RequestSpec]:
+    """Requests from a JSONL file, one object per line: ``"prompt"`` (raw text) or ``"token_ids"``,
+    and optionally ``"max_tokens"`` (else drawn from ``default_output_len``). Blank lines are skipped.
+
+    Raises:
+        ValueError: a line is not such an object (the message gives the line number).
+    """
+    specs = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict) or ("prompt" in obj) == ("token_ids" in obj):
+                raise ValueError('needs exactly one of "prompt" or "token_ids"')
+            if "max_tokens" in obj:
+                max_tokens = int(obj["max_tokens"])
+            else:
+                max_tokens = int(rng.integers(default_output_len[0], default_output_len[1] + 1))
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+            ids = tuple(int(i) for i in obj["token_ids"]) if "token_ids" in obj else None
+            specs.append(RequestSpec(max_tokens=max_tokens, token_ids=ids, prompt=obj.get("prompt")))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: {exc}") from None
+    if not specs:
+        raise ValueError(f"{path}: no requests")
+    return specs
+
+
+# ---- running --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BenchConfig:
+    """Settings of one run (the ``meshserve bench`` flags).
+
+    Attributes:
+        address: server host:port.
+        num_requests: measured requests.
+        warmup: requests sent first and not counted.
+        concurrency: closed-loop clients; with ``rate``, the cap on requests in flight (None = none).
+        rate: Poisson arrivals per second (None = closed loop).
+        seed: seeds prompts, lengths and arrival gaps.
+        prompt_len, output_len: (lo, hi) token counts, uniform; output = ``max_tokens``.
+        dataset: JSONL file of prompts (cycled if shorter than the run), instead of synthetic ones.
+        temperature: 0 = greedy.
+        layout: engine pool (or layout name) to send the requests to.
+        timeout_s: deadline of each request.
+        slo_ttft_ms, slo_tpot_ms: goodput SLO (None = no bound).
+        progress: show a progress bar on stderr.
+    """
+
+    address: str = "127.0.0.1:50051"
+    num_requests: int = 100
+    warmup: int = 2
+    concurrency: int | None = 1
+    rate: float | None = None
+    seed: int = 0
+    prompt_len: tuple[int, int] = (128, 128)
+    output_len: tuple[int, int] = (128, 128)
+    dataset: str | None = None
+    temperature: float = 0.0
+    layout: str | None = None
+    timeout_s: float = 600.0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.warmup < 0:
+            raise ValueError("num_requests must be >= 1 and warmup >= 0")
+        if self.rate is None and not self.concurrency:
+            raise ValueError("give a concurrency (closed loop) or a rate (Poisson arrivals)")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+
+def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: BenchConfig) -> RequestRecord:
+    """Send one request and time its chunks (never raises for a gRPC error: it is recorded)."""
+    request = make_request(
+        prompt=spec.prompt,
+        token_ids=spec.token_ids,
+        max_tokens=spec.max_tokens,
+        temperature=cfg.temperature,
+        layout=cfg.layout,
+        request_id=f"bench-{index}",
+    )
+    chunks: list[tuple[float, int]] = []
+    finish, prompt_tokens, error = "", spec.sent_prompt_tokens, None
+    t0 = time.perf_counter()
+    try:
+        for resp in client.stream(request, cfg.timeout_s):
+            chunks.append((time.perf_counter() - t0, len(resp.token_ids)))
+            if resp.finish_reason:
+                finish, prompt_tokens = pb.FinishReason.Name(resp.finish_reason), resp.usage.prompt_tokens
+    except grpc.RpcError as exc:
+        error = exc.code().name
+    end = time.perf_counter() - t0
+    return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error)
+
+
+def poisson_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:
+    """Send times (seconds from the start) of ``n`` Poisson arrivals at ``rate``/s; the first at 0."""
+    gaps = rng.exponential(1.0 / rate, size=max(n - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+def run_specs(
+    client: Any,
+    specs: Sequence[RequestSpec],
+    cfg: BenchConfig,
+    offsets: Sequence[float] | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Send ``specs`` (closed loop at ``cfg.concurrency``, or at ``offsets`` seconds from the
+    start); return the records in index order and the wall time from the first send to the last end."""
+    workers = cfg.concurrency if offsets is None else min(cfg.concurrency or len(specs), len(specs))
+    workers = max(1, min(workers or 1, len(specs)))
+    run_start = time.perf_counter()
+
+    def done(fut: Future[RequestRecord]) -> None:  # on a worker thread, as each request ends
+        if on_done is not None and fut.exception() is None:
+            on_done(fut.result())
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
+        futures = []
+        for i, spec in enumerate(specs):
+            if offsets is not None:
+                delay = run_start + offsets[i] - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            futures.append(pool.submit(send, client, spec, i, run_start, cfg))
+            futures[-1].add_done_callback(done)
+        # In index order; re-raises anything but a gRPC error (those are recorded).
+        records = [fut.result() for fut in futures]
+    first = min(r.start_s for r in records)
+    last = max(r.start_s + r.e2e_s for r in records)
+    return records, last - first
+
+
+def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
+    """Run warm-up and measured requests against the server; return the report (JSON-ready).
+
+    Raises:
+        ValueError: a request would not fit the server's ``max_seq_len``, or a bad dataset.
+        grpc.RpcError: ``GetModelInfo`` failed (no server, or not serving yet). Errors of the
+            benchmark's own requests are recorded in the report instead.
+    """
+    from tqdm import tqdm
+
+    own = client is None
+    if client is None:
+        client = Client(cfg.address)
+    try:
+        info = client.model_info()
+        rng = np.random.default_rng(cfg.seed)
+        total = cfg.warmup + cfg.num_requests
+        if cfg.dataset:
+            pool = load_jsonl(cfg.dataset, cfg.output_len, rng)
+            specs = [pool[i % len(pool)] for i in range(total)]
+        else:
+            if cfg.prompt_len[1] + cfg.output_len[1] > info.max_seq_len:
+                raise ValueError(
+                    f"prompt {cfg.prompt_len[1]} + output {cfg.output_len[1]} tokens exceed the server's "
+                    f"max_seq_len {info.max_seq_len}"
+                )
+            specs = synthetic_specs(total, cfg.prompt_len, cfg.output_len, info.vocab_size, rng, info.eos_token_ids)
+        offsets = poisson_offsets(cfg.num_requests, cfg.rate, rng) if cfg.rate else None
+        if cfg.warmup:
+            run_specs(client, specs[: cfg.warmup], dataclasses.replace(cfg, concurrency=cfg.concurrency or 1))
+        with tqdm(total=cfg.num_requests, desc="bench", unit="req", disable=not cfg.progress, leave=False) as bar:
+            records, duration = run_specs(client, specs[cfg.warmup :], cfg, offsets, on_done=lambda _r: bar.update())
+    finally:
+        if own:
+            client.close()
+    report: dict[str, Any] = {
+        "config": {
+            **dataclasses.asdict(cfg),
+            "prompt_len": list(cfg.prompt_len),
+            "output_len": list(cfg.output_len),
+        },
+        "server": {
+            "name": info.name,
+            "layout": info.layout,
+            "num_slots": info.num_slots,
+            "max_seq_len": info.max_seq_len,
+            "dtype": info.dtype,
+            "num_parameters": info.num_parameters,
+        },
+        **summarize_run(records, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        "requests": [{**dataclasses.asdict(r), "tpot_s": r.tpot_s} for r in records],
+    }
+    return report
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> None:
+    """Write the report as JSON (NaN written as null)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    Path(path).write_text(json.dumps(clean(report), indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,149 @@
+"""Prometheus metrics of one server (``meshserve_*``), on a registry of its own.
+
+Each ``Metrics`` owns a fresh ``CollectorRegistry`` so several servers in one process (tests,
+benchmarks) never clash; ``service/server.py`` serves it over HTTP on ``metrics_port``.
+
+Per request (recorded once, when it finishes; ``pool`` label on all):
+    meshserve_time_to_first_token_seconds   arrival -> first generated token (any request that got one)
+    meshserve_time_per_output_token_seconds (finish - first token) / (sampled tokens - 1), completed requests
+    meshserve_e2e_request_latency_seconds   arrival -> finish, completed requests (length, eos, stop_string)
+    meshserve_queue_time_seconds            arrival -> its first prefill chunk starts (observed then)
+    meshserve_prompt_tokens_total           prompt tokens written to the KV cache
+    meshserve_generation_tokens_total       generated ids (EOS excluded, as in usage.completion_tokens)
+    meshserve_requests_total{finish_reason} length | eos | stop_string | cancelled | error
+    meshserve_requests_rejected_total{code} refused before reaching an engine (invalid_argument, ...)
+
+Per pool, read when scraped:
+    meshserve_active_slots, meshserve_queue_depth, meshserve_num_slots
+    meshserve_kv_cache_usage_ratio          cached tokens / (slots x max_seq_len)
+    meshserve_pool_layout_info{layout,data,model,attention}  the pool's current layout
+    meshserve_engine_step_seconds           one engine step (prefill chunk + decode)
+
+Server:
+    meshserve_serving                       1 while grpc.health.v1 reports SERVING, else 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+NAMESPACE = "meshserve"
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """The metric objects of one server. Every method is thread-safe (engine threads call them)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = self.registry
+        self.ttft = Histogram(
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "time_per_output_token_seconds",
+            "Mean seconds per generated token after the first, per completed request.",
+            ["pool"],
+            buckets=TPOT_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token, per completed request.",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "queue_time_seconds",
+            "Seconds a request waited from arrival until its prefill started.",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.step_time = Histogram(
+            "engine_step_seconds",
+            "Seconds per engine step.",
+            ["pool"],
+            buckets=STEP_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "prompt_tokens", "Prompt tokens written to the KV cache.", ["pool"], namespace=NAMESPACE, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "generation_tokens", "Generated token ids (EOS excluded).", ["pool"], namespace=NAMESPACE, registry=reg
+        )
+        self.requests = Counter(
+            "requests",
+            "Requests that reached an engine, by how they ended.",
+            ["pool", "finish_reason"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.rejected = Counter(
+            "requests_rejected",
+            "Requests refused before reaching an engine, by gRPC status code.",
+            ["code"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.active_slots = Gauge(
+            "active_slots", "Slots holding a request.", ["pool"], namespace=NAMESPACE, registry=reg
+        )
+        self.queue_depth = Gauge(
+            "queue_depth", "Requests waiting for a slot.", ["pool"], namespace=NAMESPACE, registry=reg
+        )
+        self.num_slots = Gauge("num_slots", "Decode slots.", ["pool"], namespace=NAMESPACE, registry=reg)
+        self.kv_usage = Gauge(
+            "kv_cache_usage_ratio",
+            "Fraction of the KV cache's slot-tokens holding cached tokens.",
+            ["pool"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.layout = Info(
+            "pool_layout", "The pool's current mesh layout.", ["pool"], namespace=NAMESPACE, registry=reg
+        )
+        self.serving = Gauge("serving", "1 while health reports SERVING, else 0.", namespace=NAMESPACE, registry=reg)
+        self._layouts: dict[str, dict[str, str]] = {}
+
+    def track_pool(
+        self,
+        pool: str,
+        num_slots: int,
+        active_slots: Callable[[], float],
+        queue_depth: Callable[[], float],
+        kv_usage: Callable[[], float],
+    ) -> None:
+        """Register a pool's gauges; the callables are read at scrape time (any thread)."""
+        self.num_slots.labels(pool=pool).set(num_slots)
+        self.active_slots.labels(pool=pool).set_function(active_slots)
+        self.queue_depth.labels(pool=pool).set_function(queue_depth)
+        self.kv_usage.labels(pool=pool).set_function(kv_usage)
+        for reason in ("length", "eos", "stop_string", "cancelled", "error"):
+            self.requests.labels(pool=pool, finish_reason=reason)  # export zeros from the start
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue_time):
+            metric.labels(pool=pool)  # export zeros from the start
+        self.step_time.labels(pool=pool)
+
+    def set_layout(self, pool: str, layout: str, data: int, model: int, attention: str) -> None:
+        """Publish a pool's current layout (cheap when unchanged)."""
+        value = {"layout": layout, "data": str(data), "model": str(model), "attention": attention}
+        if self._layouts.get(pool) != value:
+            self._layouts[pool] = value
+            self.layout.labels(pool=pool).info(value)

@@ -1,0 +1,554 @@
+"""``meshserve sweep``: time the Engine directly (no gRPC) over layouts x batch sizes x prompt lengths.
+
+For every point (layout, batch B, prompt length P) a fresh ``Engine`` with B slots is built on the
+devices present (fake CPU devices included: ``--cpu-devices 8`` or
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``), and:
+
+1. the prompt's prefill program is compiled (the first call, timed as the prefill compile);
+2. B prompts of P ids (a fixed seeded RNG: the same prompts for every layout and batch) are
+   prefilled one after the other, each blocking on its one host copy: the median is the prefill
+   time per prompt, a proxy for TTFT on an idle server;
+3. every decode window the timed steps use is compiled (timed as the decode compile), then
+   ``warmup_steps`` + ``steps`` greedy decode steps run for all B slots, each blocking on its host
+   copy as the engine loop's postprocess does: the median of the last ``steps`` is the TPOT, and
+   B / TPOT the decode throughput.
+
+Compile times are the first calls' times less one steady-state run of the same program.
+
+Weights' values do not change the speed, so ``--random`` times random weights at the model's
+shapes (no GGUF read). When ``sharding/roofline.py`` is importable, each point also gets the
+roofline's predicted TPOT, TTFT and throughput for the same layout, batch and decode window, on a
+hardware preset (``--hardware``; ``auto`` measures this CPU or matches the accelerator's kind), and
+the plots overlay them.
+
+Outputs in ``--out``: ``sweep.csv`` and ``sweep.json`` (rows plus the run's metadata), and with
+matplotlib (``pip install -e '.[bench]'``) ``pareto.png`` (decode throughput vs TPOT per layout)
+and ``step_time.png`` (decode step time vs batch: flat while weight reads dominate, rising past the
+compute-bound knee).
+
+This module imports no JAX at import time, so ``--cpu-devices`` can still set ``XLA_FLAGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# CSV columns, in order (the JSON rows carry the same keys).
+FIELDS = [
+    "layout",
+    "data",
+    "model",
+    "attention",
+    "devices",
+    "batch",
+    "prompt_len",
+    "status",
+    "max_seq_len",
+    "decode_window",
+    "setup_s",
+    "compile_prefill_s",
+    "compile_decode_s",
+    "compile_s",
+    "prefill_ms",
+    "prefill_min_ms",
+    "prefill_tok_s",
+    "warmup_steps",
+    "steps",
+    "tpot_ms",
+    "tpot_min_ms",
+    "tpot_max_ms",
+    "decode_tok_s",
+    "predicted_tpot_ms",
+    "predicted_ttft_ms",
+    "predicted_tok_s",
+    "predicted_regime",
+    "roofline_fraction",
+    "mbu",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """What to sweep.
+
+    Attributes:
+        layouts: layout presets, YAML paths or "DxM" shorthands.
+        batches: batch sizes B (each point's engine has exactly B slots, all decoding).
+        prompt_lens: prompt lengths P (one prefill chunk each).
+        steps: timed decode steps K per point (the TPOT is their median).
+        warmup_steps: decode steps run before the timed ones, not counted.
+        dtype: parameter and KV-cache dtype.
+        seed: seeds the prompt ids.
+        max_seq_len: KV-cache tokens per slot; None = just enough (P + warmup_steps + steps + 1).
+    """
+
+    layouts: tuple[str, ...] = ("1x1",)
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prompt_lens: tuple[int, ...] = (128,)
+    steps: int = 16
+    warmup_steps: int = 2
+    dtype: str = "float32"
+    seed: int = 0
+    max_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layouts or not self.batches or not self.prompt_lens:
+            raise ValueError("layouts, batches and prompt_lens must each name at least one value")
+        if min(self.batches) < 1 or min(self.prompt_lens) < 1:
+            raise ValueError(f"batches and prompt lengths must be >= 1, got {self.batches} and {self.prompt_lens}")
+        if self.steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got {self.steps} and {self.warmup_steps}")
+        if self.max_seq_len is not None and self.max_seq_len < max(self.prompt_lens) + self.warmup_steps + self.steps:
+            raise ValueError(
+                f"max_seq_len {self.max_seq_len} < longest prompt + warm-up + timed steps "
+                f"({max(self.prompt_lens) + self.warmup_steps + self.steps})"
+            )
+
+    def seq_len(self, prompt_len: int) -> int:
+        return self.max_seq_len or prompt_len + self.warmup_steps + self.steps + 1
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """[batch, prompt_len] int32 ids from a RNG seeded by (seed, prompt_len): row i is the same for
+    every batch size and layout."""
+    rng = np.random.default_rng([seed, prompt_len])
+    return rng.integers(0, vocab_size, size=(batch, prompt_len), dtype=np.int32)
+
+
+def _ms(seconds: float) -> float:
+    return 1e3 * seconds
+
+
+def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: int) -> dict[str, Any]:
+    """Prefill ``prompts`` (one per slot, B = the engine's slot count), then decode; see the module
+    docstring. Returns the timing fields of one row."""
+    from service.engine import pick_bucket
+    from service.request import SamplingOptions
+
+    B, P = prompts.shape
+    if engine.ecfg.num_slots != B:
+        raise ValueError(f"the engine has {engine.ecfg.num_slots} slots; the sweep fills exactly B = {B}")
+    greedy = SamplingOptions(temperature=0.0)
+    for slot in range(B):
+        engine.set_sampling(slot, greedy)
+
+    t0 = time.perf_counter()
+    engine.prefill(0, prompts[0].tolist(), 0).host()
+    first_prefill = time.perf_counter() - t0
+    prefill_s = []
+    tokens = np.zeros(B, np.int32)
+    for slot in range(B):
+        t0 = time.perf_counter()
+        host = engine.prefill(slot, prompts[slot].tolist(), 0).host()
+        prefill_s.append(time.perf_counter() - t0)
+        tokens[slot] = host.ids[0]
+
+    # Compile each decode window the steps will use. The step at position p writes p before it
+    # attends to it, so these throwaway steps' writes are overwritten before anything reads them.
+    last = P + warmup_steps + steps - 1
+    first_pos: dict[int, int] = {}
+    for p in range(P, last + 1):
+        first_pos.setdefault(pick_bucket(p + 1, engine.decode_windows), p)
+    first_decode: dict[int, float] = {}
+    for window, p in first_pos.items():
+        t0 = time.perf_counter()
+        engine.decode(tokens, np.full(B, p, np.int32)).host()
+        first_decode[window] = time.perf_counter() - t0
+
+    positions = np.full(B, P, np.int32)
+    step_s = []
+    for i in range(warmup_steps + steps):
+        t0 = time.perf_counter()
+        host = engine.decode(tokens, positions).host()
+        dt = time.perf_counter() - t0
+        tokens, positions = host.ids, positions + 1
+        if i >= warmup_steps:
+            step_s.append(dt)
+
+    prefill = statistics.median(prefill_s)
+    tpot = statistics.median(step_s)
+    compile_prefill = max(0.0, first_prefill - prefill)
+    compile_decode = sum(max(0.0, t - tpot) for t in first_decode.values())
+    return {
+        "decode_window": max(first_pos),
+        "compile_prefill_s": compile_prefill,
+        "compile_decode_s": compile_decode,
+        "compile_s": compile_prefill + compile_decode,
+        "prefill_ms": _ms(prefill),
+        "prefill_min_ms": _ms(min(prefill_s)),
+        "prefill_tok_s": P / prefill,
+        "warmup_steps": warmup_steps,
+        "steps": steps,
+        "tpot_ms": _ms(tpot),
+        "tpot_min_ms": _ms(min(step_s)),
+        "tpot_max_ms": _ms(max(step_s)),
+        "decode_tok_s": B / tpot,
+    }
+
+
+# ---- the roofline overlay ----------------------------------------------------------------------
+Predictor = Callable[[Any, Any, int, int, int, str], dict[str, Any]]
+
+# Accelerator device kinds (``jax.devices()[0].device_kind``, lower case) -> hardware presets.
+DEVICE_KIND_PRESETS = (("h200", "h200"), ("h100", "h100-sxm"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
+                       ("v5p", "tpu-v5p"), ("v6", "tpu-v6e"))  # fmt: skip
+
+
+def roofline_predictor(hardware: str | None, platform_name: str, device_kind: str) -> tuple[Predictor | None, str]:
+    """A function (cfg, plan, batch, prompt_len, context_len, dtype) -> predicted fields from
+    ``sharding.roofline``, and a line saying which hardware it models or why there is none."""
+    if hardware in ("none", ""):
+        return None, "roofline overlay off (--hardware none)"
+    try:
+        from sharding import roofline as rl
+    except ImportError as exc:
+        return None, f"no roofline overlay: sharding/roofline.py is not importable ({exc})"
+    name = hardware
+    if name in (None, "auto"):
+        if platform_name == "cpu":
+            name = "cpu-this-machine"
+        else:
+            kind = device_kind.lower()
+            name = next((preset for key, preset in DEVICE_KIND_PRESETS if key in kind), None)
+            if name is None:
+                return None, f"no roofline overlay: no hardware preset for {device_kind!r} (pass --hardware)"
+    try:
+        hw = rl.load_hardware(name)
+    except Exception as exc:  # the roofline module is young: never let it sink a sweep
+        return None, f"no roofline overlay: {exc}"
+
+    def predict(cfg: Any, plan: Any, batch: int, prompt_len: int, context_len: int, dtype: str) -> dict[str, Any]:
+        par = rl.Parallelism.from_plan(plan)
+        wl = rl.Workload(batch=batch // par.dp, context_len=context_len, prompt_len=prompt_len, dtype=dtype)
+        r = rl.roofline(cfg, hw, par, wl)
+        return {
+            "predicted_tpot_ms": _ms(r.tpot_s),
+            "predicted_ttft_ms": _ms(r.ttft_s),
+            "predicted_tok_s": r.tokens_per_s,
+            "predicted_regime": r.regime,
+            "_predicted_memory_s": r.decode.memory_s,
+        }
+
+    bandwidth = f"{hw.hbm_bytes_per_s / 1e9:.1f} GB/s"
+    peak = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in hw.peak_flops.items())
+    return predict, f"roofline overlay: hardware {name!r} ({bandwidth}, {peak})"
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def load_model(
+    model: str | None, cache_dir: str | None, random: bool, tiny: bool, seed: int = 0, dtype: str = "float32"
+) -> tuple[Any, Any, Any, str]:
+    """(cfg, graphdef, params, description) of the model to time; random weights are made in ``dtype``
+    (the engine casts only host weights).
+
+    ``tiny``: random weights at ``LlamaConfig.tiny()``'s shapes; ``random``: random weights at the
+    model's shapes (reads only its config); else the model's own weights (GGUF, Hugging Face
+    directory, or converted checkpoint).
+    """
+    import jax.numpy as jnp
+
+    from model.config import LlamaConfig
+    from model.loader import load_gguf_model, load_hf_model, model_format, random_llama, read_model_config
+
+    if tiny:
+        cfg = LlamaConfig.tiny()
+        return (cfg, *random_llama(cfg, seed, jnp.dtype(dtype)), "random weights, LlamaConfig.tiny()")
+    from model.fetch import resolve_model
+
+    path = resolve_model(model, cache_dir)
+    if random:
+        cfg = read_model_config(path)
+        return (cfg, *random_llama(cfg, seed, jnp.dtype(dtype)), f"random weights at the shapes of {path}")
+    kind = model_format(path)
+    if kind == "gguf":
+        cfg, graphdef, params = load_gguf_model(path, jnp.float32)
+    elif kind == "hf":
+        cfg, graphdef, params = load_hf_model(path)
+    else:
+        import jax
+        from flax import nnx
+
+        from model.checkpoint import read_checkpoint_config, restore_checkpoint
+        from model.loader import abstract_llama
+        from sharding.layouts import Layout
+        from sharding.mesh import make_mesh
+        from sharding.plan import make_plan
+        from sharding.rules import param_shardings
+
+        cfg = read_checkpoint_config(path)[0]
+        one = Layout("1x1")
+        graphdef, params = abstract_llama(cfg, jnp.dtype(dtype))
+        shardings = param_shardings(params, make_mesh(one, jax.devices()[:1]), make_plan(one, cfg).rules)
+        nnx.replace_by_pure_dict(params, restore_checkpoint(path, shardings, dtype))
+    return cfg, graphdef, params, f"{path} ({kind})"
+
+
+def default_layouts(num_devices: int) -> list[str]:
+    """1x1, plus 1xN (tensor parallel) and Nx1 (data parallel) over all N devices when N > 1."""
+    return ["1x1"] if num_devices == 1 else ["1x1", f"1x{num_devices}", f"{num_devices}x1"]
+
+
+# ---- the sweep -----------------------------------------------------------------------------------
+def run_sweep(
+    scfg: SweepConfig,
+    cfg: Any,
+    graphdef: Any,
+    params: Any,
+    predictor: Predictor | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every (layout, prompt length, batch) point, in that nesting order, as one row each (keys:
+    ``FIELDS``). Points that cannot be built (too few devices, an axis that does not divide)
+    are rows with ``status`` "skipped: <why>"; failures are "error: <what>"."""
+    from service.engine import Engine, EngineConfig
+    from sharding.layouts import LayoutError, load_layout
+    from sharding.plan import make_plan
+
+    rows = []
+    for name in scfg.layouts:
+        for P in scfg.prompt_lens:
+            prompts = make_prompts(max(scfg.batches), P, cfg.vocab_size, scfg.seed)
+            for B in scfg.batches:
+                row: dict[str, Any] = dict.fromkeys(FIELDS)
+                row.update(layout=name, batch=B, prompt_len=P, max_seq_len=scfg.seq_len(P))
+                engine = None
+                try:
+                    layout = load_layout(name)
+                    row.update(data=layout.data, model=layout.model, devices=layout.num_devices)
+                    plan = make_plan(layout, cfg, B)
+                    row["attention"] = plan.attention
+                    ecfg = EngineConfig(num_slots=B, max_seq_len=scfg.seq_len(P), chunk_size=P, dtype=scfg.dtype)
+                    t0 = time.perf_counter()
+                    engine = Engine(cfg, graphdef, params, layout, ecfg)
+                    row["setup_s"] = time.perf_counter() - t0
+                    row.update(measure_point(engine, prompts[:B], scfg.steps, scfg.warmup_steps))
+                    row["status"] = "ok"
+                except LayoutError as exc:
+                    row["status"] = f"skipped: {exc}"
+                except Exception as exc:
+                    log.exception("sweep point %s B=%d P=%d failed", name, B, P)
+                    row["status"] = f"error: {type(exc).__name__}: {exc}"
+                finally:
+                    del engine
+                    gc.collect()
+                if row["status"] == "ok" and predictor is not None:
+                    try:
+                        pred = predictor(cfg, plan, B, P, row["decode_window"], scfg.dtype)
+                        memory_s = pred.pop("_predicted_memory_s")
+                        row.update(pred)
+                        row["roofline_fraction"] = row["predicted_tpot_ms"] / row["tpot_ms"]
+                        row["mbu"] = _ms(memory_s) / row["tpot_ms"]
+                    except Exception as exc:  # a prediction must never lose a measurement
+                        log.warning("roofline prediction failed for %s B=%d P=%d: %s", name, B, P, exc)
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+    return rows
+
+
+# ---- outputs -------------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    head = f"{row['layout']:>8s} B={row['batch']:<4d} P={row['prompt_len']:<5d}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}"
+    pred = "" if row["predicted_tpot_ms"] is None else f" (roofline {row['predicted_tpot_ms']:.2f} ms)"
+    return (
+        f"{head} prefill {row['prefill_ms']:8.2f} ms/prompt  TPOT {row['tpot_ms']:8.2f} ms{pred}  "
+        f"{row['decode_tok_s']:8.1f} tok/s  compile {row['compile_s']:.1f} s"
+    )
+
+
+def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write ``sweep.csv``, ``sweep.json`` and (with matplotlib) the plots; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "sweep.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in FIELDS})
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return [out / "sweep.csv", out / "sweep.json", *plot_results(rows, out)]
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (tpot, throughput) points no other point beats on both (lower TPOT, higher throughput),
+    by increasing TPOT."""
+    front: list[tuple[float, float]] = []
+    for tpot, tput in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or tput > front[-1][1]:
+            front.append((tpot, tput))
+    return front
+
+
+def plot_results(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """``pareto.png`` and ``step_time.png`` in ``out_dir``; [] when matplotlib is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.info("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return []
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return []
+    series: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in ok:
+        series.setdefault((r["layout"], r["prompt_len"]), []).append(r)
+    several_p = len({p for _, p in series}) > 1
+    has_pred = any(r["predicted_tpot_ms"] is not None for r in ok)
+    colors = [f"C{i % 10}" for i in range(len(series))]
+
+    def label(key: tuple[str, int]) -> str:
+        return f"{key[0]}, P={key[1]}" if several_p else key[0]
+
+    fig = Figure(figsize=(8, 6))
+    ax = fig.add_subplot()
+    for color, (key, rs) in zip(colors, series.items(), strict=True):
+        rs = sorted(rs, key=lambda r: r["batch"])
+        ax.plot([r["tpot_ms"] for r in rs], [r["decode_tok_s"] for r in rs], "o-", color=color, label=label(key))
+        for r in rs:
+            ax.annotate(f"B={r['batch']}", (r["tpot_ms"], r["decode_tok_s"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+        pred = [r for r in rs if r["predicted_tpot_ms"] is not None]
+        if pred:
+            ax.plot([r["predicted_tpot_ms"] for r in pred], [r["predicted_tok_s"] for r in pred], "x--",
+                    color=color, alpha=0.6, label=f"{label(key)} (roofline)")  # fmt: skip
+    front = pareto_front([(r["tpot_ms"], r["decode_tok_s"]) for r in ok])
+    ax.step([p[0] for p in front], [p[1] for p in front], "k:", where="post", lw=1, label="Pareto frontier (measured)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("TPOT: decode step time (ms)")
+    ax.set_ylabel("decode throughput, all slots (tokens/s)")
+    ax.set_title("Throughput vs per-token latency" + (" (dashed: roofline)" if has_pred else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out_dir / "pareto.png", dpi=120, bbox_inches="tight")
+
+    fig = Figure(figsize=(8, 6))
+    ax = fig.add_subplot()
+    for color, (key, rs) in zip(colors, series.items(), strict=True):
+        rs = sorted(rs, key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in rs], [r["tpot_ms"] for r in rs], "o-", color=color, label=label(key))
+        pred = [r for r in rs if r["predicted_tpot_ms"] is not None]
+        if pred:
+            ax.plot([r["batch"] for r in pred], [r["predicted_tpot_ms"] for r in pred], "x--",
+                    color=color, alpha=0.6, label=f"{label(key)} (roofline)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B (decoding slots)")
+    ax.set_ylabel("decode step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Step time vs batch: flat while memory-bound, rising past the compute-bound knee")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out_dir / "step_time.png", dpi=120, bbox_inches="tight")
+    return [out_dir / "pareto.png", out_dir / "step_time.png"]
+
+
+# ---- command line -------------------------------------------------------------------------------
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``meshserve sweep`` flags."""
+    p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--cache-dir")
+    p.add_argument("--random", action="store_true", help="random weights at the model's shapes (speed is the same)")
+    p.add_argument("--tiny", action="store_true", help="random weights at LlamaConfig.tiny()'s shapes (smoke tests)")
+    p.add_argument("--layouts", nargs="+", help="presets or DxM (default: 1x1, 1xN and Nx1 over the N devices)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64], help="(%(default)s)")
+    p.add_argument("--prompt-lens", nargs="+", type=int, default=[128], help="prompt tokens (%(default)s)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per point (%(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (%(default)s)")
+    p.add_argument("--max-seq-len", type=int, help="KV tokens per slot (default: prompt + steps + 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompt ids and random weights (%(default)s)")
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        help="roofline preset for the overlay (configs/hardware.yaml), 'auto' (this CPU, or the accelerator's "
+        "kind) or 'none' (%(default)s)",
+    )
+    p.add_argument("--cpu-devices", type=int, help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--out", default="sweep-results", help="directory for CSV, JSON and plots (%(default)s)")
+
+
+def _set_cpu_devices(n: int) -> None:
+    if "jax" in sys.modules:
+        import jax
+
+        if jax.device_count() != n:
+            print(f"meshserve sweep: JAX is already started with {jax.device_count()} devices; --cpu-devices ignored",
+                  file=sys.stderr)  # fmt: skip
+        return
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run ``meshserve sweep``: print a line per point, write the results, say where."""
+    if args.cpu_devices:
+        _set_cpu_devices(args.cpu_devices)
+    import jax
+
+    devices = jax.devices()
+    try:
+        scfg = SweepConfig(
+            layouts=tuple(args.layouts or default_layouts(len(devices))),
+            batches=tuple(args.batches),
+            prompt_lens=tuple(args.prompt_lens),
+            steps=args.steps,
+            warmup_steps=args.warmup_steps,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_seq_len=args.max_seq_len,
+        )
+        cfg, graphdef, params, source = load_model(
+            args.model, args.cache_dir, args.random, args.tiny, args.seed, args.dtype
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"meshserve sweep: {exc}") from None
+    predictor, overlay = roofline_predictor(args.hardware, devices[0].platform, devices[0].device_kind)
+    print(
+        f"meshserve sweep: {source}; {cfg.param_count() / 1e6:.1f} M parameters, {args.dtype}; "
+        f"{len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind})\n  {overlay}",
+        file=sys.stderr,
+    )
+    meta = {
+        "model": source,
+        "config": dataclasses.asdict(cfg),
+        "parameters": cfg.param_count(),
+        "sweep": dataclasses.asdict(scfg),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "roofline": overlay,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    rows = run_sweep(scfg, cfg, graphdef, params, predictor, progress=lambda r: print(format_row(r), flush=True))
+    paths = write_results(rows, meta, args.out)
+    print(f"meshserve sweep: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    if not any(p.suffix == ".png" for p in paths):
+        print("meshserve sweep: no plots (matplotlib missing: pip install -e '.[bench]')", file=sys.stderr)
+    return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in rows) else 1

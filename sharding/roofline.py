@@ -1,0 +1,570 @@
+"""An analytic roofline for one Llama config on one chip type, layout and workload (no JAX).
+
+What a step costs, per device of one model replica (a tensor-parallel group of ``tp`` devices;
+``dp`` such replicas serve independent sequences):
+
+* bytes from memory: every weight the step multiplies by, once per step whatever the batch, plus
+  the KV cache of every sequence in the batch (Pope et al. 2022, "Efficiently Scaling Transformer
+  Inference", §2: decode cost is dominated by loading weights and the KV cache);
+* FLOPs: 2 per weight per token for the matmuls, plus attention: 4·N·H per (query, key) pair
+  (QKᵀ and PV), causal in prefill (T(T+1)/2 pairs), B·S pairs in decode;
+* collectives: each tensor-parallel all-reduce of the residual stream, B·D·itemsize bytes, costs
+  ``2(n-1)/n · bytes / W_ici`` on a ring of n devices (plus ``2(n-1)`` hop latencies if given).
+
+Step time = max(bytes / W_hbm, FLOPs / peak) + collective time: the roofline of Williams et al.
+(2009) as the JAX scaling book's inference chapter applies it ("How to Scale Your Model",
+jax-ml/scaling-book ``inference.md``, §"rooflines": T_step ≈ B·KV/W_hbm + max(2·B·P/C, P·bytes/W_hbm)),
+with collectives not overlapped (an upper bound; XLA may overlap some). Decode is memory-bound
+while the arithmetic intensity FLOPs/bytes is below the hardware's ridge C / W_hbm (FLOP/byte); for
+the weight matmuls that intensity is 2·B/itemsize, so the critical batch is
+``B_crit = (C / W_hbm) · itemsize / 2`` (bf16: B_crit = C / W_hbm, e.g. 333 for 1e15 FLOP/s and
+3e12 B/s). KV reads never amortize over the batch (attention intensity ≈ 1 FLOP/byte in bf16,
+scaling book §"attention"), so with a long context decode can stay memory-bound at any batch.
+
+Which weights a device holds follows ``sharding/plan.py`` (Megatron TP, Shoeybi et al. 2019):
+MLP and vocabulary split over ``tp``; attention and the KV cache split over heads in ``heads``
+mode, whole on each device in ``replicated`` mode; norms replicated. All-reduces per layer:
+2 in ``heads`` mode (after O and after down), 1 in ``replicated`` mode, plus 1 for the embedding
+lookup of the vocabulary-split table. meshserve keeps the residual stream in float32, so the
+all-reduced activations are 4 bytes per element whatever the weight dtype.
+
+Simplifications (an ideal to measure against, not a simulator): no kernel-launch or host
+overhead, no chunked-prefill re-reads, the LM head evaluated on the last prompt position only
+(as ``model.llama.prefill`` does), sampling and the vocabulary-split logits' small reductions
+not counted, a decode step reading exactly ``context_len`` KV positions per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from model.config import LlamaConfig
+
+HARDWARE_FILE = Path(__file__).resolve().parent.parent / "configs" / "hardware.yaml"
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+ATTENTION_MODES = ("heads", "replicated")
+
+
+class HardwareError(ValueError):
+    """Unknown hardware preset, or a dtype the preset has no peak for."""
+
+
+# ---- hardware -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One chip's limits.
+
+    Attributes:
+        name: preset name (a key of ``configs/hardware.yaml``).
+        hbm_bytes_per_s: memory bandwidth, bytes/s.
+        peak_flops: dense matmul peak, FLOP/s, by dtype name.
+        interconnect_bytes_per_s: bytes/s one device sends into a ring collective.
+        memory_bytes: memory capacity, bytes (None = unknown).
+        description: one line for tables.
+        source: where the numbers come from.
+        shared: the figures are one machine's totals that every device of a mesh shares (fake
+            XLA CPU devices on one host): each of n devices gets 1/n of each.
+    """
+
+    name: str
+    hbm_bytes_per_s: float
+    peak_flops: dict[str, float]
+    interconnect_bytes_per_s: float
+    memory_bytes: float | None = None
+    description: str = ""
+    source: str = ""
+    shared: bool = False
+
+    def per_device(self, num_devices: int) -> Hardware:
+        """What one of ``num_devices`` mesh devices gets: itself, or 1/n of a shared machine."""
+        if not self.shared or num_devices == 1:
+            return self
+        n = float(num_devices)
+        return dataclasses.replace(
+            self,
+            hbm_bytes_per_s=self.hbm_bytes_per_s / n,
+            peak_flops={k: v / n for k, v in self.peak_flops.items()},
+            interconnect_bytes_per_s=self.interconnect_bytes_per_s / n,
+            memory_bytes=None if self.memory_bytes is None else self.memory_bytes / n,
+        )
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for matmuls in ``dtype``.
+
+        Raises:
+            HardwareError: the preset gives no peak for that dtype.
+        """
+        if dtype not in self.peak_flops:
+            raise HardwareError(
+                f"hardware {self.name!r} has no {dtype} peak (it has: {', '.join(sorted(self.peak_flops))})"
+                + ("; bfloat16 has no native support on this CPU (peers.md)" if self.name.startswith("cpu") else "")
+            )
+        return self.peak_flops[dtype]
+
+    def ridge(self, dtype: str) -> float:
+        """The ridge point C / W_hbm in FLOP/byte: below it a kernel is memory-bound."""
+        return self.peak(dtype) / self.hbm_bytes_per_s
+
+
+def _total_memory_bytes() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def measure_cpu(read_bytes: int = 512 * 2**20, matmul_n: int = 2048, repeats: int = 3) -> tuple[float, float]:
+    """Measure this CPU once per process (cached per argument set): (read bytes/s, float32 FLOP/s).
+
+    Read bandwidth: the best of ``repeats`` numpy sums over a ``read_bytes`` float32 array (a
+    streaming read, as a batch-1 decode step reads its weights). Peak: the best of ``repeats``
+    ``matmul_n``³ float32 matmuls (2·n³ FLOPs each; numpy's BLAS sgemm on all cores).
+    """
+    a = np.ones(read_bytes // 4, dtype=np.float32)
+    a.sum()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    bandwidth = a.nbytes / best
+    del a
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((matmul_n, matmul_n), dtype=np.float32)
+    y = rng.standard_normal((matmul_n, matmul_n), dtype=np.float32)
+    x @ y
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - t0)
+    return bandwidth, 2.0 * matmul_n**3 / best
+
+
+def _read_presets(path: Path = HARDWARE_FILE) -> dict[str, dict[str, Any]]:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def hardware_names(path: Path = HARDWARE_FILE) -> list[str]:
+    """The preset names in ``configs/hardware.yaml``, in file order."""
+    return list(_read_presets(path))
+
+
+def load_hardware(name: str, path: Path = HARDWARE_FILE) -> Hardware:
+    """A preset from ``configs/hardware.yaml``; ``measure: cpu`` presets run :func:`measure_cpu`.
+
+    Raises:
+        HardwareError: no such preset (the message lists them).
+    """
+    presets = _read_presets(path)
+    if name not in presets:
+        raise HardwareError(f"unknown hardware {name!r}; presets: {', '.join(presets)}")
+    entry = presets[name]
+    common: dict[str, Any] = {
+        "name": name,
+        "description": str(entry.get("description", "")),
+        "source": str(entry.get("source", "")),
+        "shared": bool(entry.get("shared", False)),
+    }
+    if entry.get("measure") == "cpu":
+        bandwidth, flops = measure_cpu()
+        return Hardware(
+            hbm_bytes_per_s=bandwidth,
+            peak_flops={"float32": flops},
+            interconnect_bytes_per_s=bandwidth,
+            memory_bytes=_total_memory_bytes(),
+            **common,
+        )
+    memory = entry.get("memory_bytes")
+    return Hardware(
+        hbm_bytes_per_s=float(entry["hbm_bytes_per_s"]),
+        peak_flops={str(k): float(v) for k, v in entry["peak_flops"].items()},
+        interconnect_bytes_per_s=float(entry["interconnect_bytes_per_s"]),
+        memory_bytes=None if memory is None else float(memory),
+        **common,
+    )
+
+
+# ---- utilization ----------------------------------------------------------------------------------
+def mbu(bytes_per_step: float, step_s: float, bandwidth: float) -> float:
+    """Model bandwidth utilization: achieved bytes/s over the peak, (bytes / step time) / W_hbm."""
+    return bytes_per_step / step_s / bandwidth
+
+
+def mfu(flops_per_step: float, step_s: float, peak: float) -> float:
+    """Model FLOPs utilization (Chowdhery et al. 2022, PaLM, §4.1): (FLOPs / step time) / peak."""
+    return flops_per_step / step_s / peak
+
+
+def ring_all_reduce_s(nbytes: float, n: int, bandwidth: float, hop_latency_s: float = 0.0) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``n`` devices (reduce-scatter + all-gather):
+    ``2(n-1)/n · nbytes / bandwidth + 2(n-1) · hop_latency_s``; 0 for n = 1."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * hop_latency_s
+
+
+# ---- the model ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """A layout reduced to what the roofline needs.
+
+    Attributes:
+        dp: model replicas (the ``data`` mesh axis).
+        tp: devices per replica (the ``model`` mesh axis, tensor parallelism).
+        attention: ``"heads"`` (attention and KV split over heads) or ``"replicated"`` (whole on
+            each device), as ``sharding.plan.make_plan`` resolves it.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    attention: str = "heads"
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"dp and tp must be >= 1, got dp={self.dp} tp={self.tp}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> Parallelism:
+        """From a ``sharding.plan.ShardingPlan`` (duck-typed, so this module never imports JAX)."""
+        return cls(dp=plan.layout.data, tp=plan.layout.model, attention=plan.attention)
+
+    @property
+    def attn_split(self) -> int:
+        """How many ways attention weights and the KV cache are split."""
+        return self.tp if self.attention == "heads" else 1
+
+    @property
+    def all_reduces_per_layer(self) -> int:
+        """As ``ShardingPlan.all_reduces_per_layer``: 0 without TP, else 2 (heads) or 1 (replicated)."""
+        if self.tp == 1:
+            return 0
+        return 2 if self.attention == "heads" else 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is being served.
+
+    Attributes:
+        batch: sequences decoding together in each replica (per-replica batch B).
+        context_len: KV positions each sequence attends to in a decode step (S).
+        prompt_len: prompt tokens of the request whose TTFT is predicted (T).
+        dtype: weights and KV cache dtype.
+        act_itemsize: bytes per element of the all-reduced residual stream (4: meshserve keeps
+            it in float32).
+        hop_latency_s: fixed latency per ring hop of a collective (0 = bandwidth only; the scaling
+            book puts TPU ICI at about 1 µs per hop).
+    """
+
+    batch: int = 1
+    context_len: int = 2048
+    prompt_len: int = 128
+    dtype: str = "bfloat16"
+    act_itemsize: int = 4
+    hop_latency_s: float = 0.0
+
+    @property
+    def itemsize(self) -> int:
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(ITEMSIZE)}")
+        return ITEMSIZE[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """One step on one device of one replica.
+
+    Attributes:
+        flops: FLOPs.
+        weight_bytes, kv_bytes: bytes read from (KV: read or written to) memory.
+        collective_bytes: bytes this device sends into its all-reduces (ring: 2(n-1)/n each).
+        num_collectives: all-reduces in the step.
+        memory_s, compute_s, collective_s: bytes / W_hbm, FLOPs / peak, all-reduce time.
+    """
+
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+    collective_bytes: float
+    num_collectives: int
+    memory_s: float
+    compute_s: float
+    collective_s: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def time_s(self) -> float:
+        """max(memory, compute) + collectives (not overlapped)."""
+        return max(self.memory_s, self.compute_s) + self.collective_s
+
+    @property
+    def regime(self) -> str:
+        """``"memory"`` or ``"compute"``, whichever of the two roofline terms is larger."""
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per byte of memory traffic."""
+        return self.flops / self.memory_bytes if self.memory_bytes else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """The prediction for one (model, hardware, layout, workload).
+
+    Attributes:
+        prefill: one prompt of ``prompt_len`` tokens on one replica; its time is the TTFT.
+        decode: one decode step of ``batch`` sequences on one replica; its time is the TPOT.
+        ridge: the hardware's C / W_hbm, FLOP/byte.
+        critical_batch: batch at which the weight matmuls turn compute-bound, ridge · itemsize / 2.
+        weights_stored_bytes, kv_stored_bytes: per device: all weights held, and the KV cache of
+            ``batch`` sequences of ``context_len`` tokens.
+    """
+
+    hardware: Hardware
+    parallelism: Parallelism
+    workload: Workload
+    prefill: StepCost
+    decode: StepCost
+    ridge: float
+    critical_batch: float
+    weights_stored_bytes: float
+    kv_stored_bytes: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.time_s
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode.time_s
+
+    @property
+    def tokens_per_s_per_replica(self) -> float:
+        return self.workload.batch / self.tpot_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput of all replicas: dp · B / TPOT."""
+        return self.parallelism.dp * self.tokens_per_s_per_replica
+
+    @property
+    def regime(self) -> str:
+        return self.decode.regime
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether weights plus KV fit in one device's memory (None if the capacity is unknown)."""
+        if self.hardware.memory_bytes is None:
+            return None
+        return self.weights_stored_bytes + self.kv_stored_bytes <= self.hardware.memory_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers (seconds, bytes, FLOPs) for JSON."""
+
+        def step(s: StepCost) -> dict[str, Any]:
+            return {**dataclasses.asdict(s), "time_s": s.time_s, "regime": s.regime, "intensity": s.intensity}
+
+        return {
+            "hardware": self.hardware.name,
+            "dp": self.parallelism.dp,
+            "tp": self.parallelism.tp,
+            "attention": self.parallelism.attention,
+            **dataclasses.asdict(self.workload),
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_replica": self.tokens_per_s_per_replica,
+            "regime": self.regime,
+            "ridge_flop_per_byte": self.ridge,
+            "critical_batch": self.critical_batch,
+            "weights_stored_bytes": self.weights_stored_bytes,
+            "kv_stored_bytes": self.kv_stored_bytes,
+            "fits": self.fits,
+            "prefill": step(self.prefill),
+            "decode": step(self.decode),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Elements:
+    """Weight elements on one device, by group."""
+
+    attn: int  # Q, K, V, O of all layers
+    mlp: int  # gate, up, down of all layers
+    lm_head: int  # the output projection (the embedding table when tied)
+    embed: int  # a separate input embedding table (untied only; a step gathers rows of it)
+    norms: int
+
+    @property
+    def matmul(self) -> int:
+        return self.attn + self.mlp + self.lm_head
+
+
+def _elements(cfg: LlamaConfig, par: Parallelism) -> _Elements:
+    L, D, N, K, H, F, V = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    return _Elements(
+        attn=L * D * H * (2 * N + 2 * K) // par.attn_split,
+        mlp=L * 3 * D * F // par.tp,
+        lm_head=V * D // par.tp,
+        embed=0 if cfg.tie_word_embeddings else V * D // par.tp,
+        norms=(2 * cfg.num_layers + 1) * D,
+    )
+
+
+def weight_bytes_per_device(cfg: LlamaConfig, par: Parallelism, itemsize: int) -> int:
+    """Parameter bytes held by each device (equals ``ShardingPlan.weight_bytes_per_device``)."""
+    e = _elements(cfg, par)
+    return (e.matmul + e.embed + e.norms) * itemsize
+
+
+def _collectives(
+    cfg: LlamaConfig, par: Parallelism, tokens: int, hw: Hardware, wl: Workload
+) -> tuple[int, float, float]:
+    """(count, bytes sent per device, seconds) of one step's all-reduces over ``tokens`` rows."""
+    if par.tp == 1:
+        return 0, 0.0, 0.0
+    count = cfg.num_layers * par.all_reduces_per_layer + 1  # + the vocabulary-split embedding lookup
+    nbytes = tokens * cfg.hidden_size * wl.act_itemsize
+    sent = count * 2 * (par.tp - 1) / par.tp * nbytes
+    seconds = count * ring_all_reduce_s(nbytes, par.tp, hw.interconnect_bytes_per_s, wl.hop_latency_s)
+    return count, sent, seconds
+
+
+def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> StepCost:
+    """One decode step of ``wl.batch`` sequences at context ``wl.context_len``, per device.
+
+    bytes = (matmul weights + norms) · itemsize [+ B gathered embedding rows when untied]
+          + B · S · kv_bytes_per_token / attn_split
+    FLOPs = 2 · B · matmul weights + 4 · B · S · L · N · H / attn_split
+    """
+    e, w, B, S = _elements(cfg, par), wl.itemsize, wl.batch, wl.context_len
+    embed_rows = min(B, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
+    weight_bytes = (e.matmul + e.norms + embed_rows) * w
+    kv_bytes = B * S * cfg.kv_bytes_per_token(w) / par.attn_split
+    attn_flops = 4 * B * S * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
+    flops = 2 * B * e.matmul + attn_flops
+    count, sent, comm_s = _collectives(cfg, par, B, hw, wl)
+    return StepCost(
+        flops=float(flops),
+        weight_bytes=float(weight_bytes),
+        kv_bytes=float(kv_bytes),
+        collective_bytes=sent,
+        num_collectives=count,
+        memory_s=(weight_bytes + kv_bytes) / hw.hbm_bytes_per_s,
+        compute_s=flops / hw.peak(wl.dtype),
+        collective_s=comm_s,
+    )
+
+
+def prefill_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> StepCost:
+    """Prefill of one prompt of T = ``wl.prompt_len`` tokens on an empty cache, per device.
+
+    bytes = weights once + T embedding rows (untied) + T · kv_bytes_per_token written
+    FLOPs = 2 · T · (attention + MLP weights) + 2 · V · D / tp (LM head, last position)
+          + 2 · T(T+1) · L · N · H / attn_split (causal QKᵀ and PV: 4·N·H per pair, T(T+1)/2 pairs)
+    """
+    e, w, T = _elements(cfg, par), wl.itemsize, wl.prompt_len
+    embed_rows = min(T, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
+    weight_bytes = (e.matmul + e.norms + embed_rows) * w
+    kv_bytes = T * cfg.kv_bytes_per_token(w) / par.attn_split
+    attn_flops = 2 * T * (T + 1) * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
+    flops = 2 * T * (e.attn + e.mlp) + 2 * e.lm_head + attn_flops
+    count, sent, comm_s = _collectives(cfg, par, T, hw, wl)
+    return StepCost(
+        flops=float(flops),
+        weight_bytes=float(weight_bytes),
+        kv_bytes=float(kv_bytes),
+        collective_bytes=sent,
+        num_collectives=count,
+        memory_s=(weight_bytes + kv_bytes) / hw.hbm_bytes_per_s,
+        compute_s=flops / hw.peak(wl.dtype),
+        collective_s=comm_s,
+    )
+
+
+def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> Roofline:
+    """Predict TTFT, TPOT, throughput and the regime.
+
+    TTFT = prefill time of one prompt; TPOT = decode step time; throughput = dp · B / TPOT.
+    On ``shared`` hardware (fake CPU devices) each of the layout's devices gets 1/n of the machine.
+    """
+    hw = hw.per_device(par.num_devices)
+    ridge = hw.ridge(wl.dtype)
+    return Roofline(
+        hardware=hw,
+        parallelism=par,
+        workload=wl,
+        prefill=prefill_step(cfg, hw, par, wl),
+        decode=decode_step(cfg, hw, par, wl),
+        ridge=ridge,
+        critical_batch=ridge * wl.itemsize / 2,
+        weights_stored_bytes=float(weight_bytes_per_device(cfg, par, wl.itemsize)),
+        kv_stored_bytes=wl.batch * wl.context_len * cfg.kv_bytes_per_token(wl.itemsize) / par.attn_split,
+    )
+
+
+# ---- a table ----------------------------------------------------------------------------------------
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def _fmt_b(nbytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_table(rows: list[tuple[str, Roofline]]) -> str:
+    """A fixed-width table, one line per (label, prediction): decode bytes per step and device
+    split into weights / KV / collectives, the three time terms, TPOT, throughput, regime, TTFT."""
+    header = (
+        f"{'layout':10s} {'DxM':>5s} {'attn':>5s} {'B':>5s} {'weights':>9s} {'KV':>9s} {'coll':>9s} "
+        f"{'t_mem':>9s} {'t_flop':>9s} {'t_comm':>9s} {'TPOT':>9s} {'tok/s':>10s} {'regime':>7s} "
+        f"{'MBU@roof':>8s} {'TTFT':>9s} {'fits':>4s}"
+    )
+    lines = [header]
+    for label, r in rows:
+        d, p = r.decode, r.parallelism
+        fits = {True: "yes", False: "NO", None: "?"}[r.fits]
+        lines.append(
+            f"{label:10s} {p.dp}x{p.tp:<3d} {p.attention[:5]:>5s} {r.workload.batch:5d} {_fmt_b(d.weight_bytes):>9s} "
+            f"{_fmt_b(d.kv_bytes):>9s} {_fmt_b(d.collective_bytes):>9s} {_fmt_s(d.memory_s):>9s} "
+            f"{_fmt_s(d.compute_s):>9s} {_fmt_s(d.collective_s):>9s} {_fmt_s(r.tpot_s):>9s} "
+            f"{r.tokens_per_s:10.1f} {r.regime:>7s} "
+            f"{mbu(d.memory_bytes, r.tpot_s, r.hardware.hbm_bytes_per_s):8.0%} {_fmt_s(r.ttft_s):>9s} {fits:>4s}"
+        )
+    return "\n".join(lines)

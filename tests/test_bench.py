@@ -1,0 +1,208 @@
+"""``meshserve bench``: the statistics on a hand-made trace, and a short run against a real server
+on a tiny random model (sane fields only, never timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.bench import (
+    BenchConfig,
+    format_report,
+    goodput,
+    load_jsonl,
+    parse_range,
+    percentile,
+    poisson_offsets,
+    record_from_chunks,
+    summarize,
+    summarize_run,
+    synthetic_specs,
+    write_report,
+)
+
+
+def trace() -> list:
+    """Four requests: (chunk arrival s, tokens in chunk) per chunk; the last chunk carries the finish."""
+    a = record_from_chunks(
+        0, 0.0, [(0.100, 1), (0.150, 1), (0.250, 2), (0.300, 0)], 0.300, 10, 4, "FINISH_REASON_LENGTH"
+    )
+    b = record_from_chunks(1, 0.5, [(0.200, 2), (0.400, 1)], 0.400, 20, 8, "FINISH_REASON_EOS")
+    c = record_from_chunks(2, 1.0, [(0.050, 1)], 0.060, 5, 1, "FINISH_REASON_LENGTH")
+    d = record_from_chunks(3, 1.5, [], 0.010, 7, 4, error="UNAVAILABLE")
+    return [a, b, c, d]
+
+
+def test_record_from_chunks() -> None:
+    a, b, c, d = trace()
+    assert a.ttft_s == 0.100 and a.output_tokens == 4 and a.e2e_s == 0.300
+    assert a.itl_s == pytest.approx([0.05, 0.05, 0.05])  # the 2-token chunk's 0.1 s gap is split
+    assert a.tpot_s == pytest.approx(0.05)  # (0.25 - 0.10) / (4 - 1)
+    assert b.itl_s == pytest.approx([0.0, 0.2])  # the second token came with the first
+    assert b.tpot_s == pytest.approx(0.1)
+    assert c.tpot_s is None and c.itl_s == [] and c.output_tokens == 1
+    assert not d.ok and d.ttft_s is None and d.output_tokens == 0
+
+
+def test_percentiles_by_hand() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([10.0, 20.0], 50) == 15.0
+    assert math.isnan(percentile([], 50))
+    s = summarize([0.001, 0.003], scale=1e3)
+    assert s == {"count": 2, "mean": 2.0, "min": 1.0, "p50": 2.0, "p90": 2.8, "p99": pytest.approx(2.98), "max": 3.0}
+
+
+def test_summarize_run_on_the_trace() -> None:
+    report = summarize_run(trace(), duration_s=2.0, slo_ttft_ms=150, slo_tpot_ms=60)
+    assert (report["num_requests"], report["completed"], report["failed"]) == (4, 3, 1)
+    assert report["errors"] == {"UNAVAILABLE": 1}
+    assert report["finish_reasons"] == {"FINISH_REASON_LENGTH": 2, "FINISH_REASON_EOS": 1}
+    assert (report["prompt_tokens"], report["output_tokens"], report["requested_output_tokens"]) == (35, 8, 13)
+    assert report["requests_per_s"] == 1.5
+    assert report["output_tokens_per_s"] == 4.0
+    assert report["total_tokens_per_s"] == 21.5
+    ttft = report["ttft_ms"]  # 100, 200, 50
+    assert (ttft["count"], ttft["p50"], ttft["min"], ttft["max"]) == (3, pytest.approx(100), 50, 200)
+    tpot = report["tpot_ms"]  # 50, 100
+    assert (tpot["p50"], tpot["p90"], tpot["p99"]) == (pytest.approx(75), pytest.approx(95), pytest.approx(99.5))
+    itl = report["itl_ms"]  # 0, 50, 50, 50, 200
+    assert itl["count"] == 5
+    assert (itl["p50"], itl["p90"], itl["p99"]) == (pytest.approx(50), pytest.approx(140), pytest.approx(194))
+    assert report["e2e_ms"]["max"] == pytest.approx(400)
+    # Goodput: a meets both bounds, b's TTFT is 200 > 150, c has one token (no TPOT) and meets, d failed.
+    g = report["goodput"]
+    assert (g["requests"], g["fraction"], g["requests_per_s"]) == (2, 0.5, 1.0)
+    assert goodput(trace(), 2.0, None, None)["requests"] == 3  # no SLO: every completed request
+    assert goodput(trace(), 2.0, None, 40)["requests"] == 1  # only c (no TPOT)
+    assert "goodput (TTFT <= 150 ms and TPOT <= 60 ms): 1.00 req/s" in format_report(report)
+
+
+def test_write_report_turns_nan_into_null(tmp_path: Path) -> None:
+    report = summarize_run([], duration_s=0.0)
+    write_report(report, tmp_path / "r.json")
+    loaded = json.loads((tmp_path / "r.json").read_text())
+    assert loaded["ttft_ms"]["p50"] is None and loaded["completed"] == 0
+
+
+def test_parse_range_and_config_checks() -> None:
+    assert parse_range("128") == (128, 128)
+    assert parse_range("64:256") == (64, 256)
+    for bad in ("0", "9:3", "x", "1:y"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+    with pytest.raises(ValueError, match="rate"):
+        BenchConfig(concurrency=None, rate=0.0)
+    with pytest.raises(ValueError, match="concurrency"):
+        BenchConfig(concurrency=None, rate=None)
+
+
+def test_poisson_offsets_are_seeded() -> None:
+    a = poisson_offsets(2000, 50.0, np.random.default_rng(1))
+    assert a == poisson_offsets(2000, 50.0, np.random.default_rng(1))
+    assert a[0] == 0.0 and a == sorted(a)
+    assert a[-1] / 1999 == pytest.approx(1 / 50.0, rel=0.1)  # mean gap 1/rate
+
+
+def test_synthetic_specs_have_exact_lengths() -> None:
+    specs = synthetic_specs(50, (3, 9), (2, 4), vocab_size=10, rng=np.random.default_rng(0), exclude_ids=[2])
+    assert all(3 <= s.sent_prompt_tokens <= 9 and 2 <= s.max_tokens <= 4 for s in specs)
+    assert all(2 not in s.token_ids for s in specs if s.token_ids is not None)
+    assert {s.sent_prompt_tokens for s in specs} == set(range(3, 10))
+
+
+def test_load_jsonl(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi", "max_tokens": 5}\n\n{"prompt": "yo"}\n{"token_ids": [1, 2]}\n')
+    specs = load_jsonl(path, (7, 7), np.random.default_rng(0))
+    assert [(s.prompt, s.token_ids, s.max_tokens) for s in specs] == [
+        ("hi", None, 5),
+        ("yo", None, 7),
+        (None, (1, 2), 7),
+    ]
+    path.write_text('{"prompt": "hi"}\n{"text": "x"}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        load_jsonl(path, (7, 7), np.random.default_rng(0))
+
+
+# ---- against a real server on a tiny random model ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:  # type: ignore[type-arg]
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from service.server import ServerConfig, ServerThread
+
+    model = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    cfg = ServerConfig(model=str(model), port=0, metrics_port=0, num_slots=2, max_seq_len=128, chunk_size=32)
+    srv = ServerThread(cfg).start()
+    yield srv
+    srv.stop()
+
+
+def _check_sane(report: dict, n: int) -> None:
+    assert report["num_requests"] == n and report["completed"] == n and report["failed"] == 0
+    assert report["output_tokens"] > 0 and report["prompt_tokens"] > 0
+    assert report["output_tokens"] <= report["requested_output_tokens"]
+    assert report["duration_s"] > 0 and report["output_tokens_per_s"] > 0
+    assert report["total_tokens_per_s"] > report["output_tokens_per_s"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = report[key]
+        assert s["count"] > 0
+        assert 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], key
+    assert report["ttft_ms"]["p50"] <= report["e2e_ms"]["p50"] or report["ttft_ms"]["count"] == n
+    assert len(report["requests"]) == n
+
+
+def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from service.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--address", tiny_server.address, "-n", "6", "--warmup", "1", "--concurrency", "2"]
+    argv += [
+        "--prompt-len",
+        "4:12",
+        "--output-len",
+        "4:8",
+        "--slo-ttft-ms",
+        "60000",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    _check_sane(report, 6)
+    # Prompts are token ids: the server counts exactly what was sent.
+    assert all(4 <= r["prompt_tokens"] <= 12 for r in report["requests"])
+    assert all(r["output_tokens"] <= r["max_tokens"] <= 8 for r in report["requests"])
+    assert report["server"]["num_slots"] == 2 and report["config"]["concurrency"] == 2
+    text = capsys.readouterr().out
+    assert "TTFT" in text and "goodput (TTFT <= 60000 ms)" in text
+
+
+def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from service.bench import run_bench
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "the hint", "max_tokens": 5}\n{"token_ids": [10, 11, 12], "max_tokens": 3}\n')
+    cfg = BenchConfig(
+        address=tiny_server.address,
+        num_requests=4,
+        warmup=0,
+        concurrency=None,
+        rate=20.0,
+        dataset=str(data),
+        progress=False,
+    )
+    report = run_bench(cfg)
+    _check_sane(report, 4)
+    assert [r["max_tokens"] for r in report["requests"]] == [5, 3, 5, 3]
+    starts = [r["start_s"] for r in report["requests"]]
+    assert starts == sorted(starts)

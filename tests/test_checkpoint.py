@@ -1,0 +1,252 @@
+"""Converted checkpoints: GGUF -> ``meshserve convert`` -> restore into a layout serves the same
+logits as the GGUF path, and a damaged checkpoint fails with an error that names the damage.
+
+Runs on the 8 CPU devices conftest.py asks for. Float32 throughout, so "the same" is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
+from model.config import LlamaConfig
+from model.loader import abstract_llama, load_gguf_model, model_format, random_llama
+from model.tokenizer import Tokenizer
+from service.engine import Engine, EngineConfig
+from sharding.layouts import load_layout
+from sharding.mesh import make_mesh
+from sharding.plan import make_plan
+from sharding.rules import param_shardings
+
+ECFG = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16)
+PROMPT = [1, 4093, 198, 504, 3575, 282, 4649, 314]  # "<|im_start|>user\nThe capital of France is"
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted with the real CLI (float32)."""
+    from service.cli import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "smollm2"
+    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    return load_gguf_model(smollm2_gguf)
+
+
+def restored_state(path: Path, cfg: LlamaConfig, layout_name: str) -> nnx.State:
+    layout = load_layout(layout_name)
+    _, state = abstract_llama(cfg)
+    shardings = param_shardings(state, make_mesh(layout), make_plan(layout, cfg, ECFG.num_slots).rules)
+    nnx.replace_by_pure_dict(state, restore_checkpoint(path, shardings, "float32"))
+    return state
+
+
+def prefill_logits(engine: Engine) -> np.ndarray:
+    return np.asarray(engine.prefill(0, PROMPT, 0).logits)[0]
+
+
+def test_checkpoint_is_recognised(converted: Path) -> None:
+    assert model_format(converted) == "checkpoint"
+    cfg, meta = read_checkpoint_config(converted)
+    assert meta["dtype"] == "float32" and meta["architecture"] == "llama"
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 9, 3, 49152)
+
+
+@pytest.mark.parametrize("layout_name", ["1x1", "1x4"])
+def test_restored_logits_equal_gguf(converted: Path, gguf_model, layout_name: str) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, gguf_params = gguf_model
+    assert read_checkpoint_config(converted)[0] == cfg
+    layout = load_layout(layout_name)
+    reference = prefill_logits(Engine(cfg, graphdef, gguf_params, layout, ECFG))
+
+    state = restored_state(converted, cfg, layout_name)
+    restored_leaves = jax.tree.leaves(state)
+    engine = Engine(cfg, graphdef, state, layout, ECFG)
+    # Restored straight into the engine's shardings: the engine placed nothing again.
+    for placed, restored, sharding in zip(
+        jax.tree.leaves(engine.params), restored_leaves, jax.tree.leaves(engine.param_sharding), strict=True
+    ):
+        assert placed is restored
+        assert placed.sharding == sharding
+    if layout.model == 4:
+        w_gate = engine.params["layers"]["w_gate"][...]
+        assert {s.data.shape for s in w_gate.addressable_shards} == {(30, 576, 1536 // 4)}
+    np.testing.assert_array_equal(prefill_logits(engine), reference)
+
+
+def test_service_serves_a_checkpoint(converted: Path, gguf_model, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    """GenerationService.load picks the checkpoint loader by the path and restores per pool."""
+    from service.server import GenerationService, ServerConfig
+
+    cfg, graphdef, gguf_params = gguf_model
+    service = GenerationService(
+        ServerConfig(
+            model=str(converted),
+            cache_dir=str(smollm2_gguf.parent),
+            layout="1x4",
+            num_slots=ECFG.num_slots,
+            max_seq_len=ECFG.max_seq_len,
+            chunk_size=ECFG.chunk_size,
+            metrics_port=0,
+        )
+    )
+    try:
+        service.load()
+    finally:
+        for pool in service.pools:
+            pool.loop.stop(5.0)
+    assert set(service.startup_seconds) == {"restore", "place", "compile", "warmup"}
+    assert service.info is not None and service.info.name == converted.name
+    engine = service.pools[0].loop.engine
+    reference = prefill_logits(Engine(cfg, graphdef, gguf_params, load_layout("1x4"), ECFG))
+    np.testing.assert_array_equal(prefill_logits(engine), reference)
+
+
+def test_checkpoint_tokenizer_equals_gguf(converted: Path, tokenizer: Tokenizer) -> None:
+    tok = Tokenizer.from_checkpoint(converted)
+    for text in ["Hello world", "x  1234 + 56", "<|im_start|>user\nÜber naïve café 🙂<|im_end|>"]:
+        assert tok.encode(text) == tokenizer.encode(text)
+        ids = tokenizer.encode(text)
+        assert tok.decode(ids) == tokenizer.decode(ids)
+    assert (tok.bos_id, tok.eos_ids, tok.special_ids, tok.vocab_size) == (
+        tokenizer.bos_id,
+        tokenizer.eos_ids,
+        tokenizer.special_ids,
+        tokenizer.vocab_size,
+    )
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+
+
+# ---- damage, on a tiny random model -----------------------------------------------------------
+TINY = LlamaConfig.tiny(vocab_size=49152, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    _, state = random_llama(TINY, seed=3)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    path = save_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", TINY, params, tokenizer, "bfloat16")
+    return path, params
+
+
+@pytest.fixture
+def tiny_copy(tiny_ckpt: tuple[Path, dict], tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_ckpt[0], tmp_path / "copy"))
+
+
+def one_device_shardings(cfg: LlamaConfig) -> nnx.State:
+    layout = load_layout("1x2")
+    _, state = abstract_llama(cfg)
+    return param_shardings(state, make_mesh(layout), make_plan(layout, cfg).rules)
+
+
+def test_bfloat16_storage_restores_as_requested(tiny_ckpt: tuple[Path, dict]) -> None:
+    path, params = tiny_ckpt
+    as_f32 = restore_checkpoint(path, one_device_shardings(TINY), "float32")
+    as_stored = restore_checkpoint(path, one_device_shardings(TINY))
+    assert as_f32["lm_head"].dtype == np.float32 and as_stored["lm_head"].dtype == ml_dtypes.bfloat16
+    expected = params["layers"]["w_up"].astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(as_stored["layers"]["w_up"]), expected)
+    np.testing.assert_array_equal(np.asarray(as_f32["layers"]["w_up"]), expected.astype(np.float32))
+
+
+def test_missing_array_chunk_is_named(tiny_copy: Path) -> None:
+    chunks = sorted(p for p in (tiny_copy / "params" / "layers.wq").iterdir() if not p.name.startswith("."))
+    chunks[0].unlink()
+    with pytest.raises(CheckpointError, match=r"truncated: array 'layers/wq' lacks chunk file params/layers\.wq/"):
+        restore_checkpoint(tiny_copy, one_device_shardings(TINY))
+
+
+def test_missing_array_directory_is_named(tiny_copy: Path) -> None:
+    shutil.rmtree(tiny_copy / "params" / "layers.w_down")
+    with pytest.raises(CheckpointError, match=r"truncated: array 'layers/w_down' \(params/layers\.w_down\) is missing"):
+        restore_checkpoint(tiny_copy, one_device_shardings(TINY))
+
+
+def test_damaged_chunk_fails_the_read(tiny_copy: Path) -> None:
+    """A chunk that is present but damaged is caught by the read. In a subprocess: orbax leaves
+    the other reads of a failed restore pending, and they complain when the interpreter exits."""
+    chunk = next(p for p in (tiny_copy / "params" / "embed").iterdir() if not p.name.startswith("."))
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    script = f"""
+import os
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from model.checkpoint import CheckpointError, restore_checkpoint
+from model.config import LlamaConfig
+from model.loader import abstract_llama
+mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+_, state = abstract_llama(LlamaConfig.tiny(vocab_size=49152, tie_word_embeddings=False))
+shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), nnx.to_pure_dict(state))
+try:
+    restore_checkpoint({str(tiny_copy)!r}, shardings)
+except CheckpointError as exc:
+    print("CheckpointError:", str(exc).splitlines()[0])
+"""
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert re.search(
+        r"CheckpointError: checkpoint .* is truncated or corrupt: reading its arrays failed", done.stdout
+    ), done.stdout + done.stderr[-2000:]
+
+
+def test_missing_metadata_or_tokenizer_is_named(tiny_copy: Path) -> None:
+    (tiny_copy / "meshserve_tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete: meshserve_tokenizer\.json is missing"):
+        restore_checkpoint(tiny_copy, one_device_shardings(TINY))
+    (tiny_copy / "params" / "_METADATA").unlink()
+    (tiny_copy / "meshserve_tokenizer.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="incomplete: params/_METADATA is missing"):
+        restore_checkpoint(tiny_copy, one_device_shardings(TINY))
+
+
+def test_wrong_architecture_is_rejected(tiny_copy: Path) -> None:
+    file = tiny_copy / "config.json"
+    config = json.loads(file.read_text())
+    file.write_text(json.dumps(config | {"architecture": "mistral"}))
+    with pytest.raises(CheckpointError, match="architecture 'mistral' is not supported; supported: llama"):
+        read_checkpoint_config(tiny_copy)
+    with pytest.raises(CheckpointError, match="architecture 'mistral' is not supported"):
+        restore_checkpoint(tiny_copy, one_device_shardings(TINY))
+
+
+def test_config_that_does_not_fit_the_arrays_is_rejected(tiny_copy: Path) -> None:
+    file = tiny_copy / "config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | {"intermediate_size": 256}))
+    cfg = read_checkpoint_config(tiny_copy)[0]
+    with pytest.raises(
+        CheckpointError, match=r"array 'layers/w_down' has shape \(2, 128, 64\), expected \(2, 256, 64\)"
+    ):
+        restore_checkpoint(tiny_copy, one_device_shardings(cfg))
+
+
+def test_save_refuses_a_non_empty_directory(tiny_ckpt: tuple[Path, dict], tokenizer: Tokenizer) -> None:
+    path, params = tiny_ckpt
+    with pytest.raises(FileExistsError, match="already exists"):
+        save_checkpoint(path, TINY, params, tokenizer)
+
+
+def test_save_rejects_params_that_do_not_fit_the_config(tiny_ckpt: tuple[Path, dict], tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, params = tiny_ckpt
+    broken = {k: v for k, v in params.items() if k != "lm_head"}
+    with pytest.raises(CheckpointError, match=r"params: array\(s\) \['lm_head'\] are missing"):
+        save_checkpoint(tmp_path / "x", TINY, broken, tokenizer)
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,212 @@
+"""The roofline model (sharding/roofline.py) against hand-computed cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from model.config import LlamaConfig
+from sharding import roofline as rl
+from sharding.roofline import Hardware, HardwareError, Parallelism, Workload, mbu, mfu, ring_all_reduce_s, roofline
+
+# SmolLM2-135M from peers.md: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
+# vocabulary 49152, tied embeddings; 134.5 M parameters.
+SMOLLM2 = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+)
+# peers.md: numpy read bandwidth ≈ 25 GB/s, fp32 sgemm ≈ 148 GFLOP/s on the 2-core build machine.
+PEERS_CPU = Hardware(
+    name="peers-cpu", hbm_bytes_per_s=25e9, peak_flops={"float32": 148e9}, interconnect_bytes_per_s=25e9
+)
+# The seeds' example chip: 1e15 FLOP/s, 3e12 B/s.
+CHIP = Hardware(name="chip", hbm_bytes_per_s=3e12, peak_flops={"bfloat16": 1e15}, interconnect_bytes_per_s=1e11)
+# A tied Llama-3-8B-shaped model with the MLP widened to make exactly ~8.0e9 parameters.
+EIGHT_B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=15595,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+)
+TINY = LlamaConfig.tiny()  # V=256 D=64 F=128 L=2 N=4 K=2 H=16, tied
+
+
+def test_seed_8b_example() -> None:
+    assert EIGHT_B.param_count() == pytest.approx(8.0e9, rel=1e-4)
+    r = roofline(EIGHT_B, CHIP, Parallelism(), Workload(batch=1, context_len=0, dtype="bfloat16"))
+    # 8B parameters x 2 bytes = 16 GB read per decode step; 16e9 / 3e12 = 5.33 ms.
+    assert r.decode.memory_bytes == pytest.approx(16.0e9, rel=1e-4)
+    assert r.tpot_s == pytest.approx(5.333e-3, rel=1e-3)
+    assert r.regime == "memory"
+    # Ridge 1e15 / 3e12 = 333 FLOP/byte; in bf16 (2 FLOPs per 2-byte weight per row) that is the batch.
+    assert r.ridge == pytest.approx(333.33, rel=1e-4)
+    assert r.critical_batch == pytest.approx(333.33, rel=1e-4)
+    below = roofline(EIGHT_B, CHIP, Parallelism(), Workload(batch=300, context_len=0))
+    above = roofline(EIGHT_B, CHIP, Parallelism(), Workload(batch=400, context_len=0))
+    assert below.regime == "memory" and above.regime == "compute"
+    # Compute-bound: 2 FLOPs per (matmul) parameter per token at 1e15 FLOP/s.
+    assert above.tpot_s == pytest.approx(2 * 400 * 8.0e9 / 1e15, rel=1e-3)
+
+
+def test_smollm2_fp32_decode_floor_on_peers_cpu() -> None:
+    r = roofline(SMOLLM2, PEERS_CPU, Parallelism(), Workload(batch=1, context_len=0, dtype="float32"))
+    # peers.md: 540 MB / 25 GB/s ≈ 21.6 ms per token (46 tok/s).
+    assert r.decode.weight_bytes == 4 * SMOLLM2.param_count() == 538_060_032
+    assert r.tpot_s == pytest.approx(21.6e-3, rel=5e-3)
+    assert r.tokens_per_s == pytest.approx(46.4, rel=5e-3)
+    # peers.md compute ceiling: 148 GFLOP/s / 0.27 GFLOP per token ≈ 548 tok/s.
+    big = roofline(SMOLLM2, PEERS_CPU, Parallelism(), Workload(batch=4096, context_len=0, dtype="float32"))
+    assert big.regime == "compute"
+    assert big.tokens_per_s == pytest.approx(548, rel=0.01)
+    # fp32 halves the rows per byte: the critical batch is twice the ridge (148/25 = 5.92 FLOP/byte).
+    assert r.ridge == pytest.approx(5.92) and r.critical_batch == pytest.approx(11.84)
+
+
+def test_smollm2_kv_bytes_and_context() -> None:
+    # 2 * 30 layers * 3 KV heads * 64 * 2 bytes = 23,040 B per token in bf16 (sharding-notes §0).
+    assert SMOLLM2.kv_bytes_per_token(2) == 23040
+    r = roofline(SMOLLM2, CHIP, Parallelism(), Workload(batch=64, context_len=2048))
+    assert r.decode.kv_bytes == 64 * 2048 * 23040
+    assert r.kv_stored_bytes == 64 * 2048 * 23040
+
+
+def test_tiny_decode_by_hand() -> None:
+    # Matmul weights: attention 2*64*16*(2*4 + 2*2) = 24576, MLP 2*3*64*128 = 49152, LM head 256*64 = 16384.
+    # Norms (2*2 + 1) * 64 = 320.
+    hw = Hardware(name="h", hbm_bytes_per_s=1e9, peak_flops={"float32": 1e9}, interconnect_bytes_per_s=1e9)
+    d = rl.decode_step(TINY, hw, Parallelism(), Workload(batch=2, context_len=10, dtype="float32"))
+    assert d.weight_bytes == (24576 + 49152 + 16384 + 320) * 4
+    assert d.kv_bytes == 2 * 10 * (2 * 2 * 2 * 16 * 4)  # B * S * 2(K,V) * L * K * H * 4 bytes
+    assert d.flops == 2 * 2 * (24576 + 49152 + 16384) + 4 * 2 * 10 * 2 * 4 * 16
+    assert d.memory_s == pytest.approx((d.weight_bytes + d.kv_bytes) / 1e9)
+    assert d.compute_s == pytest.approx(d.flops / 1e9)
+    assert d.collective_s == 0 and d.num_collectives == 0
+
+
+def test_tiny_prefill_by_hand() -> None:
+    hw = Hardware(name="h", hbm_bytes_per_s=1e9, peak_flops={"float32": 1e9}, interconnect_bytes_per_s=1e9)
+    p = rl.prefill_step(TINY, hw, Parallelism(), Workload(prompt_len=8, dtype="float32"))
+    # 2*T*(attention + MLP weights) + LM head on the last position + causal attention 2*T*(T+1)*L*N*H.
+    assert p.flops == 2 * 8 * (24576 + 49152) + 2 * 16384 + 2 * 8 * 9 * 2 * 4 * 16
+    assert p.kv_bytes == 8 * 512
+    r = roofline(TINY, hw, Parallelism(), Workload(prompt_len=8, dtype="float32"))
+    assert r.ttft_s == pytest.approx(max(p.memory_s, p.compute_s))
+
+
+def test_tp_collectives_by_hand() -> None:
+    hw = Hardware(name="h", hbm_bytes_per_s=4.8e12, peak_flops={"bfloat16": 989e12}, interconnect_bytes_per_s=450e9)
+    wl = Workload(batch=64, context_len=2048)
+    d = rl.decode_step(SMOLLM2, hw, Parallelism(tp=8, attention="replicated"), wl)
+    # replicated attention: 1 all-reduce per layer + 1 for the vocabulary-split embedding = 31,
+    # each of 64 rows x 576 x 4 bytes (float32 residual) = 147,456 B; ring 2*7/8 * bytes / 450 GB/s.
+    assert d.num_collectives == 31
+    assert d.collective_s == pytest.approx(31 * 2 * 7 / 8 * 147456 / 450e9)
+    assert d.collective_bytes == pytest.approx(31 * 2 * 7 / 8 * 147456)
+    heads = rl.decode_step(SMOLLM2, hw, Parallelism(tp=3, attention="heads"), wl)
+    assert heads.num_collectives == 61  # 2 per layer + 1
+    assert heads.kv_bytes == 64 * 2048 * 23040 / 3  # KV split over heads
+    # TPOT = max(memory, compute) + collectives.
+    r = roofline(SMOLLM2, hw, Parallelism(tp=8, attention="replicated"), wl)
+    assert r.tpot_s == pytest.approx(max(d.memory_s, d.compute_s) + d.collective_s)
+    lat = rl.decode_step(SMOLLM2, hw, Parallelism(tp=8, attention="replicated"), Workload(batch=64, hop_latency_s=1e-6))
+    assert lat.collective_s == pytest.approx(d.collective_s + 31 * 14 * 1e-6)
+
+
+def test_throughput_scales_with_data_parallel_replicas() -> None:
+    one = roofline(SMOLLM2, CHIP, Parallelism(dp=1), Workload(batch=16))
+    four = roofline(SMOLLM2, CHIP, Parallelism(dp=4), Workload(batch=16))
+    assert four.tpot_s == one.tpot_s
+    assert four.tokens_per_s == pytest.approx(4 * 16 / one.tpot_s)
+    # On shared hardware (fake CPU devices) four replicas split one machine: no gain.
+    shared = Hardware(
+        name="s", hbm_bytes_per_s=25e9, peak_flops={"float32": 148e9}, interconnect_bytes_per_s=25e9, shared=True
+    )
+    s1 = roofline(SMOLLM2, shared, Parallelism(dp=1), Workload(batch=16, dtype="float32"))
+    s4 = roofline(SMOLLM2, shared, Parallelism(dp=4), Workload(batch=16, dtype="float32"))
+    assert s4.tokens_per_s == pytest.approx(s1.tokens_per_s)
+
+
+@pytest.mark.parametrize("layout", ["single", "latency", "throughput", "hybrid", "tp3"])
+def test_bytes_per_device_agree_with_sharding_plan(layout: str) -> None:
+    from sharding.layouts import load_layout
+    from sharding.plan import make_plan
+
+    plan = make_plan(load_layout(layout), SMOLLM2, 8)
+    par = Parallelism.from_plan(plan)
+    for itemsize, dtype in ((4, "float32"), (2, "bfloat16")):
+        assert rl.weight_bytes_per_device(SMOLLM2, par, itemsize) == plan.weight_bytes_per_device(SMOLLM2, itemsize)
+        r = roofline(SMOLLM2, CHIP if dtype == "bfloat16" else PEERS_CPU, par, Workload(8 // par.dp, 2048, dtype=dtype))
+        assert r.kv_stored_bytes == plan.kv_bytes_per_device(SMOLLM2, 8, 2048, itemsize)
+        assert r.parallelism.all_reduces_per_layer == plan.all_reduces_per_layer
+
+
+def test_utilization_helpers() -> None:
+    assert mbu(16e9, 2 * 16e9 / 3e12, 3e12) == pytest.approx(0.5)
+    assert mfu(1e15, 4.0, 1e15) == pytest.approx(0.25)
+    assert ring_all_reduce_s(1e6, 1, 1e9) == 0
+    assert ring_all_reduce_s(1e6, 4, 1e9) == pytest.approx(1.5e-3)
+    assert ring_all_reduce_s(1e6, 4, 1e9, hop_latency_s=1e-6) == pytest.approx(1.5e-3 + 6e-6)
+
+
+def test_hardware_presets() -> None:
+    names = rl.hardware_names()
+    assert {"h100-sxm", "h200", "tpu-v5e", "tpu-v5p", "tpu-v6e", "cpu-this-machine"} <= set(names)
+    for name in ("h100-sxm", "h200", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
+        hw = rl.load_hardware(name)
+        assert hw.source and hw.peak("bfloat16") > 1e14 and hw.hbm_bytes_per_s > 5e11
+        assert hw.interconnect_bytes_per_s > 5e10 and hw.memory_bytes
+    assert rl.load_hardware("h200").ridge("bfloat16") == pytest.approx(206, abs=1)  # sharding-notes §7
+    assert rl.load_hardware("tpu-v5e").ridge("bfloat16") == pytest.approx(240, abs=1)  # scaling book
+    with pytest.raises(HardwareError, match="presets"):
+        rl.load_hardware("tpu-v9")
+    with pytest.raises(HardwareError, match="float32"):
+        rl.load_hardware("tpu-v5e").peak("float32")
+
+
+def test_cpu_this_machine_uses_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rl, "measure_cpu", lambda: (20e9, 100e9))
+    hw = rl.load_hardware("cpu-this-machine")
+    assert hw.hbm_bytes_per_s == 20e9 and hw.peak("float32") == 100e9 and hw.shared
+    with pytest.raises(HardwareError, match="bfloat16"):
+        hw.peak("bfloat16")
+
+
+def test_measure_cpu_is_positive_and_cached() -> None:
+    first = rl.measure_cpu(read_bytes=8 * 2**20, matmul_n=128, repeats=1)
+    assert first[0] > 1e8 and first[1] > 1e8
+    assert rl.measure_cpu(read_bytes=8 * 2**20, matmul_n=128, repeats=1) is first
+
+
+def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from service.cli import main
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "r.json"
+    args = ["roofline", "--model", str(model), "--hardware", "h200", "tpu-v5e", "--batch", "1", "64"]
+    assert main([*args, "--layout", "1x1", "1x8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ridge 206 FLOP/byte" in text and "TPOT" in text and "1x8" in text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["hardware"], r["tp"], r["batch"]) for r in rows} == {
+        (h, tp, b) for h in ("h200", "tpu-v5e") for tp in (1, 8) for b in (1, 64)
+    }
+    assert all(r["tpot_s"] > 0 and r["regime"] in ("memory", "compute") for r in rows)

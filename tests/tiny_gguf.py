@@ -1,0 +1,111 @@
+"""Write a tiny random-weight Llama GGUF that the whole stack loads: config, tokenizer, weights.
+
+For tests that need a real server without the 93 MB SmolLM2 download or its compile time::
+
+    from tiny_gguf import write_tiny_llama_gguf  # tests/ is on sys.path under pytest
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    srv = ServerThread(ServerConfig(model=str(path), port=0, metrics_port=0, num_slots=2,
+                                    max_seq_len=128, chunk_size=32)).start()
+
+The file has the ``llama.*`` keys ``LlamaConfig.from_gguf`` reads, the ``tokenizer.ggml.*`` keys
+``Tokenizer.from_gguf`` needs (a byte-level BPE vocabulary: 3 control tokens, the 256 byte
+symbols, a few merges; EOS ``<|im_end|>``) plus a ChatML template, and float32 tensors named as
+``model.gguf_weights`` expects, each stored [out, in] as numpy sees GGUF matrices.
+
+The special tokens' embedding rows are zero, so with tied embeddings their logits are exactly 0
+while the largest of the other ~260 random logits is positive: greedy decoding never emits EOS
+and a request runs to ``max_tokens`` (sampling at temperature > 0 still can).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MERGES = (("Ġ", "t"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"))
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EOS_ID = 2
+# 3 specials + 256 bytes + 5 merges = 264 = 8 * 33: divisible by every TP size up to 8 and by 3.
+VOCAB_SIZE = len(SPECIALS) + 256 + len(MERGES)
+
+
+def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of the tiny byte-level BPE vocabulary."""
+    from model.tokenizer import bytes_to_unicode
+
+    tokens = [*SPECIALS, *(bytes_to_unicode()[b] for b in range(256)), *(a + b for a, b in MERGES)]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types, [f"{a} {b}" for a, b in MERGES]
+
+
+def write_tiny_llama_gguf(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    context_length: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write the tiny model to ``path`` and return it (head dim = hidden_size // num_heads)."""
+    import gguf
+
+    path = Path(path)
+    tokens, types, merges = tiny_vocabulary()
+    V, D, F, L, N, K = VOCAB_SIZE, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads
+    H = D // N
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_name("tiny-random-llama")
+    writer.add_vocab_size(V)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(D)
+    writer.add_feed_forward_length(F)
+    writer.add_block_count(L)
+    writer.add_head_count(N)
+    writer.add_head_count_kv(K)
+    writer.add_key_length(H)
+    writer.add_value_length(H)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    embed = w(V, D, scale=1.0)
+    embed[: len(SPECIALS)] = 0.0  # special-token logits are exactly 0: greedy never picks EOS
+    writer.add_tensor("token_embd.weight", embed)
+    for i in range(L):
+        b = f"blk.{i}."
+        writer.add_tensor(b + "attn_norm.weight", np.ones(D, np.float32))
+        writer.add_tensor(b + "attn_q.weight", w(N * H, D))
+        writer.add_tensor(b + "attn_k.weight", w(K * H, D))
+        writer.add_tensor(b + "attn_v.weight", w(K * H, D))
+        writer.add_tensor(b + "attn_output.weight", w(D, N * H))
+        writer.add_tensor(b + "ffn_norm.weight", np.ones(D, np.float32))
+        writer.add_tensor(b + "ffn_gate.weight", w(F, D))
+        writer.add_tensor(b + "ffn_up.weight", w(F, D))
+        writer.add_tensor(b + "ffn_down.weight", w(D, F))
+    writer.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -16,6 +16,7 @@ import pytest
 from model.config import LlamaConfig
 from model.loader import abstract_llama, load_gguf_model
 from model.sampling import SamplingParams
+from service import engine as engine_module
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
@@ -118,7 +119,18 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
     engine = Engine(cfg, graphdef, params, Layout(f"{data}x{tp}", data=data, model=tp), ECFG)
     sp = SamplingParams(**engine._sp)
     S = ECFG.num_slots
-    hlo = engine._decode_fn(128).lower(engine.params, engine.cache, np.zeros(S, np.int32), np.zeros(S, np.int32), sp)
+    width = engine_module.pack_step(np.zeros((1, cfg.vocab_size), np.float32), np.zeros(1, np.int32)).shape[-1]
+    zeros_i = np.zeros(S, np.int32)
+    hlo = engine._decode_fn(128).lower(
+        engine.params,
+        engine.cache,
+        zeros_i,  # host tokens
+        zeros_i,  # source
+        np.zeros((S, width), np.float32),  # previous decode output
+        np.zeros((1, width), np.float32),  # previous prefill output
+        zeros_i,  # positions
+        sp,
+    )
     text = hlo.compile().as_text()
 
     # No weight is ever all-gathered: no all-gather result has the shape of a parameter.

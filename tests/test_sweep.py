@@ -1,0 +1,94 @@
+"""``meshserve sweep`` end to end on the tiny random model: every point measured, every field
+written to CSV and JSON (no timing thresholds: the numbers depend on the machine), and the plots
+drawn when matplotlib is installed.
+
+Runs on the 8 CPU devices conftest.py requests.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from service.cli import main
+from service.sweep import FIELDS, SweepConfig, make_prompts, pareto_front
+
+LAYOUTS = ["1x1", "1x2"]
+BATCHES = [1, 2]
+TIMED = ["prefill_ms", "prefill_tok_s", "tpot_ms", "tpot_min_ms", "decode_tok_s", "compile_s", "setup_s"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sweep")
+    argv = ["sweep", "--tiny", "--layouts", *LAYOUTS, "--batches", *map(str, BATCHES), "--prompt-lens", "8"]
+    # cpu-peers-md: the roofline overlay from fixed figures (no measuring of the machine).
+    argv += ["--steps", "2", "--warmup-steps", "1", "--hardware", "cpu-peers-md", "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def test_csv_has_a_row_per_point_with_every_field(results: Path) -> None:
+    with (results / "sweep.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == FIELDS
+        rows = list(reader)
+    assert [(r["layout"], int(r["batch"]), int(r["prompt_len"])) for r in rows] == [
+        (layout, b, 8) for layout in LAYOUTS for b in BATCHES
+    ]
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        for key in TIMED:
+            assert float(r[key]) >= 0, key
+        assert float(r["tpot_ms"]) > 0 and float(r["prefill_ms"]) > 0
+        assert int(r["steps"]) == 2 and int(r["warmup_steps"]) == 1
+        assert int(r["devices"]) == int(r["data"]) * int(r["model"]) == int(r["layout"][-1])
+
+
+def test_json_rows_and_meta(results: Path) -> None:
+    data = json.loads((results / "sweep.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["num_devices"] == 8 and meta["platform"] == "cpu"
+    assert meta["config"]["hidden_size"] == 64  # LlamaConfig.tiny()
+    assert meta["sweep"]["batches"] == BATCHES and meta["sweep"]["layouts"] == LAYOUTS
+    assert len(rows) == len(LAYOUTS) * len(BATCHES)
+    for r in rows:
+        assert set(r) == set(FIELDS)
+        # decode throughput is the batch over the step time
+        assert r["decode_tok_s"] == pytest.approx(r["batch"] / (r["tpot_ms"] / 1e3))
+        assert r["max_seq_len"] == 8 + 1 + 2 + 1
+        assert r["attention"] == "heads"  # tiny: 4 query / 2 KV heads split over 1 or 2
+    if meta["roofline"].startswith("roofline overlay"):
+        for r in rows:
+            assert r["predicted_tpot_ms"] > 0 and r["predicted_regime"] in ("memory", "compute")
+            assert r["roofline_fraction"] == pytest.approx(r["predicted_tpot_ms"] / r["tpot_ms"])
+
+
+def test_plots_when_matplotlib_is_installed(results: Path) -> None:
+    pngs = [results / "pareto.png", results / "step_time.png"]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not any(p.exists() for p in pngs)
+        return
+    for p in pngs:
+        assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_skipped_points_are_rows_not_failures(tmp_path: Path) -> None:
+    """A layout whose data axis does not divide the batch, or that needs more devices than exist."""
+    argv = ["sweep", "--tiny", "--layouts", "2x1", "1x16", "--batches", "1", "--prompt-lens", "4"]
+    assert main([*argv, "--steps", "1", "--warmup-steps", "0", "--hardware", "none", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [r["status"].split(":")[0] for r in rows] == ["skipped", "skipped"]
+    assert "data axis" in rows[0]["status"] and "16" in rows[1]["status"]
+
+
+def test_helpers() -> None:
+    a = make_prompts(4, 8, 256, seed=0)
+    assert a.shape == (4, 8) and (make_prompts(2, 8, 256, seed=0) == a[:2]).all()
+    assert pareto_front([(1.0, 10.0), (2.0, 30.0), (3.0, 20.0), (4.0, 40.0)]) == [(1.0, 10.0), (2.0, 30.0), (4.0, 40.0)]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        SweepConfig(prompt_lens=(128,), max_seq_len=64)

@@ -122,8 +122,9 @@ class Llama(nnx.Module):
         Args:
             tokens: [B, T] int32 token ids.
             positions: [B, T] int32 absolute positions (RoPE angles).
-            cache_k, cache_v: [L, B, K, S, H] the cached keys/values each row may attend to,
-                or None when nothing is cached yet.
+            cache_k, cache_v: [L, B, K, S', H] the cache rows of the batch (S' >= S positions;
+                only the first S, the attended window, are read), or None when nothing is
+                cached yet.
             cache_mask: [B, T, S] bool, True where query t may attend cached position s.
             new_mask: [B, T, U] bool, True where query t may attend new token u (U = T).
 
@@ -138,10 +139,13 @@ class Llama(nnx.Module):
         if cache_k is not None:
             xs["ck"], xs["cv"] = cache_k, cache_v
 
+        window = cache_mask.shape[-1] if cache_mask is not None else 0
+
         def body(x: jax.Array, layer: dict[str, Any]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            x, k, v = decoder_block(
-                cfg, x, layer["p"], cos, sin, layer.get("ck"), layer.get("cv"), cache_mask, new_mask
-            )
+            ck, cv = layer.get("ck"), layer.get("cv")
+            if ck is not None and cv is not None:
+                ck, cv = ck[:, :, :window], cv[:, :, :window]  # this layer's slice, then the window
+            x, k, v = decoder_block(cfg, x, layer["p"], cos, sin, ck, cv, cache_mask, new_mask)
             return x, (k, v)
 
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
@@ -229,12 +233,18 @@ def decoder_block(
     scores_new = jnp.where(new_mask[:, None, None], scores_new, NEG_INF)
     if cache_k is not None:
         assert cache_v is not None and cache_mask is not None
-        scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
+        if T == 1:  # decode: tiny per-(slot, head) products; broadcast-multiply-sum is faster on CPU
+            scores_cache = jnp.sum(q[:, 0, :, :, None, :] * cache_k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
+        else:
+            scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
         scores_cache = jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)
         probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
         S = cache_k.shape[2]
         p_cache, p_new = probs[..., :S], probs[..., S:]
-        attn = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache.astype(cdt), cache_v, preferred_element_type=f32)
+        if T == 1:
+            attn = jnp.sum(p_cache[:, :, :, 0, :, None] * cache_v[:, :, None, :, :], axis=-2)[:, None]
+        else:
+            attn = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache.astype(cdt), cache_v, preferred_element_type=f32)
         attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
     else:
         p_new = jax.nn.softmax(scores_new, axis=-1)
@@ -283,8 +293,8 @@ def prefill(
     positions = (start_pos + jnp.arange(T, dtype=jnp.int32))[None, :]  # [1, T]
     new_mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]  # [1, T, U] causal
     if kv_len > 0:
-        ck = jax.lax.dynamic_index_in_dim(cache.k[:, :, :, :kv_len], slot, axis=1, keepdims=True)
-        cv = jax.lax.dynamic_index_in_dim(cache.v[:, :, :, :kv_len], slot, axis=1, keepdims=True)
+        ck = jax.lax.dynamic_index_in_dim(cache.k, slot, axis=1, keepdims=True)
+        cv = jax.lax.dynamic_index_in_dim(cache.v, slot, axis=1, keepdims=True)
         cache_mask = jnp.broadcast_to(jnp.arange(kv_len)[None, None, :] < start_pos, (1, T, kv_len))
     else:
         ck = cv = cache_mask = None
@@ -328,8 +338,7 @@ def decode_step(
     """
     S = tokens.shape[0]
     pos2d = positions[:, None]  # [S, 1]
-    ck = cache.k[:, :, :, :kv_len]
-    cv = cache.v[:, :, :, :kv_len]
+    ck, cv = cache.k, cache.v  # the scan slices each layer's window without copying the cache
     cache_mask = (jnp.arange(kv_len)[None, :] < positions[:, None])[:, None, :]  # [S, 1, kv_len]
     new_mask = jnp.ones((S, 1, 1), bool)
     h, new_k, new_v = model.run_layers(tokens[:, None], pos2d, ck, cv, cache_mask, new_mask)

@@ -34,6 +34,7 @@ class SamplingParams:
     top_k: jax.Array | np.ndarray  # [S] int32
     top_p: jax.Array | np.ndarray  # [S] float32
     keys: jax.Array | np.ndarray  # [S, 2] uint32
+    logprobs: jax.Array | np.ndarray  # [S] bool: the slot's request wants log-probabilities
 
     @staticmethod
     def host(num_slots: int) -> dict[str, np.ndarray]:
@@ -43,6 +44,7 @@ class SamplingParams:
             "top_k": np.zeros(num_slots, np.int32),
             "top_p": np.ones(num_slots, np.float32),
             "keys": np.zeros((num_slots, 2), np.uint32),
+            "logprobs": np.zeros(num_slots, bool),
         }
 
 

@@ -62,22 +62,32 @@ def pick_bucket(n: int, buckets: list[int]) -> int:
 TOP_LOGPROBS = 20  # most alternatives a request may ask for
 
 
-def pack_step(logits: jax.Array, ids: jax.Array) -> jax.Array:
+def pack_step(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool = True) -> jax.Array:
     """Pack a step's host-bound results into one float32 array, so each step makes a single
     device-to-host copy.
 
     Args:
         logits: [R, V] float32. ids: [R] int32 sampled ids.
+        want_logprobs: scalar bool; when False the log-softmax and top-k over the vocabulary
+            are skipped (``lax.cond``) and those columns are 0.
 
     Returns:
         [R, 2 + 2 * TOP_LOGPROBS] float32: the id (exact in float32 below 2**24), its
         log-probability under the model's raw distribution (log-softmax of the logits, before
         temperature and filtering), the TOP_LOGPROBS highest log-probabilities, and their ids.
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
-    return jnp.concatenate([ids[:, None].astype(jnp.float32), chosen, top_lp, top_ids.astype(jnp.float32)], axis=-1)
+
+    def with_logprobs(_: None) -> jax.Array:
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+        return jnp.concatenate([chosen, top_lp, top_ids.astype(jnp.float32)], axis=-1)
+
+    def without(_: None) -> jax.Array:
+        return jnp.zeros((ids.shape[0], 1 + 2 * TOP_LOGPROBS), jnp.float32)
+
+    extra = jax.lax.cond(jnp.asarray(want_logprobs), with_logprobs, without, None)
+    return jnp.concatenate([ids[:, None].astype(jnp.float32), extra], axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +210,7 @@ class Engine:
                 model = nnx.merge(graphdef, params)
                 logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len)
                 token = sample(logits[None], sp, (start + true_len)[None])
-                return pack_step(logits[None], token), logits, cache
+                return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl
             self._prefill_fns[kv_len] = jax.jit(
@@ -224,7 +234,8 @@ class Engine:
                 tokens = jnp.select([source == 1, source == 2], [from_decode, from_prefill], host_tokens)
                 model = nnx.merge(graphdef, params)
                 logits, cache = decode_step(model, cache, tokens, positions, kv_len=kv_len)
-                return pack_step(logits, sample(logits, sp, positions + 1)), logits, cache
+                next_ids = sample(logits, sp, positions + 1)
+                return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl
             self._decode_fns[kv_len] = jax.jit(
@@ -236,12 +247,14 @@ class Engine:
         return self._decode_fns[kv_len]
 
     # ---- steps -----------------------------------------------------------------------------
-    def set_sampling(self, slot: int, options: SamplingOptions) -> None:
-        """Install a request's sampling parameters in its slot (host arrays; no recompile)."""
+    def set_sampling(self, slot: int, options: SamplingOptions, logprobs: bool = False) -> None:
+        """Install a request's sampling parameters in its slot (host arrays; no recompile);
+        ``logprobs``: the request wants log-probabilities computed."""
         self._sp["temperature"][slot] = options.temperature
         self._sp["top_k"][slot] = options.top_k
         self._sp["top_p"][slot] = options.top_p
         self._sp["keys"][slot] = seed_to_key(options.seed)
+        self._sp["logprobs"][slot] = logprobs
 
     def _slot_sampling(self, slot: int) -> SamplingParams:
         return SamplingParams(**{k: v[slot : slot + 1] for k, v in self._sp.items()})

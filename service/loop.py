@@ -223,7 +223,7 @@ class EngineLoop:
         if chunk is not None:
             request = chunk.request
             if request.num_cached == 0:
-                engine.set_sampling(chunk.slot, request.sampling)
+                engine.set_sampling(chunk.slot, request.sampling, logprobs=request.logprobs is not None)
             ids = request.prompt_ids[chunk.start : chunk.start + chunk.length]
             prefill_out = engine.prefill(chunk.slot, ids, chunk.start)
             request.num_cached += chunk.length

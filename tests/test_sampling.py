@@ -18,6 +18,7 @@ def _params(temperature, top_k, top_p, seeds) -> SamplingParams:  # type: ignore
         top_k=jnp.asarray(top_k, jnp.int32),
         top_p=jnp.asarray(top_p, jnp.float32),
         keys=jnp.asarray(np.stack([seed_to_key(s) for s in seeds])),
+        logprobs=jnp.zeros(len(seeds), bool),
     )
 
 

@@ -115,7 +115,8 @@ class AdminService(apb_grpc.AdminServicer):
             old = pool.loop.engine
 
             def build():  # type: ignore[no-untyped-def]
-                engine = old.relayout(layout, pool.devices)
+                restored = self.service.restore_for_layout(layout, pool.devices)
+                engine = old.relayout(layout, pool.devices, restored)
                 engine.warmup(full=True)
                 return engine
 

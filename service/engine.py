@@ -354,17 +354,18 @@ class Engine:
         return elapsed
 
     # ---- layout switch -----------------------------------------------------------------------
-    def relayout(self, layout: Layout, devices: list[jax.Device]) -> Engine:
+    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> Engine:
         """A new engine with this engine's weights on ``layout``'s mesh over ``devices``.
 
-        The weights move device to device (``jax.device_put`` to the new shardings); the new
+        The weights move device to device (``jax.device_put`` to the new shardings), unless
+        ``params`` (e.g. restored from a checkpoint into the new shardings) are given; the new
         engine has its own zeroed KV cache until ``adopt_state`` moves the live one. Safe to call
         from another thread while this engine keeps stepping (it only reads the weights).
 
         Raises:
             LayoutError: the layout does not fit ``devices`` or the model's axes.
         """
-        return Engine(self.cfg, self.graphdef, self.params, layout, self.ecfg, devices)
+        return Engine(self.cfg, self.graphdef, self.params if params is None else params, layout, self.ecfg, devices)
 
     def adopt_state(self, old: Engine) -> None:
         """Take over ``old``'s live KV cache (moved to this mesh) and per-slot sampling state.

@@ -166,6 +166,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
+        self.checkpoint_path: Path | None = None
+        self.model_cfg: LlamaConfig | None = None
         self.pools: list[Pool] = []
         self.tokenizer: Tokenizer | None = None
         # Startup phases, seconds: "load" (GGUF/HF read) or "restore" (checkpoint, onto devices),
@@ -226,6 +228,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
                 model_cfg = read_checkpoint_config(path)[0]
                 self.tokenizer = checkpoint_tokenizer(path)
+                self.checkpoint_path = path  # layout switches restore from it
                 graphdef, _ = abstract_llama(model_cfg, cfg.dtype)
                 params_per_pool = [
                     self._restore_for_pool(path, model_cfg, s.layout, ds)
@@ -303,6 +306,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             layout=self.pools[0].layout.name,
             model_path=str(path),
         )
+
+    def restore_for_layout(self, layout: Layout, devices: list) -> nnx.State | None:
+        """When serving a converted checkpoint: its params restored straight into ``layout``'s
+        shardings on ``devices`` (a layout switch then reads the checkpoint instead of moving the
+        live arrays); None otherwise."""
+        if self.checkpoint_path is None or self.model_cfg is None:
+            return None
+        return self._restore_for_pool(self.checkpoint_path, self.model_cfg, layout, devices)
 
     def _restore_for_pool(self, path: Path, model_cfg: LlamaConfig, layout: Layout, devices: list) -> nnx.State:
         """A checkpoint's params restored straight into the shardings ``layout`` gives them on

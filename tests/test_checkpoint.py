@@ -250,3 +250,39 @@ def test_save_rejects_params_that_do_not_fit_the_config(tiny_ckpt: tuple[Path, d
     with pytest.raises(CheckpointError, match=r"params: array\(s\) \['lm_head'\] are missing"):
         save_checkpoint(tmp_path / "x", TINY, broken, tokenizer)
     assert not (tmp_path / "x").exists()
+
+
+def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    """Serving a checkpoint, a switch to another layout reads the weights from the checkpoint
+    straight into the new shardings (not from the live arrays) and computes the same logits."""
+    import jax
+
+    from service.server import GenerationService, ServerConfig
+
+    cfg, graphdef, gguf_params = gguf_model
+    service = GenerationService(
+        ServerConfig(
+            model=str(converted),
+            cache_dir=str(smollm2_gguf.parent),
+            layout="1x1",
+            num_slots=ECFG.num_slots,
+            max_seq_len=ECFG.max_seq_len,
+            chunk_size=ECFG.chunk_size,
+            metrics_port=0,
+        )
+    )
+    try:
+        service.load()
+        old = service.pools[0].loop.engine
+        layout = load_layout("1x4")
+        restored = service.restore_for_layout(layout, jax.devices())
+        assert restored is not None
+        w_gate = restored["layers"]["w_gate"][...]
+        assert len(w_gate.sharding.device_set) == 4  # born sharded, not placed by the engine
+        switched = old.relayout(layout, jax.devices(), restored)
+        assert switched.params["layers"]["w_gate"][...] is w_gate  # used as restored
+        reference = prefill_logits(Engine(cfg, graphdef, gguf_params, layout, ECFG))
+        np.testing.assert_array_equal(prefill_logits(switched), reference)
+    finally:
+        for pool in service.pools:
+            pool.loop.stop(5.0)

@@ -33,6 +33,7 @@ log = logging.getLogger("meshserve.admin")
 def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = None) -> apb.LayoutInfo:
     """Predictions for ``layout`` on the served model (raises LayoutError if it cannot work)."""
     cfg, ecfg = service.model_cfg, service.cfg
+    assert cfg is not None, "admin calls are served only after the model is loaded"
     plan = make_plan(layout, cfg, ecfg.num_slots)
     itemsize = 2 if ecfg.dtype == "bfloat16" else 4
     info = apb.LayoutInfo(
@@ -103,6 +104,7 @@ class AdminService(apb_grpc.AdminServicer):
         pool = await self._pool(request.pool, context)
         try:
             layout = load_layout(request.layout)
+            assert self.service.model_cfg is not None
             make_plan(layout, self.service.model_cfg, self.service.cfg.num_slots)
             if layout.num_devices > len(pool.devices):
                 raise LayoutError(

@@ -18,9 +18,10 @@ venv: $(BIN)/meshserve
 # Start the server on the default model, stream a real answer, stop the server.
 demo: venv
 	$(BIN)/meshserve fetch
-	@$(BIN)/meshserve serve --port $(PORT) > $(VENV)/demo-server.log 2>&1 & echo $$! > $(VENV)/demo-server.pid
-	@trap 'kill $$(cat $(VENV)/demo-server.pid) 2>/dev/null' EXIT; \
-	  $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --wait 600 --temperature 0 --max-tokens 128 "$(QUESTION)" \
+	@$(BIN)/meshserve serve --port $(PORT) --metrics-port 0 > $(VENV)/demo-server.log 2>&1 & pid=$$!; \
+	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	  { $(BIN)/meshserve health --address 127.0.0.1:$(PORT) --pid $$pid --wait 600 \
+	    && $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --temperature 0 --max-tokens 128 "$(QUESTION)"; } \
 	  || { echo "--- server log ---"; cat $(VENV)/demo-server.log; exit 1; }
 
 test: venv

@@ -139,7 +139,7 @@ async def start_admin_server(service: GenerationService, cfg: ServerConfig) -> t
         RuntimeError: the port could not be bound.
     """
     assert cfg.admin_token
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
     apb_grpc.add_AdminServicer_to_server(AdminService(service, cfg.admin_token), server)
     port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
     if port == 0:

@@ -49,7 +49,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     cfg = _serve_config(args)
-    return asyncio.run(serve_forever(cfg))
+    try:
+        return asyncio.run(serve_forever(cfg))
+    except (OSError, RuntimeError, ValueError) as exc:  # bind errors, bad layouts, bad model files
+        logging.getLogger("meshserve").debug("startup failed", exc_info=True)
+        print(f"meshserve serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 once the server at --address reports SERVING; 1 after --wait seconds, or at once
+    when --pid names a process that is no longer running (a server that died at startup)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(args.address))
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                print(f"meshserve: {args.address} is SERVING", file=sys.stderr)
+                return 0
+        except grpc.RpcError:
+            pass
+        if args.pid is not None:
+            try:
+                os.kill(args.pid, 0)
+            except ProcessLookupError:
+                print(f"meshserve: the server process {args.pid} exited before SERVING", file=sys.stderr)
+                return 1
+        if time.monotonic() >= deadline:
+            print(f"meshserve: {args.address} not SERVING after {args.wait:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -402,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-host", help="Admin service address (default 127.0.0.1)")
     s.add_argument("--admin-port", type=int, help="Admin service port (default 50052)")
     s.set_defaults(func=cmd_serve)
+
+    h = sub.add_parser("health", help="wait until a server reports SERVING (exit 0) or give up (exit 1)")
+    h.add_argument("--address", default=DEFAULT_ADDRESS)
+    h.add_argument("--wait", type=float, default=0, help="seconds to keep polling")
+    h.add_argument("--pid", type=int, help="give up at once if this process (the server) exits")
+    h.set_defaults(func=cmd_health)
 
     g = sub.add_parser("generate", help="stream one answer to the terminal, then print TTFT and tokens/s")
     g.add_argument("prompt")

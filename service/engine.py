@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
 MIN_DECODE_WINDOW = 128
+WARM_DECODE_WINDOW = 512  # decode windows compiled before SERVING without --warmup-full
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -331,19 +332,22 @@ class Engine:
         return StepOutput(packed, logits)
 
     def warmup(self, full: bool = False) -> float:
-        """Compile (and run once) the programs the first requests need; all variants if ``full``.
+        """Compile (and run once) the programs requests need: every first-chunk prefill bucket and
+        the decode windows up to ``WARM_DECODE_WINDOW`` tokens; every variant (later chunks of
+        long prompts, all windows) if ``full``. Anything else compiles on first use (and lands in
+        the persistent compilation cache).
 
         Returns the seconds spent. Writes only to positions that are masked for every request.
         """
         t0 = time.perf_counter()
         S, T = self.ecfg.num_slots, self.ecfg.max_seq_len
-        buckets = self.prefill_buckets if full else self.prefill_buckets[:1]
+        buckets = self.prefill_buckets
         for b in buckets:
             self.prefill(0, [0] * b, 0).host()
         if full and self.prefill_buckets[-1] < T:
             for b in buckets:
                 self.prefill(0, [0] * b, 1).host()
-        windows = self.decode_windows if full else self.decode_windows[:1]
+        windows = self.decode_windows if full else [w for w in self.decode_windows if w <= WARM_DECODE_WINDOW]
         idle = np.full(S, T, np.int32)
         for w in windows:
             pos = idle.copy()

@@ -56,6 +56,9 @@ from sharding.rules import param_shardings
 
 log = logging.getLogger("meshserve")
 
+# gRPC sets SO_REUSEPORT by default, so a second server could bind a port that a running one
+# holds and split its traffic; without it a busy port is a clear startup error.
+NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "meshserve.v1.Generation"
 
 
@@ -621,7 +624,7 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     Raises:
         RuntimeError: a port could not be bound; any load/compile error of ``service.load``.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=NO_PORT_SHARING)
     service = GenerationService(cfg)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health = health_aio.HealthServicer()

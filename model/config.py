@@ -72,6 +72,20 @@ class LlamaConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     @property
+    def dims(self) -> tuple[int, int, int, int, int, int, int]:
+        """(L, D, N, K, H, F, V): layers, hidden, query heads, KV heads, head dim, MLP width,
+        vocabulary (the einsum letters of ``model/llama.py``)."""
+        return (
+            self.num_layers,
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+        )
+
+    @property
     def q_per_kv(self) -> int:
         """G, query heads sharing one KV head."""
         return self.num_heads // self.num_kv_heads

@@ -89,15 +89,7 @@ def load_gguf_params(
     table = _TensorTable(reader, progress)
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise GGUFMetadataError("GGUF has rope_freqs.weight (Llama-3 RoPE scaling), which is not supported")
-    L, D, N, K, H, F, V = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
+    L, D, N, K, H, F, V = cfg.dims
 
     names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
     layers: dict[str, list[np.ndarray]] = {n: [] for n in names}

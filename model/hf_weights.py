@@ -269,14 +269,7 @@ def load_hf_params(
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise WeightError(f"safetensors tensor(s) {missing[:5]}{more} are missing")
 
-    L, D, N, K, H, F = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-    )
+    L, D, N, K, H, F, _ = cfg.dims
     done = progress or (lambda _name: None)
 
     def get(name: str) -> np.ndarray:

@@ -48,14 +48,7 @@ class DecoderLayers(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
-        L, D, N, K, H, F = (
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-        )
+        L, D, N, K, H, F, _ = cfg.dims
         init = nnx.initializers.normal(0.02)
 
         def w(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:

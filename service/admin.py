@@ -125,6 +125,7 @@ class AdminService(apb_grpc.AdminServicer):
             new_engine = await asyncio.to_thread(build)
             t_build = time.perf_counter() - t0
             await asyncio.to_thread(pool.loop.switch_engine, new_engine)
+            self.service.publish_layout(pool)
             log.info(
                 "pool %s: %s -> %s (built and compiled in %.1f s, total %.1f s)",
                 pool.name, old.layout.name, layout.name, t_build, time.perf_counter() - t0,

@@ -198,7 +198,7 @@ class EngineLoop:
                 return
             with self._lock:
                 self._pending -= 1
-                self.scheduler.waiting.append(request)
+                self.scheduler.add(request)  # the bound was reserved in submit()
 
     def step(self, plan: StepPlan) -> None:
         """Run one plan to completion (dispatch, then postprocess), without pipelining."""

@@ -399,9 +399,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.publish_layout(pool)
 
     def publish_layout(self, pool: Pool) -> None:
+        """Set the pool's layout metric (at startup and after each live switch)."""
         lay = pool.layout
-        attention = getattr(pool.loop.engine.plan, "attention", lay.attention)
-        self.metrics.set_layout(pool.name, lay.name, lay.data, lay.model, attention)
+        self.metrics.set_layout(pool.name, lay.name, lay.data, lay.model, pool.loop.engine.plan.attention)
 
     def _step_observer(self, pool_name: str):  # type: ignore[no-untyped-def]
         """The engine loop's ``on_step`` hook for one pool (runs on the loop thread, never raises)."""
@@ -414,9 +414,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if chunk is not None and chunk.start == 0:
                     started = time.monotonic() - seconds
                     m.queue_time.labels(pool=pool_name).observe(max(0.0, started - chunk.request.arrival_s))
-                for pool in self.pools:
-                    if pool.name == pool_name:
-                        self.publish_layout(pool)
             except Exception:
                 log.exception("metrics: on_step failed")
 
@@ -577,8 +574,6 @@ class RunningServer:
                         n = service.fail_inflight(pool.name, f"pool {pool.name}: {problem}")
                         if n:
                             log.error("pool %s: failed %d in-flight request(s) with UNAVAILABLE", pool.name, n)
-                    else:
-                        service.publish_layout(pool)
                 now = service.healthy() and service.accepting
                 if now != last:
                     await self.set_health(now)

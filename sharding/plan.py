@@ -56,15 +56,7 @@ class ShardingPlan:
 
     def weight_bytes_per_device(self, cfg: LlamaConfig, itemsize: int) -> int:
         """Predicted parameter bytes on each device: split weights count 1/model, the rest whole."""
-        L, D, N, K, H, F, V = (
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        )
+        L, D, N, K, H, F, V = cfg.dims
         tp = self.layout.model
         attn = L * D * H * (2 * N + 2 * K)
         if self.attention == "heads":

@@ -422,15 +422,7 @@ class _Elements:
 
 
 def _elements(cfg: LlamaConfig, par: Parallelism) -> _Elements:
-    L, D, N, K, H, F, V = (
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
+    L, D, N, K, H, F, V = cfg.dims
     return _Elements(
         attn=L * D * H * (2 * N + 2 * K) // par.attn_split,
         mlp=L * 3 * D * F // par.tp,

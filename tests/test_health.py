@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import Client, make_request
 from service.scheduler import StepPlan
-from service.server import SERVICE_NAME, ServerConfig, ServerThread
+from service.server import SERVICE_NAME, GenerationService, ServerConfig, ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -115,11 +115,37 @@ def release() -> Iterator[threading.Event]:
     event.set()
 
 
-def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(smollm2_gguf: Path) -> None:
+def wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    """Block until 127.0.0.1:``port`` accepts TCP connections. A gRPC channel that tries to
+    connect before the port is bound backs off for 1 s, 1.6 s, 2.6 s, ...; with a warm
+    compilation cache the whole start-up can fit in that back-off, so connect only after this."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.01)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A slow model load (as from a network disk): with a warm compilation cache the real one
+    # can take under a second, too short to observe the NOT_SERVING window reliably.
+    original_load = GenerationService.load
+
+    def slow_load(self: GenerationService) -> None:
+        time.sleep(2.0)
+        original_load(self)
+
+    monkeypatch.setattr(GenerationService, "load", slow_load)
     port = free_port()
     srv = ServerThread(small_config(smollm2_gguf, port=port))
     starter = threading.Thread(target=srv.start, daemon=True)
     starter.start()
+    wait_listening(port)
     client = Client(f"127.0.0.1:{port}")
     try:
         # Before warm-up is done: NOT_SERVING, and Generate is UNAVAILABLE (not a hang).

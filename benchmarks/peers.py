@@ -27,6 +27,13 @@ engine runs in its own subprocess (no thread pools or allocators shared), one af
 two at once, with its threads set to the machine's core count. The machine's read bandwidth and
 float32 matmul rate are measured first (numpy), for the table's header and the JSON.
 
+Against those two figures the table also gives, per engine, the MBU and MFU of decode at each B
+(``sharding.roofline.decode_utilization``: the bytes of the fp32 weights plus the KV cache of B rows
+at the mean context P + N/2, and the step's FLOPs, over the measured TPOT) and the MFU of the long
+prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column with the
+roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
+llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
+
     python benchmarks/peers.py                                   # the full peers.md workload
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
     python benchmarks/peers.py --peers meshserve hf --json out.json
@@ -69,6 +76,8 @@ VARIANTS = {
     "llamacpp": [("llamacpp-q4_1", "llama.cpp Q4_1"), ("llamacpp-f32", "llama.cpp F32")],
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
+QUANTIZED = {"llama.cpp Q4_1"}  # weights are not the fp32 bytes the roofline counts: no MBU
+ROOFLINE = "roofline (this machine)"
 # English text for the prompts: docstrings of standard-library modules (present wherever Python is).
 TEXT_MODULES = ("argparse", "subprocess", "logging", "unittest", "asyncio", "collections", "functools", "threading",
                 "pathlib", "tarfile", "zipfile", "inspect", "typing", "dataclasses", "decimal", "email", "json",
@@ -414,6 +423,54 @@ def worker(variant: str, workload_path: str, result_path: str) -> int:
     return 0
 
 
+# ---- against the roofline -----------------------------------------------------------------------
+def add_utilization(
+    results: dict[str, dict[str, Any]], wl: dict[str, Any], machine: dict[str, float], cfg: Any
+) -> dict[str, Any]:
+    """Add ``mbu``, ``mfu`` and ``predicted_tpot_ms`` to every ok engine's decode figures and
+    ``ttft_long_mfu`` to its result (in place), against ``machine``'s read bandwidth and float32
+    matmul rate; return the roofline's own figures on that machine, shaped like a result.
+
+    Decode at B: B rows at context P + N/2 (``sharding.roofline.decode_utilization``, fp32, one
+    device) over the measured TPOT. The roofline's own TTFT_B is B prefills of P tokens one after
+    another; its MBU and MFU are those of its own step time (the ceiling of either).
+    """
+    from sharding import roofline as rl
+
+    hw = rl.Hardware("this machine", machine["read_bytes_per_s"], {"float32": machine["float32_flops"]},
+                     machine["read_bytes_per_s"])  # fmt: skip
+    par, P, n_long = rl.Parallelism(), wl["prompt_len"], len(wl["ttft_prompt"])
+    context = P + wl["new_tokens"] // 2
+
+    def decode(B: int, step_s: float) -> Any:
+        return rl.decode_utilization(cfg, hw, par, B, context, "float32", step_s)
+
+    def prefill(T: int, step_s: float) -> Any:
+        return rl.prefill_utilization(cfg, hw, par, T, "float32", step_s)
+
+    for label, r in results.items():
+        if r.get("status") != "ok":
+            continue
+        for B, fig in r["batches"].items():
+            u = decode(int(B), fig["tpot_ms"] / 1e3)
+            fig.update(mbu=None if label in QUANTIZED else u.mbu, mfu=u.mfu, predicted_tpot_ms=1e3 * u.predicted_s)
+        r["ttft_long_mfu"] = prefill(n_long, r["ttft_long_s"]).mfu
+    roof: dict[str, Any] = {"status": "ok", "batches": {}}
+    for B in wl["batches"]:
+        tpot_s = decode(B, 1.0).predicted_s
+        u = decode(B, tpot_s)
+        roof["batches"][str(B)] = {
+            "tpot_ms": 1e3 * tpot_s,
+            "decode_tok_s": B / tpot_s,
+            "ttft_s": B * prefill(P, 1.0).predicted_s,
+            "mbu": u.mbu,
+            "mfu": u.mfu,
+        }
+    ttft = prefill(n_long, 1.0).predicted_s
+    roof.update(ttft_long_s=ttft, ttft_long_prefill_tok_s=n_long / ttft, ttft_long_mfu=prefill(n_long, ttft).mfu)
+    return roof
+
+
 # ---- the report -----------------------------------------------------------------------------------
 def _cell(value: float | None, base: float | None, spec: str) -> str:
     if value is None:
@@ -430,7 +487,7 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
 
     def fig(r: dict[str, Any], path: tuple[str, ...], scale: float) -> float | None:
         for key in path:
-            if not isinstance(r, dict) or key not in r:
+            if not isinstance(r, dict) or r.get(key) is None:
                 return None
             r = r[key]
         return scale * float(r)  # type: ignore[arg-type]
@@ -440,10 +497,13 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
     for B in wl["batches"]:
         figures.append((f"decode tok/s, B={B}", ("batches", str(B), "decode_tok_s"), ".1f", 1.0))
         figures.append((f"TPOT ms, B={B}", ("batches", str(B), "tpot_ms"), ".1f", 1.0))
+        figures.append((f"MBU decode, B={B}", ("batches", str(B), "mbu"), ".1%", 1.0))
+        figures.append((f"MFU decode, B={B}", ("batches", str(B), "mfu"), ".1%", 1.0))
     for B in wl["batches"]:
         figures.append((f"TTFT s, B={B} x {wl['prompt_len']}", ("batches", str(B), "ttft_s"), ".3f", 1.0))
     n_long = len(wl["ttft_prompt"])
     figures.append((f"TTFT ms, 1 x {n_long}", ("ttft_long_s",), ".0f", 1e3))
+    figures.append((f"MFU TTFT, 1 x {n_long}", ("ttft_long_mfu",), ".1%", 1.0))
     figures.append((f"prefill tok/s, 1 x {n_long}", ("ttft_long_prefill_tok_s",), ".0f", 1.0))
     figures.append(("load s", ("load_s",), ".1f", 1.0))
     width = max(22, *(len(label) + 10 for label in labels))
@@ -481,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
         p.error("--new-tokens must be >= 2, batches >= 1, --repeats >= 1")
 
+    from model.config import LlamaConfig
     from model.fetch import resolve_model
 
     model = resolve_model(args.model)
@@ -509,16 +570,20 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     results[label] = {"status": f"failed: over --timeout {args.timeout:.0f} s"}
 
+    roofline = add_utilization(results, wl, machine, LlamaConfig.from_gguf(model))
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; read "
         f"{machine['read_bytes_per_s'] / 1e9:.1f} GB/s (numpy sum), float32 matmul "
         f"{machine['float32_flops'] / 1e9:.0f} GFLOP/s (numpy sgemm 2048^3)\n"
         f"workload: {model.name}; B rows of {wl['prompt_len']}-token prompts, greedy, {wl['new_tokens']} new tokens; "
-        f"medians of {wl['repeats']}; {args.threads} threads per engine"
+        f"medians of {wl['repeats']}; {args.threads} threads per engine; MBU and MFU against the read bandwidth "
+        f"and matmul rate above (decode at context {wl['prompt_len'] + wl['new_tokens'] // 2}, fp32 bytes)"
     )
     print("\n" + header)
-    print(table(results, wl))
-    print("ratio = engine / meshserve: above 1 is better for tok/s, worse for ms and s")
+    print(table({**results, ROOFLINE: roofline}, wl))
+    print("ratio = engine / meshserve: above 1 is better for tok/s, MBU and MFU, worse for ms and s")
+    for label in QUANTIZED & {k for k, r in results.items() if r["status"] == "ok"}:
+        print(f"{label}: no MBU (its weights are quantized blocks, not the fp32 bytes the roofline counts)")
     ids: dict[str, list[int]] = {label: r["row0_ids"] for label, r in results.items() if r.get("row0_ids")}
     ref = ids.get("meshserve fp32")
     for label, r in results.items():
@@ -533,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"{label}: {r['notes']}{same}")
     workload = {k: v for k, v in wl.items() if k not in ("prompts", "ttft_prompt")}
-    report = {"machine": machine, "workload": workload, "results": results, "header": header}
+    report = {"machine": machine, "workload": workload, "results": results, "roofline": roofline, "header": header}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"peers: wrote {args.json}", file=sys.stderr)

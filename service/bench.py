@@ -17,6 +17,15 @@ end). The run reports p50/p90/p99 of each, output and total tokens/s and request
 measured wall time (first send to last end), and goodput: completed requests per second that met
 the SLO (TTFT <= X ms and TPOT <= Y ms; a request with one token has no TPOT and meets that part),
 the metric of DistServe (Zhong et al. 2024, §2).
+
+Next to the measured TTFT and TPOT the report puts the roofline's prediction
+(``sharding/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
+a hardware preset (``hardware``; "auto": this machine's CPU measured now, or the preset of the
+server's accelerator, as ``meshserve sweep`` picks it), and the measured MBU and MFU: the
+roofline's bytes and FLOPs of one decode step over the p50 TPOT, and of one prefill over the p50
+TTFT. The decode batch is the measured mean number of concurrently decoding streams (Little's law:
+the sum of the requests' first-to-last-token times over the wall time) per replica, the context
+the mean prompt plus half the mean output; the report says which values it used.
 """
 
 from __future__ import annotations
@@ -231,13 +240,30 @@ def format_report(report: dict[str, Any]) -> str:
         f"tokens: prompt {report['prompt_tokens']}, output {report['output_tokens']} of "
         f"{report['requested_output_tokens']} requested; finish {report['finish_reasons']}"
     )
-    lines.append(f"{'(ms)':10s} {'mean':>9s} {'p50':>9s} {'p90':>9s} {'p99':>9s} {'max':>9s} {'n':>7s}")
+    roof = report.get("roofline", {})
+    pred = "predicted_tpot_ms" in roof
+    extra = {
+        "ttft_ms": f" {roof.get('predicted_ttft_ms', 0):9.2f} {'-':>7s} {roof.get('ttft_mfu', 0):7.2%}",
+        "tpot_ms": f" {roof.get('predicted_tpot_ms', 0):9.2f} {roof.get('tpot_mbu', 0):7.2%} {roof.get('tpot_mfu', 0):7.2%}",
+    }
+    head = f" {'roofline':>9s} {'MBU':>7s} {'MFU':>7s}" if pred else ""
+    lines.append(f"{'(ms)':10s} {'mean':>9s} {'p50':>9s} {'p90':>9s} {'p99':>9s} {'max':>9s} {'n':>7s}{head}")
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         s = report[key]
         lines.append(
             f"{label:10s} {s['mean']:9.2f} {s['p50']:9.2f} {s['p90']:9.2f} {s['p99']:9.2f} {s['max']:9.2f} "
-            f"{s['count']:7d}"
+            f"{s['count']:7d}" + (extra.get(key, "") if pred else "")
         )
+    if pred:
+        lines.append(
+            f"{roof['hardware']}; layout {roof['layout']} (dp {roof['dp']}, tp {roof['tp']}, attention "
+            f"{roof['attention']}), {roof['dtype']}; decode batch {roof['batch']} per replica ({roof['batch_from']}), "
+            f"context {roof['context_len']} tokens (mean prompt "
+            f"{roof['mean_prompt_tokens']:.1f} + half the mean output {roof['mean_output_tokens']:.1f}); TTFT: "
+            f"prefill of one {roof['prompt_len']}-token prompt; MBU and MFU of the p50 TPOT and p50 TTFT"
+        )
+    elif roof:
+        lines.append(roof["hardware"])
     g = report["goodput"]
     slo = " and ".join(
         f"{name} <= {v:g} ms" for name, v in (("TTFT", g["slo_ttft_ms"]), ("TPOT", g["slo_tpot_ms"])) if v is not None
@@ -247,6 +273,95 @@ def format_report(report: dict[str, Any]) -> str:
         f"{g['requests']} of {report['num_requests']} requests ({g['fraction']:.0%})"
     )
     return "\n".join(lines)
+
+
+# ---- against the roofline ----------------------------------------------------------------------------
+def model_config(info: Any) -> Any:
+    """The ``LlamaConfig`` of the served model from its ``ModelInfo`` (RoPE and norm constants are
+    not in ModelInfo and not used by the roofline: placeholders)."""
+    from model.config import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        intermediate_size=info.intermediate_size,
+        num_layers=info.num_layers,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=info.context_length,
+        tie_word_embeddings=info.tie_word_embeddings,
+    )
+
+
+def mean_decoding_streams(records: Iterable[RequestRecord], duration_s: float) -> float:
+    """Time-average number of requests between their first and last token over the run (Little's
+    law: the sum of each completed request's first-to-last-token time, divided by ``duration_s``)."""
+    busy = sum(sum(r.itl_s) for r in records if r.ok)
+    return busy / duration_s if duration_s > 0 else math.nan
+
+
+def roofline_report(
+    info: Any,
+    hardware: Any,
+    hardware_line: str,
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    summary: dict[str, Any],
+    fallback_batch: int,
+) -> dict[str, Any]:
+    """The roofline's TPOT and TTFT for this run and the measured MBU and MFU (see the module
+    docstring), or ``{"hardware": why not}``; never raises.
+
+    Args:
+        info: the server's ``ModelInfo`` (model dims and the pool's layout).
+        hardware: a ``sharding.roofline.Hardware``, or None.
+        summary: the :func:`summarize_run` report (its p50 TTFT and TPOT are the measured steps).
+        fallback_batch: the batch to assume when no request decoded (the configured concurrency).
+    """
+    out: dict[str, Any] = {"hardware": hardware_line}
+    if hardware is None:
+        return out
+    try:
+        from sharding import roofline as rl
+
+        cfg, par = model_config(info), rl.Parallelism(info.layout_data, info.layout_model, info.attention)
+        ok = [r for r in records if r.ok]
+        streams = mean_decoding_streams(ok, duration_s)
+        measured = streams > 0
+        batch = max(1, round((streams if measured else fallback_batch) / par.dp))
+        prompt = float(np.mean([r.prompt_tokens for r in ok])) if ok else 0.0
+        output = float(np.mean([r.output_tokens for r in ok])) if ok else 0.0
+        context, prompt_len = round(prompt + output / 2), max(1, round(prompt))
+        decode = rl.decode_utilization(cfg, hardware, par, batch, context, info.dtype, summary["tpot_ms"]["p50"] / 1e3)
+        prefill = rl.prefill_utilization(cfg, hardware, par, prompt_len, info.dtype, summary["ttft_ms"]["p50"] / 1e3)
+    except Exception as exc:  # a prediction must never lose a measurement
+        out["hardware"] = f"{hardware_line}; no prediction: {type(exc).__name__}: {exc}"
+        return out
+    return {
+        **out,
+        "layout": info.layout,
+        "dp": par.dp,
+        "tp": par.tp,
+        "attention": par.attention,
+        "dtype": info.dtype,
+        "mean_decoding_streams": streams,
+        "batch": batch,
+        "batch_from": f"the measured mean of {streams:.2f} concurrently decoding streams over {par.dp} replica(s)"
+        if measured
+        else f"the configured concurrency {fallback_batch} over {par.dp} replica(s): no request decoded",
+        "mean_prompt_tokens": prompt,
+        "mean_output_tokens": output,
+        "context_len": context,
+        "prompt_len": prompt_len,
+        "predicted_tpot_ms": decode.predicted_s * 1e3,
+        "predicted_ttft_ms": prefill.predicted_s * 1e3,
+        "tpot_mbu": decode.mbu,
+        "tpot_mfu": decode.mfu,
+        "ttft_mfu": prefill.mfu,
+    }
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -346,6 +461,8 @@ class BenchConfig:
         layout: engine pool (or layout name) to send the requests to.
         timeout_s: deadline of each request.
         slo_ttft_ms, slo_tpot_ms: goodput SLO (None = no bound).
+        hardware: roofline preset for the prediction, MBU and MFU ("auto": as ``meshserve sweep``
+            picks it; "none": no prediction).
         progress: show a progress bar on stderr.
     """
 
@@ -363,6 +480,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    hardware: str = "auto"
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -453,7 +571,10 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
     if client is None:
         client = Client(cfg.address)
     try:
-        info = client.model_info()
+        info = client.stub.GetModelInfo(pb.GetModelInfoRequest(layout=cfg.layout or ""), timeout=10)
+        from service.sweep import pick_hardware  # before the load: "auto" on a CPU measures it
+
+        hardware, hardware_line = pick_hardware(cfg.hardware, info.platform, info.device_kind)
         rng = np.random.default_rng(cfg.seed)
         total = cfg.warmup + cfg.num_requests
         if cfg.dataset:
@@ -491,6 +612,9 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         **summarize_run(records, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
         "requests": [{**dataclasses.asdict(r), "tpot_s": r.tpot_s} for r in records],
     }
+    report["roofline"] = roofline_report(
+        info, hardware, hardware_line, records, duration, report, cfg.concurrency or info.num_slots
+    )
     return report
 
 

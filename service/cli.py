@@ -353,6 +353,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
+            hardware=args.hardware,
             progress=not args.no_progress,
         )
     except ValueError as exc:
@@ -509,6 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s (%(default)s)")
     bn.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound, ms")
     bn.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound, ms")
+    bn.add_argument(
+        "--hardware",
+        default="auto",
+        help="roofline preset (configs/hardware.yaml) for the predicted TTFT/TPOT, MBU and MFU; 'auto': this CPU "
+        "measured now (a remote CPU server: pass its preset), or the server's accelerator; 'none' (%(default)s)",
+    )
     bn.add_argument("--out", help="write the full report (and every request) as JSON here")
     bn.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for SERVING")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -440,10 +440,23 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        if self.info is None:
+        """The model's facts, and the current layout of the pool ``request.layout`` names (default
+        pool when empty) as the engine resolves it for this model (``sharding.plan.make_plan``)."""
+        if self.info is None or self.model_cfg is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        assert self.info is not None
-        return self.info
+        assert self.info is not None and self.model_cfg is not None
+        try:
+            pool = self.find_pool(request.layout)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        layout, device = pool.layout, pool.devices[0]
+        info = pb.ModelInfo()
+        info.CopyFrom(self.info)
+        info.tie_word_embeddings = self.model_cfg.tie_word_embeddings
+        info.pool, info.layout, info.layout_data, info.layout_model = pool.name, layout.name, layout.data, layout.model
+        info.attention = make_plan(layout, self.model_cfg).attention
+        info.platform, info.device_kind = device.platform, device.device_kind
+        return info
 
     async def _reject(self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str) -> None:
         log.info("request %s: rejected, %s: %s", rid, code.name, details)

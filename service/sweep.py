@@ -19,7 +19,10 @@ Weights' values do not change the speed, so ``--random`` times random weights at
 shapes (no GGUF read). When ``sharding/roofline.py`` is importable, each point also gets the
 roofline's predicted TPOT, TTFT and throughput for the same layout, batch and decode window, on a
 hardware preset (``--hardware``; ``auto`` measures this CPU or matches the accelerator's kind), and
-the plots overlay them.
+the plots overlay them. The measured figures are also set against that hardware: ``mbu`` and
+``mfu`` of the decode step (the roofline's bytes and FLOPs per device of a step at the decode
+window, over the measured TPOT, over the bandwidth and peak) and ``prefill_mfu`` of one prompt's
+prefill (``sharding.roofline.decode_utilization`` and ``prefill_utilization``).
 
 Outputs in ``--out``: ``sweep.csv`` and ``sweep.json`` (rows plus the run's metadata), and with
 matplotlib (``pip install -e '.[bench]'``) ``pareto.png`` (decode throughput vs TPOT per layout)
@@ -81,6 +84,8 @@ FIELDS = [
     "predicted_regime",
     "roofline_fraction",
     "mbu",
+    "mfu",
+    "prefill_mfu",
 ]
 
 
@@ -204,16 +209,21 @@ def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: in
 
 
 # ---- the roofline overlay ----------------------------------------------------------------------
-Predictor = Callable[[Any, Any, int, int, int, str], dict[str, Any]]
+# (cfg, plan, batch, prompt_len, context_len, dtype, measured TPOT s, measured prefill s) -> fields
+Predictor = Callable[[Any, Any, int, int, int, str, float, float], dict[str, Any]]
 
 # Accelerator device kinds (``jax.devices()[0].device_kind``, lower case) -> hardware presets.
 DEVICE_KIND_PRESETS = (("h200", "h200"), ("h100", "h100-sxm"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
                        ("v5p", "tpu-v5p"), ("v6", "tpu-v6e"))  # fmt: skip
 
 
-def roofline_predictor(hardware: str | None, platform_name: str, device_kind: str) -> tuple[Predictor | None, str]:
-    """A function (cfg, plan, batch, prompt_len, context_len, dtype) -> predicted fields from
-    ``sharding.roofline``, and a line saying which hardware it models or why there is none."""
+def pick_hardware(hardware: str | None, platform_name: str, device_kind: str) -> tuple[Any, str]:
+    """The ``sharding.roofline.Hardware`` to predict with, and a line saying which or why there is none.
+
+    ``hardware``: a preset of ``configs/hardware.yaml``; None or "auto" = ``cpu-this-machine``
+    (measured now by ``roofline.measure_cpu``) on the "cpu" platform, else the preset matching
+    ``device_kind`` (``DEVICE_KIND_PRESETS``); "none" or "" = no prediction.
+    """
     if hardware in ("none", ""):
         return None, "roofline overlay off (--hardware none)"
     try:
@@ -231,24 +241,43 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
                 return None, f"no roofline overlay: no hardware preset for {device_kind!r} (pass --hardware)"
     try:
         hw = rl.load_hardware(name)
-    except Exception as exc:  # the roofline module is young: never let it sink a sweep
+    except Exception as exc:  # the roofline module is young: never let it sink a measurement
         return None, f"no roofline overlay: {exc}"
+    bandwidth = f"{hw.hbm_bytes_per_s / 1e9:.1f} GB/s"
+    peak = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in hw.peak_flops.items())
+    return hw, f"roofline overlay: hardware {name!r} ({bandwidth}, {peak})"
 
-    def predict(cfg: Any, plan: Any, batch: int, prompt_len: int, context_len: int, dtype: str) -> dict[str, Any]:
+
+def roofline_predictor(hardware: str | None, platform_name: str, device_kind: str) -> tuple[Predictor | None, str]:
+    """A :data:`Predictor` on the hardware :func:`pick_hardware` picks (or None), and its line.
+
+    The predictor returns the roofline's TPOT, TTFT, throughput and regime, the measured decode
+    step's ``mbu`` and ``mfu`` and the measured prefill's ``prefill_mfu``
+    (``sharding.roofline.decode_utilization`` / ``prefill_utilization``)."""
+    hw, line = pick_hardware(hardware, platform_name, device_kind)
+    if hw is None:
+        return None, line
+    from sharding import roofline as rl
+
+    def predict(
+        cfg: Any, plan: Any, batch: int, prompt_len: int, context_len: int, dtype: str, tpot_s: float, prefill_s: float
+    ) -> dict[str, Any]:
         par = rl.Parallelism.from_plan(plan)
-        wl = rl.Workload(batch=batch // par.dp, context_len=context_len, prompt_len=prompt_len, dtype=dtype)
-        r = rl.roofline(cfg, hw, par, wl)
+        B = batch // par.dp
+        r = rl.roofline(cfg, hw, par, rl.Workload(batch=B, context_len=context_len, prompt_len=prompt_len, dtype=dtype))
+        decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s)
+        prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s)
         return {
             "predicted_tpot_ms": _ms(r.tpot_s),
             "predicted_ttft_ms": _ms(r.ttft_s),
             "predicted_tok_s": r.tokens_per_s,
             "predicted_regime": r.regime,
-            "_predicted_memory_s": r.decode.memory_s,
+            "mbu": decode.mbu,
+            "mfu": decode.mfu,
+            "prefill_mfu": prefill.mfu,
         }
 
-    bandwidth = f"{hw.hbm_bytes_per_s / 1e9:.1f} GB/s"
-    peak = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in hw.peak_flops.items())
-    return predict, f"roofline overlay: hardware {name!r} ({bandwidth}, {peak})"
+    return predict, line
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -350,11 +379,9 @@ def run_sweep(
                     gc.collect()
                 if row["status"] == "ok" and predictor is not None:
                     try:
-                        pred = predictor(cfg, plan, B, P, row["decode_window"], scfg.dtype)
-                        memory_s = pred.pop("_predicted_memory_s")
-                        row.update(pred)
+                        tpot_s, prefill_s = row["tpot_ms"] / 1e3, row["prefill_ms"] / 1e3
+                        row.update(predictor(cfg, plan, B, P, row["decode_window"], scfg.dtype, tpot_s, prefill_s))
                         row["roofline_fraction"] = row["predicted_tpot_ms"] / row["tpot_ms"]
-                        row["mbu"] = _ms(memory_s) / row["tpot_ms"]
                     except Exception as exc:  # a prediction must never lose a measurement
                         log.warning("roofline prediction failed for %s B=%d P=%d: %s", name, B, P, exc)
                 rows.append(row)
@@ -372,9 +399,12 @@ def format_row(row: dict[str, Any]) -> str:
     head = f"{row['layout']:>8s} B={row['batch']:<4d} P={row['prompt_len']:<5d}"
     if row["status"] != "ok":
         return f"{head} {row['status']}"
-    pred = "" if row["predicted_tpot_ms"] is None else f" (roofline {row['predicted_tpot_ms']:.2f} ms)"
+    prefill = tpot = ""
+    if row["predicted_tpot_ms"] is not None:
+        prefill = f" (roofline {row['predicted_ttft_ms']:.2f} ms, MFU {row['prefill_mfu']:.1%})"
+        tpot = f" (roofline {row['predicted_tpot_ms']:.2f} ms, MBU {row['mbu']:.1%}, MFU {row['mfu']:.1%})"
     return (
-        f"{head} prefill {row['prefill_ms']:8.2f} ms/prompt  TPOT {row['tpot_ms']:8.2f} ms{pred}  "
+        f"{head} prefill {row['prefill_ms']:8.2f} ms/prompt{prefill}  TPOT {row['tpot_ms']:8.2f} ms{tpot}  "
         f"{row['decode_tok_s']:8.1f} tok/s  compile {row['compile_s']:.1f} s"
     )
 

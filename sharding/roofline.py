@@ -524,6 +524,67 @@ def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> 
     )
 
 
+# ---- a measurement against the roofline -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Utilization:
+    """One measured step next to the roofline's prediction of it.
+
+    Attributes:
+        predicted_s: the roofline's step time, seconds (TPOT for decode, TTFT for prefill).
+        measured_s: the measured step time, seconds.
+        mbu: :func:`mbu` of the measured step: (bytes per device / measured_s) / W_hbm per device.
+        mfu: :func:`mfu` of the measured step: (FLOPs per device / measured_s) / peak per device.
+    """
+
+    predicted_s: float
+    measured_s: float
+    mbu: float
+    mfu: float
+
+
+def _utilization(step: StepCost, hw: Hardware, dtype: str, measured_s: float) -> Utilization:
+    return Utilization(
+        predicted_s=step.time_s,
+        measured_s=measured_s,
+        mbu=mbu(step.memory_bytes, measured_s, hw.hbm_bytes_per_s),
+        mfu=mfu(step.flops, measured_s, hw.peak(dtype)),
+    )
+
+
+def decode_utilization(
+    cfg: LlamaConfig, hw: Hardware, par: Parallelism, batch: int, context_len: int, dtype: str, step_s: float
+) -> Utilization:
+    """Predicted TPOT, MBU and MFU of a measured decode step of ``step_s`` seconds.
+
+    ``batch`` sequences per replica at ``context_len`` KV positions each, weights and KV in
+    ``dtype``. The bytes (weights + B·S KV) and FLOPs (2·B·matmul weights + 4·B·S·L·N·H attention)
+    are :func:`decode_step`'s, per device; on ``shared`` hardware each device gets 1/n of it, as
+    in :func:`roofline`. MBU as in Pope et al. 2022 §2 / the scaling book's inference chapter
+    ("How to Scale Your Model"); MFU as in Chowdhery et al. 2022 (PaLM) §4.1.
+
+    Raises:
+        HardwareError: ``hw`` has no peak for ``dtype``.
+    """
+    hw = hw.per_device(par.num_devices)
+    step = decode_step(cfg, hw, par, Workload(batch=batch, context_len=context_len, dtype=dtype))
+    return _utilization(step, hw, dtype, step_s)
+
+
+def prefill_utilization(
+    cfg: LlamaConfig, hw: Hardware, par: Parallelism, prompt_len: int, dtype: str, step_s: float
+) -> Utilization:
+    """Predicted TTFT, MBU and MFU of a measured prefill of one ``prompt_len``-token prompt taking
+    ``step_s`` seconds (bytes and FLOPs of :func:`prefill_step`, per device). Prefill is
+    compute-bound at any useful prompt length, so its MFU is the figure that matters (PaLM §4.1).
+
+    Raises:
+        HardwareError: ``hw`` has no peak for ``dtype``.
+    """
+    hw = hw.per_device(par.num_devices)
+    step = prefill_step(cfg, hw, par, Workload(prompt_len=prompt_len, dtype=dtype))
+    return _utilization(step, hw, dtype, step_s)
+
+
 # ---- a table ----------------------------------------------------------------------------------------
 def _fmt_s(seconds: float) -> str:
     if seconds >= 1:

@@ -16,10 +16,12 @@ from service.bench import (
     format_report,
     goodput,
     load_jsonl,
+    mean_decoding_streams,
     parse_range,
     percentile,
     poisson_offsets,
     record_from_chunks,
+    roofline_report,
     summarize,
     summarize_run,
     synthetic_specs,
@@ -83,6 +85,52 @@ def test_summarize_run_on_the_trace() -> None:
     assert goodput(trace(), 2.0, None, None)["requests"] == 3  # no SLO: every completed request
     assert goodput(trace(), 2.0, None, 40)["requests"] == 1  # only c (no TPOT)
     assert "goodput (TTFT <= 150 ms and TPOT <= 60 ms): 1.00 req/s" in format_report(report)
+
+
+def test_mean_decoding_streams_is_littles_law() -> None:
+    # a decodes 0.10 -> 0.25 s, b 0.20 -> 0.40 s, c has one token, d failed: 0.35 s over 2 s.
+    assert mean_decoding_streams(trace(), 2.0) == pytest.approx(0.175)
+    assert math.isnan(mean_decoding_streams(trace(), 0.0))
+
+
+def _smollm2_info(**overrides: object) -> object:
+    from protos.meshserve.v1 import meshserve_pb2 as pb
+
+    fields = dict(layout="1x1", layout_data=1, layout_model=1, attention="heads", platform="cpu", device_kind="cpu",
+                  dtype="float32")  # fmt: skip
+    return pb.ModelInfo(vocab_size=49152, num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                        num_kv_heads=3, head_dim=64, context_length=8192, max_seq_len=2048, num_slots=4,
+                        tie_word_embeddings=True, **{**fields, **overrides})  # fmt: skip
+
+
+def test_roofline_report_by_hand() -> None:
+    """SmolLM2-135M fp32 on the peers.md CPU (25 GB/s, 148 GFLOP/s): the trace's prompts average
+    (10 + 20 + 5) / 3 and outputs (4 + 2 + 1) / 3 tokens; TPOT p50 75 ms, TTFT p50 100 ms."""
+    from sharding import roofline as rl
+
+    hw = rl.load_hardware("cpu-peers-md")
+    records = trace()
+    report = summarize_run(records, duration_s=2.0)
+    roof = roofline_report(_smollm2_info(), hw, "line", records, 2.0, report, fallback_batch=3)
+    assert roof["batch"] == 1 and "measured mean of 0.17 " in roof["batch_from"]  # 0.175 streams -> at least 1
+    assert roof["context_len"] == round(35 / 3 + 7 / 6) == 13 and roof["prompt_len"] == 12
+    # Batch 1, 13 positions: 538,060,032 weight bytes + 13 x 46,080 KV bytes, over 75 ms, over 25 GB/s.
+    nbytes = 538_060_032 + 13 * 46_080
+    assert roof["tpot_mbu"] == pytest.approx(nbytes / 75e-3 / 25e9)
+    assert roof["predicted_tpot_ms"] == pytest.approx(nbytes / 25e9 * 1e3)
+    flops = 2 * (134_515_008 - 61 * 576) + 4 * 13 * 30 * 9 * 64  # matmul weights (no norms) + attention
+    assert roof["tpot_mfu"] == pytest.approx(flops / 75e-3 / 148e9)
+    assert 0 < roof["ttft_mfu"] < 1 and roof["predicted_ttft_ms"] > 0
+    report["roofline"] = roof
+    text = format_report(report)
+    assert "roofline" in text and "MBU" in text and "decode batch 1 per replica" in text
+    # Two data-parallel replicas, nobody decoded: the configured concurrency (3) split over dp.
+    idle = roofline_report(_smollm2_info(layout_data=2), hw, "line", records[2:], 2.0, report, fallback_batch=3)
+    assert idle["batch"] == 2 and "configured concurrency 3" in idle["batch_from"] and idle["dp"] == 2
+    # No hardware, or one without the dtype's peak: the line says why, the report stays.
+    assert roofline_report(_smollm2_info(), None, "off", records, 2.0, report, 1) == {"hardware": "off"}
+    bf16 = roofline_report(_smollm2_info(dtype="bfloat16"), hw, "cpu", records, 2.0, report, 1)
+    assert set(bf16) == {"hardware"} and "bfloat16" in bf16["hardware"]
 
 
 def test_write_report_turns_nan_into_null(tmp_path: Path) -> None:
@@ -158,6 +206,10 @@ def _check_sane(report: dict, n: int) -> None:
         assert 0 <= s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"], key
     assert report["ttft_ms"]["p50"] <= report["e2e_ms"]["p50"] or report["ttft_ms"]["count"] == n
     assert len(report["requests"]) == n
+    roof = report["roofline"]
+    assert roof["layout"] == "single" and (roof["dp"], roof["tp"]) == (1, 1) and roof["batch"] >= 1
+    for key in ("predicted_tpot_ms", "predicted_ttft_ms", "tpot_mbu", "tpot_mfu", "ttft_mfu", "mean_decoding_streams"):
+        assert math.isfinite(roof[key]) and roof[key] > 0, key
 
 
 def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -175,6 +227,8 @@ def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.Captu
         "--out",
         str(out),
         "--no-progress",
+        "--hardware",
+        "cpu-peers-md",
     ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
@@ -185,10 +239,14 @@ def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.Captu
     assert report["server"]["num_slots"] == 2 and report["config"]["concurrency"] == 2
     text = capsys.readouterr().out
     assert "TTFT" in text and "goodput (TTFT <= 60000 ms)" in text
+    assert "hardware 'cpu-peers-md'" in text and "MBU" in text and "MFU" in text
 
 
-def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     from service.bench import run_bench
+    from sharding import roofline as rl
+
+    monkeypatch.setattr(rl, "measure_cpu", lambda: (20e9, 100e9))  # "auto" on a CPU server: no measuring here
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "the hint", "max_tokens": 5}\n{"token_ids": [10, 11, 12], "max_tokens": 3}\n')
@@ -206,3 +264,4 @@ def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path) -> None:  # typ
     assert [r["max_tokens"] for r in report["requests"]] == [5, 3, 5, 3]
     starts = [r["start_s"] for r in report["requests"]]
     assert starts == sorted(starts)
+    assert "hardware 'cpu-this-machine' (20.0 GB/s, 100 GFLOP/s float32)" in report["roofline"]["hardware"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -162,6 +163,48 @@ def test_utilization_helpers() -> None:
     assert ring_all_reduce_s(1e6, 1, 1e9) == 0
     assert ring_all_reduce_s(1e6, 4, 1e9) == pytest.approx(1.5e-3)
     assert ring_all_reduce_s(1e6, 4, 1e9, hop_latency_s=1e-6) == pytest.approx(1.5e-3 + 6e-6)
+
+
+def test_decode_utilization_8b_by_hand() -> None:
+    # 8B parameters in bf16 = 16 GB per decode step (batch 1, no KV); a 10 ms step at 2 TB/s
+    # moves 1.6 TB/s: MBU 0.8. FLOPs 2 x 8e9 = 1.6e10 per step -> 1.6e12 FLOP/s of 1e15: MFU 0.0016.
+    hw = Hardware(name="h", hbm_bytes_per_s=2e12, peak_flops={"bfloat16": 1e15}, interconnect_bytes_per_s=1e11)
+    u = rl.decode_utilization(EIGHT_B, hw, Parallelism(), batch=1, context_len=0, dtype="bfloat16", step_s=10e-3)
+    assert u.mbu == pytest.approx(0.8, rel=1e-3)
+    assert u.mfu == pytest.approx(0.0016, rel=1e-3)
+    assert u.predicted_s == pytest.approx(16e9 / 2e12, rel=1e-3)  # 8 ms, memory-bound
+    assert u.measured_s == 10e-3
+    # A step exactly at the roofline's memory-bound time is MBU 1.
+    at = rl.decode_utilization(EIGHT_B, hw, Parallelism(), 1, 0, "bfloat16", u.predicted_s)
+    assert at.mbu == pytest.approx(1.0)
+
+
+def test_decode_utilization_tiny_with_kv_and_shared_devices() -> None:
+    # Tiny, fp32, B=2, S=10: bytes and FLOPs as in test_tiny_decode_by_hand; a 1 ms step.
+    hw = Hardware(name="h", hbm_bytes_per_s=1e9, peak_flops={"float32": 1e9}, interconnect_bytes_per_s=1e9)
+    nbytes = (24576 + 49152 + 16384 + 320) * 4 + 2 * 10 * 512
+    flops = 2 * 2 * (24576 + 49152 + 16384) + 4 * 2 * 10 * 2 * 4 * 16
+    u = rl.decode_utilization(TINY, hw, Parallelism(), 2, 10, "float32", 1e-3)
+    assert u.mbu == pytest.approx(nbytes / 1e-3 / 1e9)
+    assert u.mfu == pytest.approx(flops / 1e-3 / 1e9)
+    # Shared hardware, 2 data-parallel replicas: each device has half the machine and its own copy
+    # of the weights, so the same per-device step is twice the utilization of its half.
+    shared = dataclasses.replace(hw, shared=True)
+    u2 = rl.decode_utilization(TINY, shared, Parallelism(dp=2), 2, 10, "float32", 1e-3)
+    assert u2.mbu == pytest.approx(2 * u.mbu) and u2.mfu == pytest.approx(2 * u.mfu)
+    with pytest.raises(HardwareError, match="bfloat16"):
+        rl.decode_utilization(TINY, hw, Parallelism(), 2, 10, "bfloat16", 1e-3)
+
+
+def test_prefill_utilization_by_hand() -> None:
+    # SmolLM2 fp32, a 512-token prompt on the peers.md CPU (148 GFLOP/s): FLOPs of prefill_step.
+    flops = rl.prefill_step(SMOLLM2, PEERS_CPU, Parallelism(), Workload(prompt_len=512, dtype="float32")).flops
+    attn, mlp, head = 30 * 576 * 64 * (2 * 9 + 2 * 3), 30 * 3 * 576 * 1536, 49152 * 576
+    assert flops == 2 * 512 * (attn + mlp) + 2 * head + 2 * 512 * 513 * 30 * 9 * 64
+    u = rl.prefill_utilization(SMOLLM2, PEERS_CPU, Parallelism(), 512, "float32", step_s=1.0)
+    assert u.mfu == pytest.approx(flops / 148e9)
+    assert u.predicted_s == pytest.approx(flops / 148e9)  # compute-bound: TTFT = FLOPs / peak
+    assert u.mfu == pytest.approx(u.predicted_s / u.measured_s)
 
 
 def test_hardware_presets() -> None:

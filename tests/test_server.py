@@ -93,6 +93,15 @@ def test_model_info_matches_the_gguf(client: Client, smollm2_gguf: Path) -> None
     assert info.num_slots == 4
     assert info.architecture == "llama"
     assert info.num_parameters > 100_000_000
+    # The default pool's layout, as sharding/plan.py resolves it (the roofline's input for bench).
+    assert info.tie_word_embeddings and info.platform == "cpu" and info.device_kind
+    assert info.pool and info.layout and info.layout_data >= 1 and info.layout_model >= 1
+    assert info.attention in ("heads", "replicated")
+    same = client.stub.GetModelInfo(pb.GetModelInfoRequest(layout=info.pool), timeout=10)
+    assert (same.pool, same.layout_data, same.layout_model) == (info.pool, info.layout_data, info.layout_model)
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GetModelInfo(pb.GetModelInfoRequest(layout="no-such-pool"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- generation -------------------------------------------------------------------------------------

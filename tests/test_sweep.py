@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,27 @@ def test_json_rows_and_meta(results: Path) -> None:
         for r in rows:
             assert r["predicted_tpot_ms"] > 0 and r["predicted_regime"] in ("memory", "compute")
             assert r["roofline_fraction"] == pytest.approx(r["predicted_tpot_ms"] / r["tpot_ms"])
+            for key in ("mbu", "mfu", "prefill_mfu", "predicted_ttft_ms"):
+                assert math.isfinite(r[key]) and r[key] > 0, key
+    else:
+        pytest.fail(f"the cpu-peers-md overlay is missing: {meta['roofline']}")
+
+
+def test_mbu_and_mfu_against_the_roofline(results: Path) -> None:
+    """mbu/mfu are the roofline's per-device bytes and FLOPs of the step over the measured time, over
+    the cpu-peers-md figures (25 GB/s, 148 GFLOP/s, shared by the layout's devices)."""
+    from model.config import LlamaConfig
+    from sharding import roofline as rl
+
+    hw = rl.load_hardware("cpu-peers-md")
+    for r in json.loads((results / "sweep.json").read_text())["rows"]:
+        par = rl.Parallelism(dp=r["data"], tp=r["model"], attention=r["attention"])
+        wl = rl.Workload(batch=r["batch"] // par.dp, context_len=r["decode_window"], dtype="float32")
+        per_device = hw.per_device(par.num_devices)
+        step = rl.decode_step(LlamaConfig.tiny(), per_device, par, wl)
+        tpot_s = r["tpot_ms"] / 1e3
+        assert r["mbu"] == pytest.approx(step.memory_bytes / tpot_s / per_device.hbm_bytes_per_s)
+        assert r["mfu"] == pytest.approx(step.flops / tpot_s / per_device.peak("float32"))
 
 
 def test_plots_when_matplotlib_is_installed(results: Path) -> None:

@@ -111,11 +111,13 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    def __init__(self, layout: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "context_length", "max_seq_len", "num_slots", "eos_token_ids", "dtype", "num_parameters", "layout", "model_path")
+    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "context_length", "max_seq_len", "num_slots", "eos_token_ids", "dtype", "num_parameters", "layout", "model_path", "tie_word_embeddings", "pool", "layout_data", "layout_model", "attention", "platform", "device_kind")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,13 @@ class ModelInfo(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    TIE_WORD_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -150,4 +159,11 @@ class ModelInfo(_message.Message):
     num_parameters: int
     layout: str
     model_path: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layout: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    tie_word_embeddings: bool
+    pool: str
+    layout_data: int
+    layout_model: int
+    attention: str
+    platform: str
+    device_kind: str
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layout: _Optional[str] = ..., model_path: _Optional[str] = ..., tie_word_embeddings: _Optional[bool] = ..., pool: _Optional[str] = ..., layout_data: _Optional[int] = ..., layout_model: _Optional[int] = ..., attention: _Optional[str] = ..., platform: _Optional[str] = ..., device_kind: _Optional[str] = ...) -> None: ...

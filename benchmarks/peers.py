@@ -115,6 +115,7 @@ def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "prompts": [ids[i * stride : i * stride + P] for i in range(B)],
         "ttft_prompt": ids[: args.ttft_prompt_len],
         "vllm_eager": args.vllm_eager,
+        "layers": args.layers,
     }
 
 
@@ -154,7 +155,7 @@ class Runner:
 
 
 class MeshserveRunner(Runner):
-    def __init__(self, model: Path, threads: int) -> None:
+    def __init__(self, model: Path, threads: int, layers: str) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -162,7 +163,10 @@ class MeshserveRunner(Runner):
 
         self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
         self.engine: Any = None
-        self.notes = f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, pipelined decode"
+        self.layers = layers
+        self.notes = (
+            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, pipelined decode"
+        )
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
         from service.engine import Engine, EngineConfig
@@ -170,7 +174,9 @@ class MeshserveRunner(Runner):
         from sharding.layouts import Layout
 
         self.engine = None  # free the previous cache first
-        ecfg = EngineConfig(num_slots=batch, max_seq_len=prompt_len + new_tokens, chunk_size=prompt_len)
+        ecfg = EngineConfig(
+            num_slots=batch, max_seq_len=prompt_len + new_tokens, chunk_size=prompt_len, layers=self.layers
+        )
         self.engine = Engine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
         for slot in range(batch):
             self.engine.set_sampling(slot, SamplingOptions(temperature=0.0))
@@ -362,7 +368,7 @@ class VllmRunner(Runner):
 def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
     model, threads = Path(wl["model"]), wl["threads"]
     if variant == "meshserve":
-        return MeshserveRunner(model, threads)
+        return MeshserveRunner(model, threads, wl.get("layers", "scan"))
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -530,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per engine (%(default)s: the cores)")
     p.add_argument("--text", help="English text file for the prompts (default: standard-library docstrings)")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+    p.add_argument(
+        "--layers",
+        choices=["scan", "unrolled"],
+        default="unrolled",
+        help="meshserve's EngineConfig.layers (%(default)s: the faster steps on CPU; scan compiles faster)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine (%(default)s)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "peers.json"), help="results (%(default)s)")
     p.add_argument("--worker", help=argparse.SUPPRESS)

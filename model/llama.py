@@ -19,6 +19,7 @@ metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -64,10 +65,54 @@ class DecoderLayers(nnx.Module):
         self.w_up = w((L, D, F), ("layers", "embed", "mlp"))
         self.w_down = w((L, F, D), ("layers", "mlp", "embed"))
 
-    def stacked(self) -> dict[str, jax.Array]:
-        """The raw stacked arrays, keyed by parameter name (the scan's xs)."""
-        names = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-        return {name: getattr(self, name)[...] for name in names}
+    NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+    def weights(self) -> dict[str, Any]:
+        """The raw parameter values keyed by name: stacked arrays [L, ...], or tuples of L
+        per-layer arrays when the state is in the per-layer form of ``unstack_layers``."""
+        return {name: getattr(self, name).get_value() for name in self.NAMES}
+
+    def per_layer(self) -> bool:
+        """True when the parameters are in the per-layer form (``unstack_layers``)."""
+        return isinstance(self.wq.get_value(), tuple)
+
+
+def unstack_layers(state: nnx.State) -> nnx.State:
+    """The per-layer form of a Llama state: every stacked layer parameter [L, ...] becomes a
+    tuple of L arrays [...] (the same Param with the same metadata; numpy inputs give views,
+    device arrays give slices, abstract ones give per-layer ShapeDtypeStructs). Parameters
+    without a leading "layers" axis, and ones already split, are returned as they are.
+
+    Why: inside ``lax.scan`` XLA:CPU materialises each iteration's dynamic slice of a stacked
+    weight before the dot reads it, so a scanned decode step moves its weights about twice
+    (SmolLM2-135M's shapes, batch 1, matmuls only: 59 ms scanned against 30 ms over separate
+    per-layer buffers; static slices of one stacked array in an unrolled loop: 199 ms). An
+    engine with ``EngineConfig(layers="unrolled")`` keeps its weights in this form, and
+    ``prefill``/``decode_step`` then run the layers as an unrolled loop
+    (``Llama.run_layers_in_place``); the price is compile time (L blocks per program).
+    """
+
+    def split(var: nnx.Variable) -> nnx.Variable:
+        value = var.get_value()
+        if var.get_metadata()["logical_axes"][:1] != ("layers",) or isinstance(value, tuple):
+            return var
+        if isinstance(value, jax.ShapeDtypeStruct):
+            layer = jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+            return var.replace(tuple(layer for _ in range(value.shape[0])))
+        return var.replace(tuple(value[i] for i in range(value.shape[0])))
+
+    return jax.tree.map(split, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def stack_layers(state: nnx.State) -> nnx.State:
+    """Inverse of ``unstack_layers``: per-layer tuples become stacked arrays [L, ...] again
+    (a copy, with ``jnp.stack``)."""
+
+    def join(var: nnx.Variable) -> nnx.Variable:
+        value = var.get_value()
+        return var.replace(jnp.stack(value)) if isinstance(value, tuple) else var
+
+    return jax.tree.map(join, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 class Llama(nnx.Module):
@@ -128,7 +173,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        xs: dict[str, Any] = {"p": self.layers.stacked()}
+        xs: dict[str, Any] = {"p": self.layers.weights()}
         if cache_k is not None:
             xs["ck"], xs["cv"] = cache_k, cache_v
 
@@ -143,6 +188,53 @@ class Llama(nnx.Module):
 
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
         return x, new_k, new_v
+
+    def run_layers_in_place(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        write: Callable[[jax.Array, int, jax.Array], jax.Array],
+        read: Callable[[jax.Array, int], jax.Array] | None,
+        cache_mask: jax.Array | None,
+        new_mask: jax.Array | None,
+    ) -> tuple[jax.Array, KVCache]:
+        """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
+        each block writing its new keys and values into the cache *before* attending.
+
+        Writing first gives every cache read a data dependency on the write that precedes it,
+        so XLA updates the donated cache in place; reading a window of the old cache while a
+        later write is pending makes XLA:CPU copy the whole cache twice per step.
+
+        Args:
+            tokens, positions: [B, T] int32 ids and absolute positions.
+            cache: the KV cache [L, S, K, T_max, H].
+            write: (cache array [L, S, K, T_max, H], layer, new k or v [B, T, K, H]) -> the
+                cache array with the layer's new entries written.
+            read: (cache array, layer) -> the attended window [B, K, W, H] of the written
+                cache; None to attend only to the new tokens (nothing cached before them).
+            cache_mask: [B, T, W] bool when ``read`` is given (the window includes the new
+                tokens themselves), else None.
+            new_mask: [B, T, T] bool causal mask among the new tokens when ``read`` is None.
+
+        Returns:
+            hidden [B, T, D] float32 after the last block, and the updated cache.
+        """
+        cfg = self.cfg
+        assert self.layers.per_layer(), "run_layers_in_place needs unstack_layers' per-layer form"
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        weights = self.layers.weights()
+        ck, cv = cache.k, cache.v
+        for i in range(cfg.num_layers):
+            p = {name: w[i] for name, w in weights.items()}
+            q, k, v = project_qkv(cfg, x, p, cos, sin, ck.dtype)
+            ck, cv = write(ck, i, k), write(cv, i, v)
+            if read is None:
+                x = attend_and_mlp(cfg, x, p, q, k, v, None, None, None, new_mask)
+            else:
+                x = attend_and_mlp(cfg, x, p, q, k, v, read(ck, i), read(cv, i), cache_mask, None)
+        return x, KVCache(k=ck, v=cv)
 
 
 # ---- the math of one block ------------------------------------------------------------------
@@ -192,6 +284,90 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def project_qkv(
+    cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, cdt: jnp.dtype
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention inputs of one block: RMSNorm, Q/K/V projections and RoPE.
+
+    Shapes: x [B, T, D] f32 -> q [B, T, K, G, H] f32 (already scaled by H^-0.5), and k, v
+    [B, T, K, H] in the cache dtype ``cdt`` (attention uses exactly what the cache will hold).
+    """
+    B, T, _ = x.shape
+    K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
+    wdt = p["wq"].dtype
+    f32 = jnp.float32
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
+    q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"], preferred_element_type=f32)
+    k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"], preferred_element_type=f32)
+    v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"], preferred_element_type=f32)
+    q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
+    k = apply_rope(k, cos, sin)
+    return q, k.astype(cdt), v.astype(cdt)
+
+
+def attend_and_mlp(
+    cfg: LlamaConfig,
+    x: jax.Array,
+    p: dict[str, jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_k: jax.Array | None,
+    cache_v: jax.Array | None,
+    cache_mask: jax.Array | None,
+    new_mask: jax.Array | None,
+) -> jax.Array:
+    """The rest of one block: attention over a cache window and/or the new keys, the O
+    projection, then the SwiGLU MLP, each with its residual.
+
+    Shapes: x [B, T, D] f32; q [B, T, K, G, H]; k, v [B, T, K, H]; cache_k/v [B, K, S, H];
+    cache_mask [B, T, S] and new_mask [B, T, U] bool (True = may attend). ``new_mask`` None
+    means the cache window already holds the new keys (written before the read), so only the
+    window is attended. Returns the new x [B, T, D] f32.
+    """
+    B, T, _ = x.shape
+    K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
+    wdt = p["wq"].dtype
+    f32 = jnp.float32
+    cdt = k.dtype
+
+    scores = []
+    if cache_k is not None:
+        assert cache_v is not None and cache_mask is not None
+        if T == 1:  # decode: tiny per-(slot, head) products; broadcast-multiply-sum is faster on CPU
+            scores_cache = jnp.sum(q[:, 0, :, :, None, :] * cache_k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
+        else:
+            scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
+        scores.append(jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF))
+    if new_mask is not None:
+        scores_new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
+        scores.append(jnp.where(new_mask[:, None, None], scores_new, NEG_INF))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
+
+    attn = jnp.zeros((B, T, K, G, H), f32)
+    if cache_k is not None and cache_v is not None:
+        S = cache_k.shape[2]
+        p_cache = probs[..., :S]
+        if T == 1:
+            attn = jnp.sum(p_cache[:, :, :, 0, :, None] * cache_v[:, :, None, :, :], axis=-2)[:, None]
+        else:
+            attn = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache.astype(cdt), cache_v, preferred_element_type=f32)
+    if new_mask is not None:
+        p_new = probs[..., probs.shape[-1] - T :]
+        attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
+    # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
+    # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
+    wo = p["wo"]
+    attn = attn.reshape(B, T, K * G * H).astype(wdt)
+    x = x + jnp.einsum("BTE,ED->BTD", attn, wo.reshape(-1, wo.shape[-1]), preferred_element_type=f32)
+
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
+    gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"], preferred_element_type=f32)
+    up = jnp.einsum("BTD,DF->BTF", h, p["w_up"], preferred_element_type=f32)
+    act = (jax.nn.silu(gate) * up).astype(wdt)
+    return x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
+
+
 def decoder_block(
     cfg: LlamaConfig,
     x: jax.Array,
@@ -203,54 +379,15 @@ def decoder_block(
     cache_mask: jax.Array | None,
     new_mask: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm block: x + Attn(norm(x)), then + MLP(norm(x)).
+    """One pre-norm block: x + Attn(norm(x)), then + MLP(norm(x)), attending to a read-only
+    cache window and the block's own new keys.
 
     Shapes: x [B, T, D] f32; cache_k/v [B, K, S, H]; masks as in ``Llama.run_layers``.
     Returns the new x [B, T, D] f32 and this block's new k, v [B, T, K, H].
     """
-    B, T, _ = x.shape
-    K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
-    wdt = p["wq"].dtype
-    f32 = jnp.float32
-
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
-    q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"], preferred_element_type=f32)
-    k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"], preferred_element_type=f32)
-    v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"], preferred_element_type=f32)
-    q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
-    k = apply_rope(k, cos, sin)
-    cdt = cache_k.dtype if cache_k is not None else f32
-    k, v = k.astype(cdt), v.astype(cdt)  # attend to exactly what the cache will hold
-
-    scores_new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-    scores_new = jnp.where(new_mask[:, None, None], scores_new, NEG_INF)
-    if cache_k is not None:
-        assert cache_v is not None and cache_mask is not None
-        if T == 1:  # decode: tiny per-(slot, head) products; broadcast-multiply-sum is faster on CPU
-            scores_cache = jnp.sum(q[:, 0, :, :, None, :] * cache_k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
-        else:
-            scores_cache = jnp.einsum("BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=f32)
-        scores_cache = jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)
-        probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
-        S = cache_k.shape[2]
-        p_cache, p_new = probs[..., :S], probs[..., S:]
-        if T == 1:
-            attn = jnp.sum(p_cache[:, :, :, 0, :, None] * cache_v[:, :, None, :, :], axis=-2)[:, None]
-        else:
-            attn = jnp.einsum("BKGTS,BKSH->BTKGH", p_cache.astype(cdt), cache_v, preferred_element_type=f32)
-        attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
-    else:
-        p_new = jax.nn.softmax(scores_new, axis=-1)
-        attn = jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
-    attn = attn.reshape(B, T, K * G, H).astype(wdt)
-    x = x + jnp.einsum("BTNH,NHD->BTD", attn, p["wo"], preferred_element_type=f32)
-
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
-    gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"], preferred_element_type=f32)
-    up = jnp.einsum("BTD,DF->BTF", h, p["w_up"], preferred_element_type=f32)
-    act = (jax.nn.silu(gate) * up).astype(wdt)
-    x = x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
-    return x, k, v
+    cdt = cache_k.dtype if cache_k is not None else jnp.float32
+    q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
+    return attend_and_mlp(cfg, x, p, q, k, v, cache_k, cache_v, cache_mask, new_mask), k, v
 
 
 # ---- the two entry points -------------------------------------------------------------------
@@ -285,6 +422,25 @@ def prefill(
     T = tokens.shape[0]
     positions = (start_pos + jnp.arange(T, dtype=jnp.int32))[None, :]  # [1, T]
     new_mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]  # [1, T, U] causal
+    if model.layers.per_layer():
+        pos = positions[0]
+
+        def write(c: jax.Array, i: int, new: jax.Array) -> jax.Array:
+            # c[i, slot, :, pos, :] has shape [T, K, H] (advanced indices go first).
+            return c.at[i, slot, :, pos, :].set(new[0].astype(c.dtype), mode="drop")
+
+        if kv_len > 0:
+
+            def read(c: jax.Array, i: int) -> jax.Array:  # [1, K, kv_len, H]
+                return jax.lax.dynamic_slice(c, (i, slot, 0, 0, 0), (1, 1, c.shape[2], kv_len, c.shape[4]))[0]
+
+            mask = (jnp.arange(kv_len)[None, :] <= pos[:, None])[None]  # [1, T, kv_len], new tokens included
+            h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, read, mask, None)
+        else:
+            h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, None, None, new_mask)
+        last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
+        return model.logits(last), cache
+
     if kv_len > 0:
         ck = jax.lax.dynamic_index_in_dim(cache.k, slot, axis=1, keepdims=True)
         cv = jax.lax.dynamic_index_in_dim(cache.v, slot, axis=1, keepdims=True)
@@ -331,6 +487,31 @@ def decode_step(
     """
     S = tokens.shape[0]
     pos2d = positions[:, None]  # [S, 1]
+    if model.layers.per_layer():
+        slots = jnp.arange(S)
+
+        # Idle slots (position T_max) write at T_max - 1 of their own row instead of being
+        # dropped: every position of a slot is written before it is attended, so the write is
+        # harmless, and unlike mode="drop" (a select around a dynamic-update-slice at batch 1)
+        # a clipped scatter updates the donated cache in place.
+        at = jnp.minimum(positions, cache.max_len - 1)
+
+        heads = jnp.arange(cache.k.shape[2])[None, :]
+
+        def write(c: jax.Array, i: int, new: jax.Array) -> jax.Array:
+            # One index per (slot, KV head): XLA turns a scatter with a single index (one slot)
+            # into a dynamic-update-slice, then fuses that into the window read below, which
+            # keeps the old cache alive and costs a copy of the whole cache per layer.
+            # c[i, slots, heads, at, :] has shape [S, K, H].
+            return c.at[i, slots[:, None], heads, at[:, None], :].set(new[:, 0].astype(c.dtype), mode="clip")
+
+        def read(c: jax.Array, i: int) -> jax.Array:  # [S, K, kv_len, H]
+            return c[i, :, :, :kv_len]
+
+        mask = (jnp.arange(kv_len)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, kv_len]
+        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, read, mask, None)
+        return model.logits(h[:, 0]), cache
+
     ck, cv = cache.k, cache.v  # the scan slices each layer's window without copying the cache
     cache_mask = (jnp.arange(kv_len)[None, :] < positions[:, None])[:, None, :]  # [S, 1, kv_len]
     new_mask = jnp.ones((S, 1, 1), bool)

@@ -29,7 +29,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise SystemExit(f"meshserve: unknown keys in {args.config}: {sorted(unknown)}; known: {sorted(known)}")
         values.update(loaded)
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "metrics_port", "grace_period_s", "stall_timeout_s",
+                "max_queue", "default_max_tokens", "dtype", "layers", "metrics_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -417,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int)
     s.add_argument("--default-max-tokens", type=int)
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument(
+        "--layers",
+        choices=["unrolled", "scan"],
+        help="decoder blocks as lax.scan over stacked weights (default: fast compile) or as an unrolled "
+        "loop over per-layer weights (faster decode steps on CPU, about 3x the compile time)",
+    )
     s.add_argument("--warmup-full", action="store_true", help="compile every shape variant before SERVING")
     s.add_argument("--metrics-port", type=int, help="Prometheus metrics HTTP port (default 9400; 0 = off)")
     s.add_argument(

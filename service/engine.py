@@ -27,7 +27,7 @@ from flax import nnx
 
 from model.config import LlamaConfig
 from model.kv_cache import KVCache
-from model.llama import decode_step, prefill
+from model.llama import decode_step, prefill, stack_layers, unstack_layers
 from model.sampling import SamplingParams, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
@@ -124,6 +124,15 @@ class StepOutput:
         )
 
 
+LAYER_MODES = ("unrolled", "scan")
+
+
+def _param_values(params: Any) -> list[Any]:
+    """The values of the Variables of a model state (arrays, or tuples of per-layer arrays)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [v.get_value() if isinstance(v, nnx.Variable) else v for v in leaves]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes of one engine.
@@ -133,12 +142,18 @@ class EngineConfig:
         max_seq_len: T_max, tokens per slot in the KV cache (prompt + generated).
         chunk_size: most prompt tokens per prefill call (the largest prefill bucket).
         dtype: parameter and KV-cache dtype name ("float32" on CPU; "bfloat16" on accelerators).
+        layers: how the steps run the decoder blocks: "scan" (stacked weights, ``lax.scan``:
+            one block compiled, the fast start-up) or "unrolled" (weights kept per layer, an
+            unrolled loop: on XLA:CPU the faster steps, SmolLM2-135M decode at batch 1 in
+            43 ms instead of 71 ms, but each program compiles L blocks, about 3x the compile
+            time). See ``model.llama.unstack_layers``.
     """
 
     num_slots: int = 4
     max_seq_len: int = 2048
     chunk_size: int = 512
     dtype: str = "float32"
+    layers: str = "scan"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -147,6 +162,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {self.layers!r}")
 
 
 class Engine:
@@ -184,11 +201,14 @@ class Engine:
         self.mesh = make_mesh(layout, devices)
         rules = self.plan.rules
         S, T = engine_cfg.num_slots, engine_cfg.max_seq_len
+        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
+        if engine_cfg.layers == "unrolled":  # per-layer weights: the steps loop over the layers
+            params = unstack_layers(params)
+        elif any(isinstance(leaf, tuple) for leaf in _param_values(params)):
+            params = stack_layers(params)
         self.param_sharding = param_shardings(params, self.mesh, rules)
         self.cache_sharding = cache_sharding(KVCache.shape(cfg, S, T), self.mesh, rules)
         self.repl = replicated(self.mesh)
-
-        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
         self.params = jax.device_put(params, self.param_sharding)
         cache_sh = KVCache(k=self.cache_sharding, v=self.cache_sharding)  # type: ignore[arg-type]
         self.cache = jax.jit(partial(KVCache.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()

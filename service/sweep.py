@@ -100,6 +100,7 @@ class SweepConfig:
         steps: timed decode steps K per point (the TPOT is their median).
         warmup_steps: decode steps run before the timed ones, not counted.
         dtype: parameter and KV-cache dtype.
+        layers: ``EngineConfig.layers``: "scan" or "unrolled".
         seed: seeds the prompt ids.
         max_seq_len: KV-cache tokens per slot; None = just enough (P + warmup_steps + steps + 1).
     """
@@ -110,6 +111,7 @@ class SweepConfig:
     steps: int = 16
     warmup_steps: int = 2
     dtype: str = "float32"
+    layers: str = "scan"
     seed: int = 0
     max_seq_len: int | None = None
 
@@ -363,7 +365,9 @@ def run_sweep(
                     row.update(data=layout.data, model=layout.model, devices=layout.num_devices)
                     plan = make_plan(layout, cfg, B)
                     row["attention"] = plan.attention
-                    ecfg = EngineConfig(num_slots=B, max_seq_len=scfg.seq_len(P), chunk_size=P, dtype=scfg.dtype)
+                    ecfg = EngineConfig(
+                        num_slots=B, max_seq_len=scfg.seq_len(P), chunk_size=P, dtype=scfg.dtype, layers=scfg.layers
+                    )
                     t0 = time.perf_counter()
                     engine = Engine(cfg, graphdef, params, layout, ecfg)
                     row["setup_s"] = time.perf_counter() - t0
@@ -509,6 +513,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (%(default)s)")
     p.add_argument("--max-seq-len", type=int, help="KV tokens per slot (default: prompt + steps + 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--layers", choices=["scan", "unrolled"], default="scan", help="EngineConfig.layers (%(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompt ids and random weights (%(default)s)")
     p.add_argument(
         "--hardware",
@@ -548,6 +553,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             steps=args.steps,
             warmup_steps=args.warmup_steps,
             dtype=args.dtype,
+            layers=args.layers,
             seed=args.seed,
             max_seq_len=args.max_seq_len,
         )

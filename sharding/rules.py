@@ -44,11 +44,24 @@ def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: 
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
-    """A tree of NamedSharding matching ``abstract_state`` (leaves carry ``logical_axes``)."""
+    """A tree of NamedSharding matching ``abstract_state`` (leaves carry ``logical_axes``).
 
-    def one(path: tuple[Any, ...], var: nnx.Variable) -> NamedSharding:
+    A parameter in the per-layer form of ``model.llama.unstack_layers`` (a tuple of L arrays
+    for logical axes ("layers", ...)) gets the same Variable holding a tuple of L shardings
+    over the remaining axes.
+    """
+
+    def one(path: tuple[Any, ...], var: nnx.Variable) -> NamedSharding | nnx.Variable:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         axes = var.get_metadata()["logical_axes"]
+        value = var.get_value()
+        if isinstance(value, tuple):
+            return var.replace(
+                tuple(
+                    NamedSharding(mesh, spec_for(axes[1:], a.shape, rules, mesh, f"parameter {name}[{i}]"))
+                    for i, a in enumerate(value)
+                )
+            )
         return NamedSharding(mesh, spec_for(axes, var.shape, rules, mesh, f"parameter {name}"))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -21,10 +21,11 @@ FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.npz"
 GREEDY = SamplingOptions(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_gguf: Path) -> Engine:
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def engine(smollm2_gguf: Path, request: pytest.FixtureRequest) -> Engine:
     cfg, graphdef, params = load_gguf_model(smollm2_gguf)
-    return Engine(cfg, graphdef, params, Layout("single"), EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512))
+    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=request.param)
+    return Engine(cfg, graphdef, params, Layout("single"), ecfg)
 
 
 @pytest.fixture(scope="module")

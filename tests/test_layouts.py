@@ -6,8 +6,10 @@ conftest.py before JAX is imported). Float32 throughout.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -109,14 +111,11 @@ def _ops(text: str, op: str) -> list[str]:
     return re.findall(rf"= (\S+) {op}(?:-start)?\(", text)
 
 
-@pytest.mark.parametrize(
-    ("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"]
-)
-def test_decode_step_collectives(data: int, tp: int) -> None:
-    cfg = LlamaConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)
+def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Engine, str, Any]:
+    """(engine, optimised HLO text of its decode step, the weights) for zero weights."""
     graphdef, abstract = abstract_llama(cfg)  # only shapes matter here: zero weights
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
-    engine = Engine(cfg, graphdef, params, Layout(f"{data}x{tp}", data=data, model=tp), ECFG)
+    engine = Engine(cfg, graphdef, params, layout, dataclasses.replace(ECFG, layers=layers))
     sp = SamplingParams(**engine._sp)
     S = ECFG.num_slots
     width = engine_module.pack_step(np.zeros((1, cfg.vocab_size), np.float32), np.zeros(1, np.int32)).shape[-1]
@@ -131,20 +130,41 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
         zeros_i,  # positions
         sp,
     )
-    text = hlo.compile().as_text()
+    return engine, hlo.compile().as_text(), params
+
+
+@pytest.mark.parametrize(
+    ("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"]
+)
+def test_decode_step_collectives(data: int, tp: int) -> None:
+    # SmolLM2-135M's shapes with 4 layers (the collectives per layer do not depend on L).
+    L = 4
+    cfg = LlamaConfig(49152, 576, 1536, L, 9, 3, 64, 1e5, 1e-5, 8192, True)
+    layout = Layout(f"{data}x{tp}", data=data, model=tp)
+    engine, text, params = _compiled_decode(cfg, layout, "scan")
 
     # No weight is ever all-gathered: no all-gather result has the shape of a parameter.
     weight_shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)}
+    weight_shapes |= {shape[1:] for shape in weight_shapes}  # per-layer weights (unrolled form)
     for shape in _ops(text, "all-gather"):
         dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
         assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
 
     # The layer loop is the while whose carry holds the stacked [L, ...] weights.
     loops = re.findall(r"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text)
-    layer_bodies = [b for b in loops if re.search(r"f32\[30,576,", _computation(text, b))]
+    layer_bodies = [b for b in loops if re.search(rf"f32\[{L},576,", _computation(text, b))]
     assert len(layer_bodies) == 1
     per_layer = len(_ops(_computation(text, layer_bodies[0]), "all-reduce"))
     assert per_layer == engine.plan.all_reduces_per_layer == {1: 0, 3: 2, 4: 1}[tp]
+    outside_layers = len(_ops(text, "all-reduce")) - per_layer
+
+    # The unrolled form (the default) has the same collectives: L times the loop body's.
+    _, unrolled, _ = _compiled_decode(cfg, layout, "unrolled")
+    assert not re.search(rf"f32\[{L},576,", unrolled)  # no stacked weights left
+    assert len(_ops(unrolled, "all-reduce")) == outside_layers + L * per_layer
+    for shape in _ops(unrolled, "all-gather"):
+        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
+        assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
 
 
 # ---- head counts that do not divide (case C17) ------------------------------------------------

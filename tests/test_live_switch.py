@@ -150,10 +150,23 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server) ->
     started.wait()  # every stream has its first token
     loop = pool_server.running.service.pools[0].loop
     assert loop.scheduler.active_slots == len(PROMPTS)
+    # When the loop swaps engines (SetLayout returns later: it compiles and warms up first).
+    swapped: list[float] = []
+
+    def watch_swap() -> None:
+        while not swapped and any(t.is_alive() for t in threads):
+            if loop.engine.layout.name == "tp3":
+                swapped.append(time.monotonic())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch_swap, daemon=True)
+    watcher.start()
     admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="tp3"), metadata=AUTH)
-    switched_at = time.monotonic()
     for t in threads:
         t.join(600)
+    watcher.join(5)
+    assert swapped, "the streams ended before the switch: not a mid-stream test"
+    switched_at = swapped[0]
     assert loop.engine.layout.name == "tp3"
     for p in PROMPTS:
         assert results[p] == reference[p]

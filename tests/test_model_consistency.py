@@ -1,4 +1,6 @@
-"""The model against itself on a tiny random config: the cache paths must agree exactly."""
+"""The model against itself on a tiny random config: the cache paths must agree exactly, for
+both forms of the weights (stacked and scanned; per layer and unrolled, see
+``model.llama.unstack_layers``), and the two forms must agree with each other."""
 
 from __future__ import annotations
 
@@ -9,16 +11,18 @@ from flax import nnx
 
 from model.config import LlamaConfig
 from model.kv_cache import KVCache
-from model.llama import decode_step, prefill
+from model.llama import decode_step, prefill, unstack_layers
 from model.loader import random_llama
 
 CFG = LlamaConfig.tiny()
 SLOTS, MAX_LEN = 4, 64
 
 
-@pytest.fixture(scope="module")
-def fns():  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def fns(request):  # type: ignore[no-untyped-def]
     graphdef, params = random_llama(CFG, seed=0)
+    if request.param == "unrolled":
+        params = unstack_layers(params)
 
     def pf(params, cache, tokens, start, n, slot, kv_len):  # type: ignore[no-untyped-def]
         return prefill(nnx.merge(graphdef, params), cache, tokens, start, n, slot, kv_len=kv_len)
@@ -57,8 +61,9 @@ def test_prefill_n_equals_prefill_1_then_decode(fns) -> None:  # type: ignore[no
     np.testing.assert_allclose(
         np.asarray(cache.k[:, slot, :, :13]), np.asarray(full_cache.k[:, slot, :, :13]), atol=1e-5
     )
-    # Idle slots were never written (their positions were out of range).
-    assert not np.asarray(cache.k[:, 0]).any()
+    # Idle slots were written at most at their last position (the unrolled form writes there
+    # rather than dropping: every position is written before it is attended).
+    assert not np.asarray(cache.k[:, 0, :, : MAX_LEN - 1]).any()
 
 
 def test_chunked_prefill_equals_whole_prefill(fns) -> None:  # type: ignore[no-untyped-def]
@@ -111,3 +116,33 @@ def test_write_past_the_cache_is_dropped_not_clamped(fns) -> None:  # type: igno
     before = np.asarray(cache.k[:, 0, :, :60]).copy()
     _, cache = pf(params, cache, _padded(ids[:2], 16), 60, 2, 0, MAX_LEN)  # positions 60..75, T_max 64
     np.testing.assert_array_equal(np.asarray(cache.k[:, 0, :, :60]), before)
+
+
+def test_unrolled_equals_scanned() -> None:
+    """The per-layer (unrolled, write-then-read) form computes what the scanned form does:
+    prefill, a second chunk, and decode steps with idle slots, on several slots."""
+    graphdef, stacked = random_llama(CFG, seed=5)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (11, 20, 5)]
+    outputs = {}
+    for form, params in (("scan", stacked), ("unrolled", unstack_layers(stacked))):
+        model = nnx.merge(graphdef, params)
+        cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+        logits = []
+        for slot, ids in enumerate(prompts):
+            out, cache = prefill(model, cache, _padded(ids[:16], 16), 0, min(16, len(ids)), slot, kv_len=0)
+            if len(ids) > 16:
+                out, cache = prefill(model, cache, _padded(ids[16:], 16), 16, len(ids) - 16, slot, kv_len=MAX_LEN)
+            logits.append(np.asarray(out))
+        tokens = np.array([1, 2, 3, 4], np.int32)
+        positions = np.array([len(p) for p in prompts] + [MAX_LEN], np.int32)  # slot 3 idle
+        for _ in range(3):
+            step, cache = decode_step(model, cache, tokens, positions, kv_len=32)
+            logits.append(np.asarray(step[:3]))
+            tokens = np.argmax(np.asarray(step), axis=-1).astype(np.int32)
+            positions[:3] += 1
+        outputs[form] = (logits, np.asarray(cache.k[:, :3, :, :30]), np.asarray(cache.v[:, :3, :, :30]))
+    for a, b in zip(outputs["scan"][0], outputs["unrolled"][0], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(outputs["scan"][1], outputs["unrolled"][1], atol=1e-6)
+    np.testing.assert_allclose(outputs["scan"][2], outputs["unrolled"][2], atol=1e-6)

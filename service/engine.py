@@ -26,14 +26,14 @@ import numpy as np
 from flax import nnx
 
 from model.config import LlamaConfig
-from model.kv_cache import KVCache
+from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, stack_layers, unstack_layers
 from model.sampling import SamplingParams, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
-from sharding.rules import cache_sharding, param_shardings, replicated
+from sharding.rules import cache_shardings, param_shardings, replicated
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +200,13 @@ class Engine:
         # conversions leave a state already in their form as it is.
         params = unstack_layers(params) if engine_cfg.layers == "unrolled" else stack_layers(params)
         self.param_sharding = param_shardings(params, self.mesh, rules)
-        self.cache_sharding = cache_sharding(KVCache.shape(cfg, S, T), self.mesh, rules)
+        # The cache form follows the weights': one [L, S, K, T, H] array each for K and V with
+        # the scan, separate blocks per layer with the unrolled loop (see BlockedKVCache).
+        cache_cls = BlockedKVCache if engine_cfg.layers == "unrolled" else KVCache
+        cache_sh = cache_shardings(cache_cls.abstract(cfg, S, T, self.dtype), self.mesh, rules)
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
-        cache_sh = KVCache(k=self.cache_sharding, v=self.cache_sharding)  # type: ignore[arg-type]
-        self.cache = jax.jit(partial(KVCache.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()
+        self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()
         self._cache_sh = cache_sh
 
         self.prefill_buckets = power_of_two_buckets(MIN_BUCKET, min(engine_cfg.chunk_size, T))

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model.kv_cache import CACHE_AXES
+from model.kv_cache import BLOCK_K_AXES, BLOCK_V_AXES, CACHE_AXES, BlockedKVCache, KVCache
 from sharding.layouts import LayoutError
 
 Rules = Mapping[str, str | None]
@@ -70,6 +70,29 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
 def cache_sharding(cache_shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:
     """NamedSharding of one KV-cache array [L, S, K, T, H]."""
     return NamedSharding(mesh, spec_for(CACHE_AXES, cache_shape, rules, mesh, "KV cache"))
+
+
+def cache_shardings(abstract_cache: KVCache | BlockedKVCache, mesh: Mesh, rules: Rules) -> Any:
+    """The cache's tree of NamedSharding (same structure as ``abstract_cache``, whose leaves
+    need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, or the key blocks
+    [S, K, H, n] and value blocks [S, K, n, H] of a ``BlockedKVCache``.
+
+    Raises:
+        LayoutError: a split axis (slots over ``data``, KV heads over ``model``) does not divide.
+    """
+    if isinstance(abstract_cache, KVCache):
+        one = cache_sharding(tuple(abstract_cache.k.shape), mesh, rules)
+        return KVCache(k=one, v=one)  # type: ignore[arg-type]
+
+    def blocks(layers: Any, axes: tuple[str, ...]) -> Any:
+        return tuple(
+            tuple(NamedSharding(mesh, spec_for(axes, b.shape, rules, mesh, "KV cache block")) for b in layer)
+            for layer in layers
+        )
+
+    return BlockedKVCache(
+        k_blocks=blocks(abstract_cache.k_blocks, BLOCK_K_AXES), v_blocks=blocks(abstract_cache.v_blocks, BLOCK_V_AXES)
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from model.config import LlamaConfig
-from model.kv_cache import KVCache
+from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, unstack_layers
 from model.loader import random_llama
 
@@ -21,8 +21,9 @@ SLOTS, MAX_LEN = 4, 64
 @pytest.fixture(scope="module", params=["scan", "unrolled"])
 def fns(request):  # type: ignore[no-untyped-def]
     graphdef, params = random_llama(CFG, seed=0)
+    cache_cls = KVCache
     if request.param == "unrolled":
-        params = unstack_layers(params)
+        params, cache_cls = unstack_layers(params), BlockedKVCache
 
     def pf(params, cache, tokens, start, n, slot, kv_len):  # type: ignore[no-untyped-def]
         return prefill(nnx.merge(graphdef, params), cache, tokens, start, n, slot, kv_len=kv_len)
@@ -34,6 +35,7 @@ def fns(request):  # type: ignore[no-untyped-def]
         params,
         jax.jit(pf, static_argnames="kv_len", donate_argnums=1),
         jax.jit(dec, static_argnames="kv_len", donate_argnums=1),
+        lambda: cache_cls.zeros(CFG, SLOTS, MAX_LEN),  # the cache form that goes with the weights
     )
 
 
@@ -44,12 +46,12 @@ def _padded(ids: np.ndarray, bucket: int) -> np.ndarray:
 
 
 def test_prefill_n_equals_prefill_1_then_decode(fns) -> None:  # type: ignore[no-untyped-def]
-    params, pf, dec = fns
+    params, pf, dec, new_cache = fns
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 13).astype(np.int32)
     slot = 2
-    full_logits, full_cache = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 16), 0, 13, slot, 0)
+    full_logits, full_cache = pf(params, new_cache(), _padded(ids, 16), 0, 13, slot, 0)
 
-    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    cache = new_cache()
     logits, cache = pf(params, cache, _padded(ids[:1], 16), 0, 1, slot, 0)
     for i in range(1, len(ids)):
         tokens = np.full(SLOTS, 5, np.int32)
@@ -61,37 +63,36 @@ def test_prefill_n_equals_prefill_1_then_decode(fns) -> None:  # type: ignore[no
     np.testing.assert_allclose(
         np.asarray(cache.k[:, slot, :, :13]), np.asarray(full_cache.k[:, slot, :, :13]), atol=1e-5
     )
-    # Idle slots were written at most at their last position (the unrolled form writes there
-    # rather than dropping: every position is written before it is attended).
-    assert not np.asarray(cache.k[:, 0, :, : MAX_LEN - 1]).any()
+    # Idle slots' writes were dropped: their rows are still all zero.
+    assert not np.asarray(cache.k[:, 0]).any() and not np.asarray(cache.v[:, 0]).any()
 
 
 def test_chunked_prefill_equals_whole_prefill(fns) -> None:  # type: ignore[no-untyped-def]
-    params, pf, _ = fns
+    params, pf, _, new_cache = fns
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 29).astype(np.int32)
-    whole, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 32), 0, 29, 1, 0)
-    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    whole, _ = pf(params, new_cache(), _padded(ids, 32), 0, 29, 1, 0)
+    cache = new_cache()
     _, cache = pf(params, cache, _padded(ids[:16], 16), 0, 16, 1, 0)
     chunked, _ = pf(params, cache, _padded(ids[16:], 16), 16, 13, 1, MAX_LEN)
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-5, rtol=1e-5)
 
 
 def test_padding_bucket_does_not_change_logits(fns) -> None:  # type: ignore[no-untyped-def]
-    params, pf, _ = fns
+    params, pf, _, new_cache = fns
     ids = np.random.default_rng(2).integers(0, CFG.vocab_size, 9).astype(np.int32)
-    a, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 16), 0, 9, 0, 0)
-    b, _ = pf(params, KVCache.zeros(CFG, SLOTS, MAX_LEN), _padded(ids, 64), 0, 9, 0, 0)
+    a, _ = pf(params, new_cache(), _padded(ids, 16), 0, 9, 0, 0)
+    b, _ = pf(params, new_cache(), _padded(ids, 64), 0, 9, 0, 0)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_is_batch_invariant(fns) -> None:  # type: ignore[no-untyped-def]
     """A slot's logits do not depend on what the other slots hold."""
-    params, pf, dec = fns
+    params, pf, dec, new_cache = fns
     rng = np.random.default_rng(3)
     ids = rng.integers(0, CFG.vocab_size, 7).astype(np.int32)
     results = []
     for others in (False, True):
-        cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+        cache = new_cache()
         _, cache = pf(params, cache, _padded(ids, 16), 0, 7, 0, 0)
         tokens = np.zeros(SLOTS, np.int32)
         positions = np.full(SLOTS, MAX_LEN, np.int32)
@@ -109,9 +110,9 @@ def test_decode_is_batch_invariant(fns) -> None:  # type: ignore[no-untyped-def]
 def test_write_past_the_cache_is_dropped_not_clamped(fns) -> None:  # type: ignore[no-untyped-def]
     """A padded chunk ending beyond T_max must not overwrite the last position (JAX clamps
     dynamic_update_slice indices; the scatter here drops them instead)."""
-    params, pf, _ = fns
+    params, pf, _, new_cache = fns
     ids = np.random.default_rng(4).integers(0, CFG.vocab_size, 60).astype(np.int32)
-    cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+    cache = new_cache()
     _, cache = pf(params, cache, _padded(ids, 64), 0, 60, 0, 0)
     before = np.asarray(cache.k[:, 0, :, :60]).copy()
     _, cache = pf(params, cache, _padded(ids[:2], 16), 60, 2, 0, MAX_LEN)  # positions 60..75, T_max 64
@@ -125,9 +126,10 @@ def test_unrolled_equals_scanned() -> None:
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (11, 20, 5)]
     outputs = {}
-    for form, params in (("scan", stacked), ("unrolled", unstack_layers(stacked))):
+    forms = (("scan", stacked, KVCache), ("unrolled", unstack_layers(stacked), BlockedKVCache))
+    for form, params, cache_cls in forms:
         model = nnx.merge(graphdef, params)
-        cache = KVCache.zeros(CFG, SLOTS, MAX_LEN)
+        cache = cache_cls.zeros(CFG, SLOTS, MAX_LEN)
         logits = []
         for slot, ids in enumerate(prompts):
             out, cache = prefill(model, cache, _padded(ids[:16], 16), 0, min(16, len(ids)), slot, kv_len=0)
@@ -146,3 +148,41 @@ def test_unrolled_equals_scanned() -> None:
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(outputs["scan"][1], outputs["unrolled"][1], atol=1e-6)
     np.testing.assert_allclose(outputs["scan"][2], outputs["unrolled"][2], atol=1e-6)
+
+
+def test_blocked_cache_across_block_boundaries() -> None:
+    """The blocked cache (``BlockedKVCache``: 128-position blocks, the last one shorter) gives
+    what the stacked cache gives when a chunked prefill and decode steps cross block
+    boundaries: T_max 300 (blocks of 128, 128, 44), a 250-token prompt in chunks of 128 and
+    122, decode steps from position 250 to 259 over windows of 256 and then all 300 positions."""
+    max_len = 300
+    graphdef, stacked = random_llama(CFG, seed=6)
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(0, CFG.vocab_size, 250).astype(np.int32)
+    short = rng.integers(0, CFG.vocab_size, 40).astype(np.int32)
+    outputs = {}
+    forms = (("scan", stacked, KVCache), ("unrolled", unstack_layers(stacked), BlockedKVCache))
+    for form, params, cache_cls in forms:
+        model = nnx.merge(graphdef, params)
+        cache = cache_cls.zeros(CFG, 3, max_len)
+        logits = []
+        out, cache = prefill(model, cache, _padded(prompt[:128], 128), 0, 128, 1, kv_len=0)
+        out, cache = prefill(model, cache, _padded(prompt[128:], 128), 128, 122, 1, kv_len=max_len)
+        logits.append(np.asarray(out))
+        out, cache = prefill(model, cache, _padded(short, 64), 0, 40, 2, kv_len=0)
+        logits.append(np.asarray(out))
+        tokens = np.array([0, 7, 9], np.int32)
+        positions = np.array([max_len, 250, 40], np.int32)  # slot 0 idle
+        for _ in range(10):
+            window = 256 if positions[1] < 256 else max_len
+            step, cache = decode_step(model, cache, tokens, positions, kv_len=window)
+            logits.append(np.asarray(step[1:]))
+            tokens = np.argmax(np.asarray(step), axis=-1).astype(np.int32)
+            positions[1:] += 1
+        outputs[form] = (logits, np.asarray(cache.k), np.asarray(cache.v))
+    assert isinstance(cache, BlockedKVCache) and [b.shape[-1] for b in cache.k_blocks[0]] == [128, 128, 44]
+    for a, b in zip(outputs["scan"][0], outputs["unrolled"][0], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(outputs["scan"][1], outputs["unrolled"][1], atol=1e-6)
+    np.testing.assert_allclose(outputs["scan"][2], outputs["unrolled"][2], atol=1e-6)
+    assert not outputs["unrolled"][1][:, 0].any()  # the idle slot's writes were dropped

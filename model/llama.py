@@ -12,8 +12,10 @@ Einsum letters used throughout:
     L layers
 
 Layers are stored stacked (every parameter has a leading L axis) and run with ``jax.lax.scan``,
-so a 30-layer model compiles one block, not thirty. Every parameter carries ``logical_axes``
-metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
+so a 30-layer model compiles one block, not thirty, over a ``KVCache`` [L, S, K, T, H]. The
+per-layer form (``unstack_layers``) runs them as an unrolled loop over a ``BlockedKVCache``,
+the faster steps on XLA:CPU. Every parameter carries ``logical_axes`` metadata;
+``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
 """
 
 from __future__ import annotations

@@ -85,6 +85,27 @@ def test_mesh_matches_one_device(model, reference, data: int, tp: int) -> None: 
     assert engine.plan.attention == expected_attention
 
 
+@pytest.mark.parametrize(("data", "tp"), [(1, 3), (2, 4)], ids=["1x3", "2x4"])
+def test_unrolled_engine_on_a_mesh_matches_one_device(model, reference, data: int, tp: int) -> None:  # type: ignore[no-untyped-def]
+    """The unrolled engine (per-layer weights, blocked KV cache split over slots on ``data``
+    and over KV heads on ``model``) serves the ids and logits of the scanned 1x1 engine, and
+    each device holds the KV bytes the plan predicts."""
+    cfg, graphdef, params = model
+    layout = Layout(f"{data}x{tp}", data=data, model=tp)
+    engine = Engine(cfg, graphdef, params, layout, dataclasses.replace(ECFG, layers="unrolled"))
+    ids, logits = run_greedy(engine)
+    ref_ids, ref_logits = reference
+    assert ids == ref_ids
+    for slot in PROMPTS:
+        np.testing.assert_allclose(logits[slot], ref_logits[slot], atol=1e-4, rtol=0)
+    kv: dict[str, int] = {}
+    for leaf in jax.tree.leaves(engine.cache):
+        for shard in leaf.addressable_shards:
+            kv[str(shard.device.id)] = kv.get(str(shard.device.id), 0) + shard.data.nbytes
+    assert len(kv) == data * tp
+    assert set(kv.values()) == {engine.plan.kv_bytes_per_device(cfg, ECFG.num_slots, ECFG.max_seq_len, 4)}
+
+
 def test_weight_bytes_prediction_by_hand() -> None:
     """The numbers the layout presets quote, from the formula."""
     cfg = LlamaConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)

@@ -423,23 +423,6 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     return x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
 
 
-def attend_and_mlp(
-    cfg: LlamaConfig,
-    x: jax.Array,
-    p: dict[str, jax.Array],
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cache_k: jax.Array | None,
-    cache_v: jax.Array | None,
-    cache_mask: jax.Array | None,
-    new_mask: jax.Array | None,
-) -> jax.Array:
-    """The rest of one block: ``attention`` then ``out_and_mlp`` (shapes as there).
-    Returns the new x [B, T, D] f32."""
-    return out_and_mlp(cfg, x, p, attention(cfg, q, k, v, cache_k, cache_v, cache_mask, new_mask))
-
-
 def decoder_block(
     cfg: LlamaConfig,
     x: jax.Array,
@@ -459,7 +442,8 @@ def decoder_block(
     """
     cdt = cache_k.dtype if cache_k is not None else jnp.float32
     q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
-    return attend_and_mlp(cfg, x, p, q, k, v, cache_k, cache_v, cache_mask, new_mask), k, v
+    attn = attention(cfg, q, k, v, cache_k, cache_v, cache_mask, new_mask)
+    return out_and_mlp(cfg, x, p, attn), k, v
 
 
 # ---- the two entry points -------------------------------------------------------------------

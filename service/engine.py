@@ -216,6 +216,12 @@ class Engine:
 
         # Host copies of the per-slot sampling parameters (sent with every decode step).
         self._sp = SamplingParams.host(S)
+        # Stand-ins for "no previous step" outputs: device arrays with the outputs' sharding, so
+        # a decode step's argument signature is the same whether or not the previous step's
+        # outputs are passed (a numpy stand-in made the loop's second step compile again).
+        width = 2 + 2 * TOP_LOGPROBS
+        self._no_decode = jax.device_put(np.zeros((S, width), np.float32), self.repl)
+        self._no_prefill = jax.device_put(np.zeros((1, width), np.float32), self.repl)
 
     # ---- compiled programs ---------------------------------------------------------------
     def _prefill_fn(self, kv_len: int) -> Any:
@@ -333,14 +339,13 @@ class Engine:
         need = int(live.max()) + 1 if live.size else 1
         kv_len = pick_bucket(need, self.decode_windows)
         sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
-        width = 2 + 2 * TOP_LOGPROBS
         packed, logits, self.cache = self._decode_fn(kv_len)(
             self.params,
             self.cache,
             tokens.astype(np.int32),
             np.zeros(S, np.int32) if source is None else source.astype(np.int32),
-            prev_decode.packed if prev_decode is not None else np.zeros((S, width), np.float32),
-            prev_prefill.packed if prev_prefill is not None else np.zeros((1, width), np.float32),
+            prev_decode.packed if prev_decode is not None else self._no_decode,
+            prev_prefill.packed if prev_prefill is not None else self._no_prefill,
             positions.astype(np.int32),
             sp,
         )

@@ -103,10 +103,6 @@ class BlockedKVCache:
     v_blocks: tuple[tuple[jax.Array, ...], ...]
 
     @property
-    def num_slots(self) -> int:
-        return int(self.v_blocks[0][0].shape[0])
-
-    @property
     def max_len(self) -> int:
         return sum(int(b.shape[2]) for b in self.v_blocks[0])
 
@@ -141,7 +137,3 @@ class BlockedKVCache:
         k = tuple(tuple(jax.ShapeDtypeStruct(ks, dtype) for ks, _ in shapes) for _ in range(cfg.num_layers))
         v = tuple(tuple(jax.ShapeDtypeStruct(vs, dtype) for _, vs in shapes) for _ in range(cfg.num_layers))
         return cls(k_blocks=k, v_blocks=v)  # type: ignore[arg-type]
-
-    def nbytes(self) -> int:
-        """Total bytes of K and V."""
-        return int(sum(b.size * b.dtype.itemsize for b in jax.tree.leaves(self)))

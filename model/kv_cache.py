@@ -78,6 +78,14 @@ def block_starts(max_len: int) -> list[tuple[int, int]]:
     return [(s, min(BLOCK_LEN, max_len - s)) for s in range(0, max_len, BLOCK_LEN)]
 
 
+def index_in_block(positions: jax.Array, start: int, length: int) -> jax.Array:
+    """Each position's index in the block [start, start + length), or ``length`` (out of
+    range, so a scatter with mode="drop" skips it) when the position is not in the block.
+    positions: int32 array of any shape; returns the same shape."""
+    idx = positions - start
+    return jnp.where((idx >= 0) & (idx < length), idx, length)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BlockedKVCache:

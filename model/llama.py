@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import LlamaConfig, RopeScaling
-from model.kv_cache import BlockedKVCache, KVCache, block_starts
+from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 
 Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 
@@ -382,26 +382,21 @@ def attention_over_blocks(q: jax.Array, k_blocks: Blocks, v_blocks: Blocks, mask
     f32 = jnp.float32
     cdt = v_blocks[0].dtype
     if q.shape[1] == 1:  # decode: without the unit T axis XLA:CPU keeps both dots in one orientation (2x faster)
-        q1 = q[:, 0]
-        scores = [jnp.einsum("BKGH,BKHW->BKGW", q1, kb, preferred_element_type=f32) for kb in k_blocks]
-        s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-        probs = jax.nn.softmax(jnp.where(mask[:, :, None], s, NEG_INF), axis=-1).astype(cdt)  # mask [B, 1, W]
-        parts, start = [], 0
-        for vb in v_blocks:
-            n = vb.shape[2]
-            parts.append(jnp.einsum("BKGW,BKWH->BKGH", probs[..., start : start + n], vb, preferred_element_type=f32))
-            start += n
-        return sum(parts[1:], parts[0])[:, None]
-    qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]: heads-major, as in ``attention``'s prefill
-    scores = [jnp.einsum("BKGTH,BKHW->BKGTW", qt, kb, preferred_element_type=f32) for kb in k_blocks]
+        qx, mask = q[:, 0], mask[:, :, None]  # q [B, K, G, H]; mask [B, 1, 1, W]
+        score_eq, value_eq = "BKGH,BKHW->BKGW", "BKGW,BKWH->BKGH"
+    else:
+        qx, mask = q.transpose(0, 2, 3, 1, 4), mask[:, None, None]  # [B, K, G, T, H], heads-major
+        score_eq, value_eq = "BKGTH,BKHW->BKGTW", "BKGTW,BKWH->BKGTH"
+    scores = [jnp.einsum(score_eq, qx, kb, preferred_element_type=f32) for kb in k_blocks]
     s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    probs = jax.nn.softmax(jnp.where(mask[:, None, None], s, NEG_INF), axis=-1).astype(cdt)
+    probs = jax.nn.softmax(jnp.where(mask, s, NEG_INF), axis=-1).astype(cdt)
     parts, start = [], 0
     for vb in v_blocks:
         n = vb.shape[2]
-        parts.append(jnp.einsum("BKGTW,BKWH->BKGTH", probs[..., start : start + n], vb, preferred_element_type=f32))
+        parts.append(jnp.einsum(value_eq, probs[..., start : start + n], vb, preferred_element_type=f32))
         start += n
-    return sum(parts[1:], parts[0]).transpose(0, 3, 1, 2, 4)
+    out = sum(parts[1:], parts[0])
+    return out[:, None] if q.shape[1] == 1 else out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
 
 
 def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: jax.Array) -> jax.Array:
@@ -490,8 +485,7 @@ def prefill(
         def write(kb: Blocks, vb: Blocks, k: jax.Array, v: jax.Array) -> tuple[Blocks, Blocks]:
             out_k, out_v = list(kb), list(vb)
             for j, (b0, n) in enumerate(blocks):
-                idx = pos - b0
-                idx = jnp.where((idx >= 0) & (idx < n), idx, n)  # n is out of range: dropped
+                idx = index_in_block(pos, b0, n)
                 # kb[j][slot, :, :, idx] and vb[j][slot, :, idx, :] have shape [T, K, H].
                 out_k[j] = kb[j].at[slot, :, :, idx].set(k[0].astype(kb[j].dtype), mode="drop")
                 out_v[j] = vb[j].at[slot, :, idx, :].set(v[0].astype(vb[j].dtype), mode="drop")
@@ -576,8 +570,7 @@ def decode_step(
             # keeps the old block alive and costs a copy of it per layer.
             out_k, out_v = list(kb), list(vb)
             for j, (b0, n) in enumerate(blocks):
-                idx = positions - b0
-                idx = jnp.where((idx >= 0) & (idx < n), idx, n)[:, None]  # n (dropped): not here, or idle
+                idx = index_in_block(positions, b0, n)[:, None]  # idle slots (T_max) are dropped
                 # kb[j][slots, heads, :, idx] and vb[j][slots, heads, idx, :] have shape [S, K, H].
                 out_k[j] = kb[j].at[slots, heads, :, idx].set(k[:, 0].astype(kb[j].dtype), mode="drop")
                 out_v[j] = vb[j].at[slots, heads, idx, :].set(v[:, 0].astype(vb[j].dtype), mode="drop")

@@ -67,11 +67,6 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def cache_sharding(cache_shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:
-    """NamedSharding of one KV-cache array [L, S, K, T, H]."""
-    return NamedSharding(mesh, spec_for(CACHE_AXES, cache_shape, rules, mesh, "KV cache"))
-
-
 def cache_shardings(abstract_cache: KVCache | BlockedKVCache, mesh: Mesh, rules: Rules) -> Any:
     """The cache's tree of NamedSharding (same structure as ``abstract_cache``, whose leaves
     need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, or the key blocks
@@ -81,7 +76,7 @@ def cache_shardings(abstract_cache: KVCache | BlockedKVCache, mesh: Mesh, rules:
         LayoutError: a split axis (slots over ``data``, KV heads over ``model``) does not divide.
     """
     if isinstance(abstract_cache, KVCache):
-        one = cache_sharding(tuple(abstract_cache.k.shape), mesh, rules)
+        one = NamedSharding(mesh, spec_for(CACHE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV cache"))
         return KVCache(k=one, v=one)  # type: ignore[arg-type]
 
     def blocks(layers: Any, axes: tuple[str, ...]) -> Any:

@@ -223,6 +223,7 @@ class Llama(nnx.Module):
         assert self.layers.per_layer(), "run_layers_in_place needs unstack_layers' per-layer form"
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = materialised(cos), materialised(sin)
         weights = self.layers.weights()
         k_out, v_out = [], []
         cdt = cache.v_blocks[0][0].dtype
@@ -274,6 +275,21 @@ def rope_tables(
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def materialised(table: jax.Array) -> jax.Array:
+    """``table`` [B, T, H] unchanged, read through an identity gather so that XLA computes it once.
+
+    In the unrolled layer loop XLA:CPU fuses the RoPE tables' cos/sin into every layer's RoPE
+    and evaluates them once per (token, head, dim) element: 30 layers x 9 heads recompute each
+    table entry 270 times (a 512-token prefill spent ~100 ms of op time there). XLA does not
+    fuse an expensive elementwise producer into a gather that reads it, and
+    ``jax.lax.optimization_barrier`` does not help: XLA:CPU expands it before fusion.
+    (The scanned loop needs none of this: its tables are loop-invariant operands.)
+    """
+    B, T, H = table.shape
+    rows = jnp.take(table.reshape(B * T, H), jnp.arange(B * T), axis=0)
+    return rows.reshape(B, T, H)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -211,3 +211,47 @@ def test_unrolled_steps_compute_the_rope_tables_once() -> None:
     assert CFG.num_layers > 1
     for name, hlo in programs.items():
         assert hlo.count(" cosine(") == 1 and hlo.count(" sine(") == 1, name
+
+
+@pytest.mark.parametrize("T", [256, 384])
+def test_causal_attention_by_blocks_equals_softmax_attention(T: int) -> None:
+    """The query-blocked causal attention of a long first chunk (``QUERY_BLOCK`` rows per block,
+    each attending only to the keys up to its last row) against causal softmax attention
+    written out in numpy (float64) on random inputs with grouped KV heads."""
+    from model.llama import QUERY_BLOCK, causal_attention_by_blocks
+
+    assert T > QUERY_BLOCK and T % QUERY_BLOCK == 0
+    B, K, G, H = 2, 3, 2, 8
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((B, T, K, G, H)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    causal = np.tril(np.ones((T, T), bool))
+    got = np.asarray(causal_attention_by_blocks(q, k, v, np.broadcast_to(causal, (B, T, T))))
+
+    scores = np.einsum("btkgh,bukh->bkgtu", q.astype(np.float64), k.astype(np.float64))
+    scores = np.where(causal, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bkgtu,bukh->btkgh", probs, v.astype(np.float64))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_long_first_chunk_equals_chunked_prefill() -> None:
+    """A 250-token prompt prefilled as one 256-token chunk (query-blocked causal attention)
+    gives the logits and cache of the same prompt in chunks of 128 and 122 (the second
+    attending to the cache), in both weight forms."""
+    max_len = 300
+    graphdef, stacked = random_llama(CFG, seed=7)
+    prompt = np.random.default_rng(7).integers(0, CFG.vocab_size, 250).astype(np.int32)
+    forms = (("scan", stacked, KVCache), ("unrolled", unstack_layers(stacked), BlockedKVCache))
+    for form, params, cache_cls in forms:
+        model = nnx.merge(graphdef, params)
+        whole, whole_cache = prefill(model, cache_cls.zeros(CFG, 2, max_len), _padded(prompt, 256), 0, 250, 1, kv_len=0)
+        cache = cache_cls.zeros(CFG, 2, max_len)
+        _, cache = prefill(model, cache, _padded(prompt[:128], 128), 0, 128, 1, kv_len=0)
+        chunked, cache = prefill(model, cache, _padded(prompt[128:], 128), 128, 122, 1, kv_len=max_len)
+        np.testing.assert_allclose(np.asarray(whole), np.asarray(chunked), atol=1e-5, rtol=1e-5, err_msg=form)
+        np.testing.assert_allclose(
+            np.asarray(whole_cache.k)[:, 1, :, :250], np.asarray(cache.k)[:, 1, :, :250], atol=1e-5, err_msg=form
+        )

@@ -18,6 +18,7 @@ import numpy as np
 
 from model.config import LlamaConfig
 from model.gguf_file import GGUFMetadataError, open_gguf
+from model.llama import fuse_projections
 
 
 class WeightError(ValueError):
@@ -78,8 +79,9 @@ def load_gguf_params(
         progress: called with each tensor's name after it is read (a progress bar's hook).
 
     Returns:
-        ``{"embed": [V, D], "final_norm": [D], "layers": {"wq": [L, D, N, H], ...},
-        "lm_head": [D, V] (untied only)}``, numpy arrays laid out as ``model.llama`` expects.
+        ``{"embed": [V, D], "final_norm": [D], "layers": {"wqkv": [L, D, K, N/K + 2, H], ...},
+        "lm_head": [D, V] (untied only)}``, numpy arrays laid out as ``model.llama`` expects
+        (``model.llama.DecoderLayers``; Q/K/V and gate/up fused by ``fuse_projections``).
 
     Raises:
         WeightError: a tensor is missing or has the wrong shape.
@@ -110,7 +112,7 @@ def load_gguf_params(
     params: dict[str, Any] = {
         "embed": table.get("token_embd.weight", (V, D)).astype(dtype),
         "final_norm": table.get("output_norm.weight", (D,)).astype(dtype),
-        "layers": {n: np.stack(arrs).astype(dtype) for n, arrs in layers.items()},
+        "layers": fuse_projections({n: np.stack(arrs).astype(dtype) for n, arrs in layers.items()}, K),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = table.get("output.weight", (V, D)).T.astype(dtype)

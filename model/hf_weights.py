@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from model.config import LlamaConfig, RopeScaling
 from model.gguf_weights import WeightError
+from model.llama import fuse_projections
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -242,7 +243,8 @@ def load_hf_params(
 
     Returns:
         The same tree as ``model.gguf_weights.load_gguf_params``: ``{"embed": [V, D],
-        "final_norm": [D], "layers": {"wq": [L, D, N, H], ...}, "lm_head": [D, V] (untied only)}``.
+        "final_norm": [D], "layers": {"wqkv": [L, D, K, N/K + 2, H], ...}, "lm_head": [D, V] (untied
+        only)}``.
 
     Raises:
         WeightError: a tensor is missing, unexpected, misshapen or not a float type (named).
@@ -299,7 +301,7 @@ def load_hf_params(
     params: dict[str, Any] = {
         "embed": embed.astype(out_dtype, copy=False),
         "final_norm": get("model.norm.weight").astype(out_dtype, copy=False),
-        "layers": layers,
+        "layers": fuse_projections(layers, K),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T).astype(out_dtype, copy=False)

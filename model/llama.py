@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.config import LlamaConfig, RopeScaling
@@ -45,11 +46,21 @@ class DecoderLayers(nnx.Module):
     """The L decoder blocks, with parameters stacked on a leading layer axis.
 
     Parameters (shape, logical axes):
-        attn_norm [L, D] (layers, embed); wq [L, D, N, H] (layers, embed, q_heads, head_dim);
-        wk, wv [L, D, K, H] (layers, embed, kv_heads, head_dim); wo [L, N, H, D]
-        (layers, q_heads, head_dim, embed); mlp_norm [L, D]; w_gate, w_up [L, D, F]
-        (layers, embed, mlp); w_down [L, F, D] (layers, mlp, embed).
+        attn_norm [L, D] (layers, embed); wqkv [L, D, K, G + 2, H] (layers, embed, kv_heads,
+        qkv, head_dim); wo [L, N, H, D] (layers, q_heads, head_dim, embed); mlp_norm [L, D];
+        w_gate_up [L, D, 2, F] (layers, embed, gate_up, mlp); w_down [L, F, D] (layers, mlp,
+        embed).
     Weights are stored input-major (x @ W), the faster layout for XLA on CPU.
+
+    The Q, K and V projections are one array, grouped by KV head: ``wqkv[:, :, k, :G]`` are the
+    G query heads k*G .. k*G+G-1 that share KV head k (grouped-query attention, Ainslie et al.
+    2023), ``wqkv[:, :, k, G]`` its key and ``wqkv[:, :, k, G + 1]`` its value projection. So
+    one matmul computes all three, and splitting the ``kv_heads`` axis over a mesh gives each
+    device whole groups, as splitting separate Q (over q_heads) and K/V (over kv_heads)
+    projections would. Gate and up are one array for the same reason. One matmul instead of
+    three (two) matters on CPU, where small matvecs stream weights slower than large ones
+    (batch-1 matmuls of 30 layers at SmolLM2's shapes: 26.4 ms separate, 19.7 ms fused).
+    ``fuse_projections`` builds both from the separate projections the loaders read.
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
@@ -60,16 +71,13 @@ class DecoderLayers(nnx.Module):
             return _param(init(rngs.params(), shape, dtype), axes)
 
         self.attn_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
-        self.wq = w((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"))
-        self.wk = w((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
-        self.wv = w((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wqkv = w((L, D, K, N // K + 2, H), ("layers", "embed", "kv_heads", "qkv", "head_dim"))
         self.wo = w((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"))
         self.mlp_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
-        self.w_gate = w((L, D, F), ("layers", "embed", "mlp"))
-        self.w_up = w((L, D, F), ("layers", "embed", "mlp"))
+        self.w_gate_up = w((L, D, 2, F), ("layers", "embed", "gate_up", "mlp"))
         self.w_down = w((L, F, D), ("layers", "mlp", "embed"))
 
-    NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+    NAMES = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
     def weights(self) -> dict[str, Any]:
         """The raw parameter values keyed by name: stacked arrays [L, ...], or tuples of L
@@ -78,7 +86,33 @@ class DecoderLayers(nnx.Module):
 
     def per_layer(self) -> bool:
         """True when the parameters are in the per-layer form (``unstack_layers``)."""
-        return isinstance(self.wq.get_value(), tuple)
+        return isinstance(self.wqkv.get_value(), tuple)
+
+
+def fuse_projections(layers: dict[str, Any], num_kv_heads: int) -> dict[str, Any]:
+    """The loaders' separate projections as ``DecoderLayers``' fused parameters (numpy, host).
+
+    Args:
+        layers: stacked layer weights with separate projections: "wq" [L, D, N, H], "wk" and
+            "wv" [L, D, K, H], "w_gate" and "w_up" [L, D, F], and the rest ("attn_norm", "wo",
+            "mlp_norm", "w_down") as they are.
+        num_kv_heads: K; query head n belongs to KV head n // (N / K), as in Hugging Face's
+            ``repeat_kv``.
+
+    Returns:
+        the same dict with "wqkv" [L, D, K, N/K + 2, H] and "w_gate_up" [L, D, 2, F] in place
+        of the five separate arrays (dtype kept).
+    """
+    out = {k: v for k, v in layers.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
+    wq = np.asarray(layers["wq"])
+    L, D, N, H = wq.shape
+    K = num_kv_heads
+    q = wq.reshape(L, D, K, N // K, H)
+    out["wqkv"] = np.concatenate(
+        [q, np.asarray(layers["wk"])[:, :, :, None], np.asarray(layers["wv"])[:, :, :, None]], axis=3
+    )
+    out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2)
+    return out
 
 
 def unstack_layers(state: nnx.State) -> nnx.State:
@@ -309,12 +343,11 @@ def project_qkv(
     """
     B, T, _ = x.shape
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
-    wdt = p["wq"].dtype
+    wdt = p["wqkv"].dtype
     f32 = jnp.float32
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
-    q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"], preferred_element_type=f32)
-    k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"], preferred_element_type=f32)
-    v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"], preferred_element_type=f32)
+    qkv = jnp.einsum("BTD,DKCH->BTKCH", h, p["wqkv"], preferred_element_type=f32)  # [B, T, K, G + 2, H]
+    q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
     k = apply_rope(k, cos, sin)
     return q, k.astype(cdt), v.astype(cdt)
@@ -451,7 +484,7 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     """The rest of one block after attention: the O projection and the SwiGLU MLP, each with
     its residual. Shapes: x [B, T, D] f32; attn [B, T, K, G, H] f32. Returns the new x."""
     B, T, _ = x.shape
-    wdt = p["wq"].dtype
+    wdt = p["wqkv"].dtype
     f32 = jnp.float32
     # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
@@ -460,9 +493,8 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     x = x + jnp.einsum("BTE,ED->BTD", attn, wo.reshape(-1, wo.shape[-1]), preferred_element_type=f32)
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
-    gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"], preferred_element_type=f32)
-    up = jnp.einsum("BTD,DF->BTF", h, p["w_up"], preferred_element_type=f32)
-    act = (jax.nn.silu(gate) * up).astype(wdt)
+    gate_up = jnp.einsum("BTD,DCF->BTCF", h, p["w_gate_up"], preferred_element_type=f32)  # [B, T, 2, F]
+    act = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(wdt)
     return x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
 
 

@@ -110,6 +110,8 @@ def make_plan(layout: Layout, cfg: LlamaConfig, num_slots: int | None = None) ->
         "mlp": "model",
         "q_heads": heads_axis,
         "kv_heads": heads_axis,
+        "qkv": None,  # a KV head's group of query heads, its key and its value (wqkv)
+        "gate_up": None,  # gate or up (w_gate_up)
         "slots": "data",
     }
     return ShardingPlan(layout=layout, attention=attention, rules=rules)

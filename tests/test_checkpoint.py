@@ -84,8 +84,8 @@ def test_restored_logits_equal_gguf(converted: Path, gguf_model, layout_name: st
         assert placed is restored
         assert placed.sharding == sharding
     if layout.model == 4:
-        w_gate = engine.params["layers"]["w_gate"][...]
-        assert {s.data.shape for s in w_gate.addressable_shards} == {(30, 576, 1536 // 4)}
+        w_gate_up = engine.params["layers"]["w_gate_up"][...]
+        assert {s.data.shape for s in w_gate_up.addressable_shards} == {(30, 576, 2, 1536 // 4)}
     np.testing.assert_array_equal(prefill_logits(engine), reference)
 
 
@@ -161,15 +161,15 @@ def test_bfloat16_storage_restores_as_requested(tiny_ckpt: tuple[Path, dict]) ->
     as_f32 = restore_checkpoint(path, one_device_shardings(TINY), "float32")
     as_stored = restore_checkpoint(path, one_device_shardings(TINY))
     assert as_f32["lm_head"].dtype == np.float32 and as_stored["lm_head"].dtype == ml_dtypes.bfloat16
-    expected = params["layers"]["w_up"].astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(np.asarray(as_stored["layers"]["w_up"]), expected)
-    np.testing.assert_array_equal(np.asarray(as_f32["layers"]["w_up"]), expected.astype(np.float32))
+    expected = params["layers"]["w_gate_up"].astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(as_stored["layers"]["w_gate_up"]), expected)
+    np.testing.assert_array_equal(np.asarray(as_f32["layers"]["w_gate_up"]), expected.astype(np.float32))
 
 
 def test_missing_array_chunk_is_named(tiny_copy: Path) -> None:
-    chunks = sorted(p for p in (tiny_copy / "params" / "layers.wq").iterdir() if not p.name.startswith("."))
+    chunks = sorted(p for p in (tiny_copy / "params" / "layers.wqkv").iterdir() if not p.name.startswith("."))
     chunks[0].unlink()
-    with pytest.raises(CheckpointError, match=r"truncated: array 'layers/wq' lacks chunk file params/layers\.wq/"):
+    with pytest.raises(CheckpointError, match=r"truncated: array 'layers/wqkv' lacks chunk file params/layers\.wqkv/"):
         restore_checkpoint(tiny_copy, one_device_shardings(TINY))
 
 
@@ -277,10 +277,10 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model,
         layout = load_layout("1x4")
         restored = service.restore_for_layout(layout, jax.devices())
         assert restored is not None
-        w_gate = restored["layers"]["w_gate"][...]
-        assert len(w_gate.sharding.device_set) == 4  # born sharded, not placed by the engine
+        w_gate_up = restored["layers"]["w_gate_up"][...]
+        assert len(w_gate_up.sharding.device_set) == 4  # born sharded, not placed by the engine
         switched = old.relayout(layout, jax.devices(), restored)
-        assert switched.params["layers"]["w_gate"][...] is w_gate  # used as restored
+        assert switched.params["layers"]["w_gate_up"][...] is w_gate_up  # used as restored
         reference = prefill_logits(Engine(cfg, graphdef, gguf_params, layout, ECFG))
         np.testing.assert_array_equal(prefill_logits(switched), reference)
     finally:

@@ -325,8 +325,8 @@ def test_bfloat16_weights_and_ignored_buffers(tmp_path: Path) -> None:
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     bf16 = load_hf_params(tmp_path, cfg)
-    assert bf16["layers"]["wq"].dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(bf16["layers"]["wq"], f32["layers"]["wq"].astype(ml_dtypes.bfloat16))
+    assert bf16["layers"]["wqkv"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(bf16["layers"]["wqkv"], f32["layers"]["wqkv"].astype(ml_dtypes.bfloat16))
     assert load_hf_params(tmp_path, cfg, np.float32)["embed"].dtype == np.float32
 
 

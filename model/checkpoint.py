@@ -143,7 +143,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of ``Llama(cfg)`` by path ("layers/wq") and its shape."""
+    """Every parameter of ``Llama(cfg)`` by path ("layers/wqkv") and its shape."""
     _, state = abstract_llama(cfg)
     return {name: tuple(leaf.shape) for name, leaf in _flat(nnx.to_pure_dict(state)).items()}
 

@@ -255,3 +255,34 @@ def test_long_first_chunk_equals_chunked_prefill() -> None:
         np.testing.assert_allclose(
             np.asarray(whole_cache.k)[:, 1, :, :250], np.asarray(cache.k)[:, 1, :, :250], atol=1e-5, err_msg=form
         )
+
+
+def test_fuse_projections_groups_query_heads_by_kv_head() -> None:
+    """``fuse_projections`` puts query head k*G + g at ``wqkv[..., k, g, :]`` (the head that
+    Hugging Face's ``repeat_kv`` pairs with KV head k), the key and value of KV head k at
+    ``wqkv[..., k, G, :]`` and ``[..., k, G + 1, :]``, gate and up at ``w_gate_up[..., 0/1, :]``,
+    and passes the other weights through."""
+    from model.llama import fuse_projections
+
+    L, D, N, K, H, F = 2, 5, 6, 2, 4, 7
+    G = N // K
+    rng = np.random.default_rng(0)
+    sep = {
+        "wq": rng.standard_normal((L, D, N, H)),
+        "wk": rng.standard_normal((L, D, K, H)),
+        "wv": rng.standard_normal((L, D, K, H)),
+        "w_gate": rng.standard_normal((L, D, F)),
+        "w_up": rng.standard_normal((L, D, F)),
+        "wo": rng.standard_normal((L, N, H, D)),
+    }
+    fused = fuse_projections(sep, K)
+    assert set(fused) == {"wqkv", "w_gate_up", "wo"}
+    assert fused["wqkv"].shape == (L, D, K, G + 2, H) and fused["w_gate_up"].shape == (L, D, 2, F)
+    for k in range(K):
+        for g in range(G):
+            np.testing.assert_array_equal(fused["wqkv"][:, :, k, g], sep["wq"][:, :, k * G + g])
+        np.testing.assert_array_equal(fused["wqkv"][:, :, k, G], sep["wk"][:, :, k])
+        np.testing.assert_array_equal(fused["wqkv"][:, :, k, G + 1], sep["wv"][:, :, k])
+    np.testing.assert_array_equal(fused["w_gate_up"][:, :, 0], sep["w_gate"])
+    np.testing.assert_array_equal(fused["w_gate_up"][:, :, 1], sep["w_up"])
+    assert fused["wo"] is sep["wo"]

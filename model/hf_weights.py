@@ -293,7 +293,8 @@ def load_hf_params(
         ("mlp.up_proj", "w_up", (L, D, F), lambda w: w.T),
         ("mlp.down_proj", "w_down", (L, F, D), lambda w: w.T),
     ]
-    # Filled in place, layer by layer, so peak memory is about one copy of the weights.
+    # Filled in place, layer by layer, so peak memory is about one copy of the weights (plus a
+    # second copy of the projections while fuse_projections joins Q/K/V and gate/up).
     layers = {ours: np.empty(shape, out_dtype) for _, ours, shape, _ in per_layer}
     for i in range(L):
         for hf_name, ours, _, layout in per_layer:

@@ -371,7 +371,9 @@ def attention(
 
     Shapes: q [B, T, K, G, H] f32; k, v [B, T, K, H]; cache_k/v [B, K, S, H]; cache_mask
     [B, T, S] and new_mask [B, T, U] bool (True = may attend). ``new_mask`` None means the
-    cache window already holds the new keys. Returns [B, T, K, G, H] float32.
+    cache window already holds the new keys; no cache (a first chunk, T > 1) means causal
+    self-attention with ``new_mask`` causal (``causal_attention_by_blocks``).
+    Returns [B, T, K, G, H] float32.
     """
     B, T = q.shape[:2]
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
@@ -397,27 +399,25 @@ def attention(
             attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
         return attn
 
-    if cache_k is None and new_mask is not None and T > QUERY_BLOCK and T % QUERY_BLOCK == 0:
+    if cache_k is None:  # a first chunk: only its own keys, causally
+        assert new_mask is not None
         return causal_attention_by_blocks(q, k, v, new_mask)
 
-    # Prefill: heads-major operands ([B, K, G, T, H] queries, [B, K, U, H] keys and values), so
-    # both products are plain batched matmuls and only the small q/k/v and output are
-    # transposed, never the [T, U] scores (a 512-token chunk's attention over 30 layers: 366 ms
-    # against 631 ms with the token-major einsums, whose score transposes XLA:CPU copies).
+    # A later chunk (a cache window, and the new keys unless the window holds them): heads-major
+    # operands ([B, K, G, T, H] queries, [B, K, U, H] keys and values), so both products are
+    # plain batched matmuls and only the small q/k/v and output are transposed, never the
+    # [T, U] scores (a 512-token chunk's attention over 30 layers: 366 ms against 631 ms with
+    # the token-major einsums, whose score transposes XLA:CPU copies).
+    assert cache_v is not None and cache_mask is not None
     qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    scores = []
-    if cache_k is not None:
-        assert cache_v is not None and cache_mask is not None
-        scores_cache = jnp.einsum("BKGTH,BKSH->BKGTS", qt, cache_k, preferred_element_type=f32)
-        scores.append(jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF))
+    scores_cache = jnp.einsum("BKGTH,BKSH->BKGTS", qt, cache_k, preferred_element_type=f32)
+    scores = [jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)]
     if new_mask is not None:
         scores_new = jnp.einsum("BKGTH,BKUH->BKGTU", qt, k.transpose(0, 2, 1, 3), preferred_element_type=f32)
         scores.append(jnp.where(new_mask[:, None, None], scores_new, NEG_INF))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
-    out = jnp.zeros((B, K, G, T, H), f32)
-    if cache_k is not None and cache_v is not None:
-        p_cache = probs[..., : cache_k.shape[2]].astype(cdt)
-        out = jnp.einsum("BKGTS,BKSH->BKGTH", p_cache, cache_v, preferred_element_type=f32)
+    p_cache = probs[..., : cache_k.shape[2]].astype(cdt)
+    out = jnp.einsum("BKGTS,BKSH->BKGTH", p_cache, cache_v, preferred_element_type=f32)
     if new_mask is not None:
         p_new = probs[..., probs.shape[-1] - T :].astype(cdt)
         out = out + jnp.einsum("BKGTU,BKUH->BKGTH", p_new, v.transpose(0, 2, 1, 3), preferred_element_type=f32)
@@ -429,15 +429,16 @@ QUERY_BLOCK = 128  # queries per block of causal_attention_by_blocks
 
 def causal_attention_by_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Causal self-attention of a chunk with nothing cached, skipping the masked upper triangle
-    by query blocks: the queries of block i (``QUERY_BLOCK`` rows) attend only to keys
-    [0, (i + 1) * QUERY_BLOCK), the later keys being masked for all of them. For a 512-token
-    chunk that is 10 of the 16 (query block, key block) tiles a full product computes. (The
-    blocking of FlashAttention, Dao et al. 2022, §3.1, without its online softmax: each query
-    block's scores fit in memory whole.)
+    by query blocks: the queries of block i (``QUERY_BLOCK`` rows, the last block possibly
+    shorter) attend only to keys [0, end of block i), the later keys being masked for all of
+    them. For a 512-token chunk that is 10 of the 16 (query block, key block) tiles a full
+    product computes; a chunk of up to ``QUERY_BLOCK`` tokens is one block. Heads-major
+    operands as in ``attention``'s later-chunk path. (The blocking of FlashAttention, Dao et
+    al. 2022, §3.1, without its online softmax: each query block's scores fit in memory whole.)
 
     Shapes: q [B, T, K, G, H] f32 (scaled); k, v [B, T, K, H]; mask [B, T, T] bool, causal
-    (False above the diagonal: query t never attends key u > t), T a multiple of QUERY_BLOCK.
-    Returns [B, T, K, G, H] float32, equal to ``attention`` with the same mask.
+    (False above the diagonal: query t never attends key u > t), any T >= 1.
+    Returns [B, T, K, G, H] float32, equal to full softmax attention with the same mask.
     """
     T = q.shape[1]
     f32 = jnp.float32
@@ -445,8 +446,9 @@ def causal_attention_by_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
     qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, U, H]
     outs = []
-    for i in range(T // QUERY_BLOCK):
-        rows, n = slice(i * QUERY_BLOCK, (i + 1) * QUERY_BLOCK), (i + 1) * QUERY_BLOCK
+    for start in range(0, T, QUERY_BLOCK):
+        n = min(start + QUERY_BLOCK, T)  # keys [0, n) cover every row of the block
+        rows = slice(start, n)
         s = jnp.einsum("BKGTH,BKUH->BKGTU", qt[:, :, :, rows], kt[:, :, :n], preferred_element_type=f32)
         probs = jax.nn.softmax(jnp.where(mask[:, None, None, rows, :n], s, NEG_INF), axis=-1).astype(cdt)
         outs.append(jnp.einsum("BKGTU,BKUH->BKGTH", probs, vt[:, :, :n], preferred_element_type=f32))
@@ -487,7 +489,7 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     """The rest of one block after attention: the O projection and the SwiGLU MLP, each with
     its residual. Shapes: x [B, T, D] f32; attn [B, T, K, G, H] f32. Returns the new x."""
     B, T, _ = x.shape
-    wdt = p["wqkv"].dtype
+    wdt = p["wo"].dtype
     f32 = jnp.float32
     # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import cpu_attention
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 
@@ -622,6 +623,7 @@ def decode_step(
     positions: jax.Array,
     *,
     kv_len: int,
+    native_attention: bool = False,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """One new token for every slot.
 
@@ -635,6 +637,9 @@ def decode_step(
         kv_len: static window of cached positions attended to; must exceed every active
             position (the engine picks a power-of-two bucket, so reads scale with the
             longest live sequence, not with T_max).
+        native_attention: with a ``BlockedKVCache``, attend through the CPU kernel of
+            ``model.cpu_attention`` (registered first by ``cpu_attention.available()``; one
+            device, float32 or bfloat16 cache) instead of XLA's dots.
 
     Returns:
         logits [S, V] float32 and the cache with each active slot's new K/V at its position.
@@ -664,6 +669,8 @@ def decode_step(
         mask = (jnp.arange(width)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, width]
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
+            if native_attention:  # q [S, 1, K, G, H]
+                return cpu_attention.decode_attention(q[:, 0], positions, kb[: len(blocks)], vb[: len(blocks)])[:, None]
             return attention_over_blocks(q, kb[: len(blocks)], vb[: len(blocks)], mask)
 
         h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, attend)

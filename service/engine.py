@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import cpu_attention
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, stack_layers, unstack_layers
@@ -125,6 +126,7 @@ class StepOutput:
 
 
 LAYER_MODES = ("unrolled", "scan")
+DECODE_ATTENTION_MODES = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,10 @@ class EngineConfig:
             per layer, an unrolled loop, a ``BlockedKVCache``: on XLA:CPU the faster steps,
             SmolLM2-135M decode at batch 1 in 39 ms instead of 70 ms, but each program
             compiles L blocks, about 3x the compile time). See ``model.llama.unstack_layers``.
+        decode_attention: how unrolled decode steps attend: "auto" (the native CPU kernel of
+            ``model.cpu_attention`` where it applies: CPU, one device, a float32 or bfloat16
+            cache, G <= 8, head_dim a multiple of 16, the kernel built; else XLA's dots) or
+            "xla" (always XLA's dots). The scan form always uses XLA's.
     """
 
     num_slots: int = 4
@@ -148,6 +154,7 @@ class EngineConfig:
     chunk_size: int = 512
     dtype: str = "float32"
     layers: str = "scan"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -158,6 +165,10 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {self.layers!r}")
+        if self.decode_attention not in DECODE_ATTENTION_MODES:
+            raise ValueError(
+                f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}, got {self.decode_attention!r}"
+            )
 
 
 class Engine:
@@ -207,6 +218,16 @@ class Engine:
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
         self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()
+        self.native_attention = (
+            engine_cfg.decode_attention == "auto"
+            and engine_cfg.layers == "unrolled"
+            and self.mesh.devices.size == 1
+            and self.mesh.devices.flat[0].platform == "cpu"
+            and cpu_attention.supports(cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, self.dtype)
+            and cpu_attention.available()
+        )
+        if engine_cfg.layers == "unrolled":
+            log.info("decode attention: %s", "native CPU kernel" if self.native_attention else "XLA dots")
         self._cache_sh = cache_sh
 
         self.prefill_buckets = power_of_two_buckets(MIN_BUCKET, min(engine_cfg.chunk_size, T))
@@ -255,7 +276,9 @@ class Engine:
                 from_prefill = jnp.broadcast_to(prev_prefill[0, 0].astype(jnp.int32), host_tokens.shape)
                 tokens = jnp.select([source == 1, source == 2], [from_decode, from_prefill], host_tokens)
                 model = nnx.merge(graphdef, params)
-                logits, cache = decode_step(model, cache, tokens, positions, kv_len=kv_len)
+                logits, cache = decode_step(
+                    model, cache, tokens, positions, kv_len=kv_len, native_attention=self.native_attention
+                )
                 next_ids = sample(logits, sp, positions + 1)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
 

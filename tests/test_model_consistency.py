@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model import cpu_attention
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, unstack_layers
@@ -154,14 +155,18 @@ def test_blocked_cache_across_block_boundaries() -> None:
     """The blocked cache (``BlockedKVCache``: 128-position blocks, the last one shorter) gives
     what the stacked cache gives when a chunked prefill and decode steps cross block
     boundaries: T_max 300 (blocks of 128, 128, 44), a 250-token prompt in chunks of 128 and
-    122, decode steps from position 250 to 259 over windows of 256 and then all 300 positions."""
+    122, decode steps from position 250 to 259 over windows of 256 and then all 300 positions.
+    The unrolled decode runs both through XLA's dots and through the native CPU kernel
+    (``model.cpu_attention``; the 44-position block takes its scalar tail)."""
+    assert cpu_attention.available()
     max_len = 300
     graphdef, stacked = random_llama(CFG, seed=6)
     rng = np.random.default_rng(6)
     prompt = rng.integers(0, CFG.vocab_size, 250).astype(np.int32)
     short = rng.integers(0, CFG.vocab_size, 40).astype(np.int32)
     outputs = {}
-    forms = (("scan", stacked, KVCache), ("unrolled", unstack_layers(stacked), BlockedKVCache))
+    unrolled = unstack_layers(stacked)
+    forms = (("scan", stacked, KVCache), ("unrolled", unrolled, BlockedKVCache), ("native", unrolled, BlockedKVCache))
     for form, params, cache_cls in forms:
         model = nnx.merge(graphdef, params)
         cache = cache_cls.zeros(CFG, 3, max_len)
@@ -175,17 +180,18 @@ def test_blocked_cache_across_block_boundaries() -> None:
         positions = np.array([max_len, 250, 40], np.int32)  # slot 0 idle
         for _ in range(10):
             window = 256 if positions[1] < 256 else max_len
-            step, cache = decode_step(model, cache, tokens, positions, kv_len=window)
+            step, cache = decode_step(model, cache, tokens, positions, kv_len=window, native_attention=form == "native")
             logits.append(np.asarray(step[1:]))
             tokens = np.argmax(np.asarray(step), axis=-1).astype(np.int32)
             positions[1:] += 1
         outputs[form] = (logits, np.asarray(cache.k), np.asarray(cache.v))
     assert isinstance(cache, BlockedKVCache) and [b.shape[-1] for b in cache.k_blocks[0]] == [128, 128, 44]
-    for a, b in zip(outputs["scan"][0], outputs["unrolled"][0], strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(outputs["scan"][1], outputs["unrolled"][1], atol=1e-6)
-    np.testing.assert_allclose(outputs["scan"][2], outputs["unrolled"][2], atol=1e-6)
-    assert not outputs["unrolled"][1][:, 0].any()  # the idle slot's writes were dropped
+    for form in ("unrolled", "native"):
+        for a, b in zip(outputs["scan"][0], outputs[form][0], strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(outputs["scan"][1], outputs[form][1], atol=1e-6)
+        np.testing.assert_allclose(outputs["scan"][2], outputs[form][2], atol=1e-6)
+        assert not outputs[form][1][:, 0].any()  # the idle slot's writes were dropped
 
 
 def test_unrolled_steps_compute_the_rope_tables_once() -> None:

@@ -1,0 +1,300 @@
+// Decode attention over a blocked KV cache, as an XLA FFI custom call for the CPU.
+//
+// One query token per slot attends to the first position[s] + 1 cached positions of its slot
+// (its own new key included), W being the window (the sum of the block lengths); a position
+// outside [0, W) marks an idle slot, whose output is zeros. XLA:CPU runs this as
+// 2 * S * K tiny batched matmuls per block ([G, H] x [H, n]), bound by per-product overhead at
+// about 7 GB/s; here each (slot, KV head) pair is one work item that streams its
+// keys and values once, only up to its own length, vectorised over positions (scores) and
+// over head_dim (values). Scaled dot-product attention, Vaswani et al. 2017, section 3.2.1,
+// with grouped KV heads (Ainslie et al. 2023).
+//
+// Operands: q [S, K, G, H] f32 (already scaled by 1/sqrt(H)); positions [S] s32; then nb key
+// blocks [S, K, H, n_j] and nb value blocks [S, K, n_j, H], all f32 or all bf16.
+// Result: [S, K, G, H] f32. Built and registered by model/cpu_attention.py.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Problem {
+  int64_t S, K, G, H, width;
+  const float* q;
+  const int32_t* positions;
+  std::vector<const void*> k_blocks, v_blocks;
+  std::vector<int64_t> block_len;
+  float* out;
+  bool bf16;
+};
+
+constexpr int64_t kMaxGroup = 8;  // attend_item's largest G
+constexpr int kLanes = 16;        // floats per vector (GCC vector extension: AVX-512, or 2 AVX2 registers)
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const uint16_t* p) {  // kLanes bfloat16 values widened to float32
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+constexpr int kAhead = 16;  // rows prefetched ahead (hardware prefetchers restart at every 4 KiB page)
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// e^x for x <= 0 (softmax after max subtraction), kLanes at a time: x = k ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 3e-7 there), 2^k
+// through the exponent bits; x below -87 (e^x < 2^-126) gives 0.
+inline vf exp_nonpositive(vf x) {
+  typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const vf lo = vf{} - 87.0f;
+  const vi tiny = x < lo;
+  x = tiny ? lo : x;
+  const vf kf = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vi), vf);  // round(x / ln2)
+  const vf r = x - kf * 0.693145752f - kf * 1.42860677e-6f;  // ln2 split in two for precision
+  vf e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  vi bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  bits += __builtin_convertvector(kf, vi) << 23;
+  bits = tiny ? vi{} : bits;
+  std::memcpy(&e, &bits, sizeof e);
+  return e;
+}
+
+// The scores of G query heads over positions [0, m) of one block, keys stored [H, n]. The
+// keys of one (slot, head) are read in storage order: 4 head_dim rows at a time, each swept
+// along its positions, the partial sums kept in `scores` (G * W floats, in L1). (Tiles of
+// positions accumulated over all of head_dim in registers read the rows with an n-float
+// stride instead, which ran at 2.6 GB/s on one core against 14 GB/s streaming.) When n is a
+// multiple of kLanes, m is rounded up to whole vectors inside the row: the scores past m are
+// computed from stale keys and never read. Requires H % 4 == 0.
+template <int G, typename T>
+void block_scores(const float* q, const T* kb, int64_t H, int64_t n, int64_t m, float* scores, int64_t W) {
+  const int64_t mv = n % kLanes == 0 ? (m + kLanes - 1) / kLanes * kLanes : m / kLanes * kLanes;
+  for (int g = 0; g < G; ++g) std::fill(scores + g * W, scores + g * W + mv, 0.0f);
+  for (int64_t h = 0; h < H; h += 4) {
+    const T* k = kb + h * n;
+    float qv[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < 4; ++r) qv[g][r] = q[g * H + h + r];
+    for (int64_t w = 0; w < mv; w += kLanes) {
+      const vf k0 = load(k + w), k1 = load(k + n + w), k2 = load(k + 2 * n + w), k3 = load(k + 3 * n + w);
+      for (int r = kAhead; r < kAhead + 4; ++r) __builtin_prefetch(k + r * n + w);
+      for (int g = 0; g < G; ++g) {
+        float* s = scores + g * W + w;
+        store(s, load(s) + qv[g][0] * k0 + qv[g][1] * k1 + qv[g][2] * k2 + qv[g][3] * k3);
+      }
+    }
+  }
+  for (int64_t w = mv; w < m; ++w)  // a block shorter than a multiple of kLanes: its tail
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
+      for (int64_t h = 0; h < H; ++h) acc += q[g * H + h] * to_f32(kb[h * n + w]);
+      scores[g * W + w] = acc;
+    }
+}
+
+// out[g, :] += sum over positions w < m of probs[g, w] * values[w, :], values stored [n, H]:
+// 64 (else 16) head_dim entries per pass held in registers for all G heads, the value rows
+// read once in storage order. Requires H % kLanes == 0.
+template <int G, int kTiles, typename T>
+void values_pass(const float* probs, const T* vb, int64_t H, int64_t h0, int64_t m, float* out, int64_t W) {
+  vf acc[G][kTiles];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < kTiles; ++t) acc[g][t] = vf{};
+  for (int64_t w = 0; w < m; ++w) {
+    vf v[kTiles];
+    for (int t = 0; t < kTiles; ++t) v[t] = load(vb + w * H + h0 + t * kLanes);
+    __builtin_prefetch(vb + (w + kAhead) * H + h0);
+    if (kTiles > 1) __builtin_prefetch(vb + (w + kAhead) * H + h0 + 2 * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const float pw = probs[g * W + w];
+      for (int t = 0; t < kTiles; ++t) acc[g][t] += pw * v[t];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < kTiles; ++t) {
+      float* o = out + g * H + h0 + t * kLanes;
+      store(o, load(o) + acc[g][t]);
+    }
+}
+
+template <int G, typename T>
+void block_values(const float* probs, const T* vb, int64_t H, int64_t m, float* out, int64_t W) {
+  int64_t h0 = 0;
+  for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes) values_pass<G, 4>(probs, vb, H, h0, m, out, W);
+  for (; h0 < H; h0 += kLanes) values_pass<G, 1>(probs, vb, H, h0, m, out, W);
+}
+
+// One (slot, KV head) pair: scores over its first len positions, softmax, weighted values.
+template <int G, typename T>
+void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
+  const int64_t s = item / p.K, H = p.H, W = p.width;
+  const int64_t pos = p.positions[s];
+  float* out = p.out + item * G * H;
+  if (pos < 0 || pos >= W) {  // an idle slot
+    std::fill(out, out + G * H, 0.0f);
+    return;
+  }
+  const int64_t len = pos + 1;
+  scores.resize(G * W + kLanes);
+  const float* q = p.q + item * G * H;
+
+  int64_t b0 = 0;
+  for (size_t j = 0; j < p.k_blocks.size() && b0 < len; ++j) {
+    const int64_t n = p.block_len[j];
+    const T* kb = static_cast<const T*>(p.k_blocks[j]) + item * H * n;
+    block_scores<G, T>(q, kb, H, n, std::min(n, len - b0), scores.data() + b0, W);
+    b0 += n;
+  }
+
+  // Softmax over [0, len) per query head; the normaliser is applied to the output.
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * W;
+    float mx = sg[0];
+    for (int64_t w = 1; w < len; ++w) mx = std::max(mx, sg[w]);
+    float sum = 0.0f;
+    int64_t w = 0;
+    for (; w + kLanes <= len; w += kLanes) {
+      const vf e = exp_nonpositive(load(sg + w) - mx);
+      store(sg + w, e);
+      for (int i = 0; i < kLanes; ++i) sum += e[i];
+    }
+    for (; w < len; ++w) {
+      sg[w] = std::exp(sg[w] - mx);
+      sum += sg[w];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+
+  std::fill(out, out + G * H, 0.0f);
+  b0 = 0;
+  for (size_t j = 0; j < p.v_blocks.size() && b0 < len; ++j) {
+    const int64_t n = p.block_len[j];
+    const T* vb = static_cast<const T*>(p.v_blocks[j]) + item * n * H;
+    block_values<G, T>(scores.data() + b0, vb, H, std::min(n, len - b0), out, W);
+    b0 += n;
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t h = 0; h < H; ++h) out[g * H + h] *= inv_sum[g];
+}
+
+template <typename T>
+void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
+  switch (p.G) {  // query heads per KV head: compile-time, so the register tiles stay registers
+    case 1: return attend_one<1, T>(p, item, scores);
+    case 2: return attend_one<2, T>(p, item, scores);
+    case 3: return attend_one<3, T>(p, item, scores);
+    case 4: return attend_one<4, T>(p, item, scores);
+    case 5: return attend_one<5, T>(p, item, scores);
+    case 6: return attend_one<6, T>(p, item, scores);
+    case 7: return attend_one<7, T>(p, item, scores);
+    case 8: return attend_one<8, T>(p, item, scores);
+  }
+}
+
+// Work shared by the calling thread and the tasks it schedules on XLA's intra-op pool: items
+// are claimed one at a time; the caller returns once every item is done. A task that starts
+// after the caller has claimed the last item finds nothing to do and touches no buffer.
+struct Work {
+  Problem problem;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    thread_local std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      if (problem.bf16)
+        attend_item<uint16_t>(problem, i, scores);
+      else
+        attend_item<float>(problem, i, scores);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> positions,
+                           ffi::RemainingArgs blocks, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be [S, K, G, H]");
+  if (qd[2] < 1 || qd[2] > kMaxGroup)
+    return ffi::Error::InvalidArgument("query heads per KV head must be between 1 and 8");
+  if (qd[3] % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
+  if (blocks.size() == 0 || blocks.size() % 2 != 0)
+    return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  p.S = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
+  if (positions.element_count() != static_cast<size_t>(p.S))
+    return ffi::Error::InvalidArgument("positions must be [S]");
+  p.q = q.typed_data();
+  p.positions = positions.typed_data();
+  p.out = out->typed_data();
+  const size_t nb = blocks.size() / 2;
+  p.width = 0;
+  for (size_t j = 0; j < 2 * nb; ++j) {
+    auto b = blocks.get<ffi::AnyBuffer>(j);
+    if (b.has_error()) return b.error();
+    const bool bf16 = b->element_type() == ffi::DataType::BF16;
+    if (!bf16 && b->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("cache blocks must be float32 or bfloat16");
+    auto d = b->dimensions();
+    if (d.size() != 4 || d[0] != p.S || d[1] != p.K) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
+    if (j == 0) p.bf16 = bf16;
+    if (bf16 != p.bf16) return ffi::Error::InvalidArgument("all cache blocks must share one dtype");
+    if (j < nb) {  // key block [S, K, H, n]
+      if (d[2] != p.H) return ffi::Error::InvalidArgument("key block must be [S, K, H, n]");
+      p.k_blocks.push_back(b->untyped_data());
+      p.block_len.push_back(d[3]);
+      p.width += d[3];
+    } else {  // value block [S, K, n, H]
+      if (d[3] != p.H || d[2] != p.block_len[j - nb])
+        return ffi::Error::InvalidArgument("value block j must be [S, K, n_j, H] with key block j's n_j");
+      p.v_blocks.push_back(b->untyped_data());
+    }
+  }
+  work->items = p.S * p.K;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

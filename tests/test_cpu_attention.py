@@ -1,0 +1,133 @@
+"""The native CPU decode-attention kernel (``model.cpu_attention``) against softmax attention
+computed in numpy float64, and the engine's choice of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import cpu_attention
+from model.config import LlamaConfig
+from model.loader import random_llama
+from service.engine import Engine, EngineConfig
+from service.request import SamplingOptions
+from sharding.layouts import Layout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_attention.available(), "the kernel must build on a machine with g++ (CI has it)"
+
+
+def reference(q: np.ndarray, positions: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Softmax attention in float64: q [S, K, G, H]; keys, values [S, K, W, H]; slot s attends
+    to positions [0, positions[s]]; an idle slot (position outside [0, W)) gives zeros."""
+    S, K, G, H = q.shape
+    out = np.zeros((S, K, G, H))
+    for s in range(S):
+        p = int(positions[s])
+        if not 0 <= p < keys.shape[2]:
+            continue
+        scores = np.einsum("kgh,kwh->kgw", q[s], keys[s, :, : p + 1])
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[s] = np.einsum("kgw,kwh->kgh", probs, values[s, :, : p + 1])
+    return out
+
+
+def blocks_of(keys: np.ndarray, values: np.ndarray, lengths: list[int], dtype: jnp.dtype) -> tuple[tuple, tuple]:
+    """[S, K, W, H] keys and values cut into the BlockedKVCache layout: key blocks
+    [S, K, H, n], value blocks [S, K, n, H]."""
+    kb, vb, start = [], [], 0
+    for n in lengths:
+        kb.append(jnp.asarray(keys[:, :, start : start + n].transpose(0, 1, 3, 2), dtype))
+        vb.append(jnp.asarray(values[:, :, start : start + n], dtype))
+        start += n
+    return tuple(kb), tuple(vb)
+
+
+@pytest.mark.parametrize(
+    ("S", "K", "G", "H", "lengths", "dtype"),
+    [
+        (5, 3, 3, 64, [128, 128], jnp.float32),  # SmolLM2's heads; ragged lengths across both blocks
+        (4, 2, 1, 16, [128, 44], jnp.float32),  # a short last block (its tail one position at a time)
+        (3, 1, 8, 128, [37], jnp.float32),  # one block shorter than a vector multiple; G = 8
+        (4, 2, 4, 32, [128, 128, 128], jnp.bfloat16),  # a bfloat16 cache
+    ],
+)
+def test_kernel_matches_softmax_attention(S: int, K: int, G: int, H: int, lengths: list[int], dtype: jnp.dtype) -> None:
+    W = sum(lengths)
+    rng = np.random.default_rng(S * 100 + H)
+    q = rng.standard_normal((S, K, G, H)).astype(np.float32) / np.sqrt(H)
+    keys = rng.standard_normal((S, K, W, H)).astype(np.float32) * 2
+    values = rng.standard_normal((S, K, W, H)).astype(np.float32)
+    # Positions: the first, ones either side of a block edge and of a vector edge, the last,
+    # and an idle slot (position W, as the engine passes T_max).
+    choices = [0, 15, 16, 17, lengths[0] - 1, min(lengths[0], W - 1), W - 1, W]
+    positions = np.array([choices[(i * 3) % len(choices)] for i in range(S)], np.int32)
+    positions[-1] = W  # always one idle slot
+    kb, vb = blocks_of(keys, values, lengths, dtype)
+    out = jax.jit(cpu_attention.decode_attention)(jnp.asarray(q), jnp.asarray(positions), kb, vb)
+    assert out.shape == (S, K, G, H) and out.dtype == jnp.float32
+    # The reference sees the cache as stored (bfloat16 keys and values rounded).
+    keys_seen = np.asarray(jnp.asarray(keys, dtype), np.float64)
+    values_seen = np.asarray(jnp.asarray(values, dtype), np.float64)
+    want = reference(q.astype(np.float64), positions, keys_seen, values_seen)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-4)
+    assert not np.asarray(out)[-1].any()  # the idle slot
+
+
+def test_kernel_rejects_mismatched_blocks() -> None:
+    q = jnp.zeros((2, 1, 1, 16), jnp.float32)
+    k = (jnp.zeros((2, 1, 16, 32), jnp.float32),)
+    v = (jnp.zeros((2, 1, 16, 16), jnp.float32),)  # 16 positions where the key block has 32
+    with pytest.raises(Exception, match="value block j must be"):
+        jax.block_until_ready(cpu_attention.decode_attention(q, jnp.zeros(2, jnp.int32), k, v))
+
+
+def test_supports() -> None:
+    assert cpu_attention.supports(3, 3, 64, jnp.float32)
+    assert cpu_attention.supports(8, 4, 128, jnp.bfloat16)
+    assert not cpu_attention.supports(3, 3, 60, jnp.float32)  # head_dim not a multiple of 16
+    assert not cpu_attention.supports(1, 9, 64, jnp.float32)  # more than 8 query heads per KV head
+    assert not cpu_attention.supports(3, 3, 64, jnp.float16)
+
+
+def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:
+    """One device, unrolled layers: "auto" takes the kernel; its greedy decode and logits
+    agree with the same engine on XLA's dots. A multi-device mesh and the scan form keep XLA's."""
+    cfg = LlamaConfig.tiny()
+    graphdef, params = random_llama(cfg, seed=3)
+    ecfg = EngineConfig(num_slots=3, max_seq_len=300, chunk_size=128, layers="unrolled")
+    one = jax.devices()[:1]
+    native = Engine(cfg, graphdef, params, Layout("single"), ecfg, devices=one)
+    xla = Engine(
+        cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, decode_attention="xla"), devices=one
+    )
+    assert native.native_attention and not xla.native_attention
+    assert not Engine(
+        cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan")
+    ).native_attention
+    assert not Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).native_attention
+
+    prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 140))
+    runs = []
+    for engine in (native, xla):
+        engine.set_sampling(1, SamplingOptions(temperature=0.0))
+        first = engine.prefill(1, prompt[:128], 0)
+        first = engine.prefill(1, prompt[128:], 128)
+        ids, logits = [int(first.host().ids[0])], []
+        for i in range(20):  # positions 140..159: across no block edge, but a 256 window
+            tokens = np.zeros(3, np.int32)
+            positions = np.array([300, len(prompt) + i, 300], np.int32)
+            tokens[1] = ids[-1]
+            out = engine.decode(tokens, positions)
+            ids.append(int(out.host().ids[1]))
+            logits.append(np.asarray(out.logits)[1])
+        runs.append((ids, np.stack(logits)))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-4, rtol=1e-4)

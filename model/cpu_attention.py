@@ -1,13 +1,16 @@
-"""Decode attention over a ``BlockedKVCache`` as a native XLA:CPU custom call.
+"""A decode step's KV-cache write and attention over a ``BlockedKVCache`` as one native XLA:CPU
+custom call.
 
 XLA:CPU lowers decode attention (one query token per slot) to 2 x S x K tiny batched matmuls
 per cache block ([G, H] x [H, n]), which run at about 7 GB/s whatever their orientation or
-dtype: bound by per-product overhead, not by memory. ``native/decode_attention.cc`` does the
-same arithmetic as one pass per (slot, KV head) that reads each slot's keys and values once,
-only up to the slot's own length, on XLA's intra-op threads. SmolLM2-135M's shapes, 30 layers,
-a 256-position window, slots at 128-160 tokens: 38 ms per step at 64 slots against 122 ms for
-the XLA dots, 4.5 against 13.6 ms at 8 slots (``/tmp`` scratch timing, min of 7; the engine-level
-figures are in the README's peer table).
+dtype: bound by per-product overhead, not by memory; and each layer's new keys and values go
+in by four scatters (about 80 us each at 64 slots). ``native/decode_attention.cc`` does both
+as one pass per (slot, KV head), on XLA's intra-op threads: it writes the slot's new key and
+value at its position, then reads its keys and values once, only up to its own length. The
+blocks are aliased to the results, so the cache is updated in place. Measured by
+``python benchmarks/decode_attention.py`` (SmolLM2-135M shapes, slots at 128-160 tokens, a
+256-position window; step time with XLA's dots over the kernel's): 1.44x at 64 slots, 1.12x
+at 8 (medians; the README gives the run).
 
 The library is compiled on first use with the machine's C++ compiler (``g++``, or ``$CXX``)
 against the FFI headers of the installed jaxlib, for this CPU (``-march=native``), into
@@ -118,22 +121,37 @@ def supports(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype: jnp.dtype) 
     return 1 <= q_per_kv <= MAX_GROUP and head_dim % LANES == 0 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 
-def decode_attention(
-    q: jax.Array, positions: jax.Array, k_blocks: tuple[jax.Array, ...], v_blocks: tuple[jax.Array, ...]
-) -> jax.Array:
-    """Softmax attention of one query token per slot over its cached positions (Vaswani et al.
-    2017, §3.2.1, with grouped KV heads), by the native kernel; call ``available()`` first.
+def write_and_attend(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    positions: jax.Array,
+    k_blocks: tuple[jax.Array, ...],
+    v_blocks: tuple[jax.Array, ...],
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """One decode step's cache write and attention for every slot, by the native kernel (call
+    ``available()`` first): slot s's new key and value go in at ``positions[s]``, then its
+    query attends to positions [0, positions[s]] (softmax attention, Vaswani et al. 2017,
+    §3.2.1, with grouped KV heads). A position at or past the window's end marks an idle slot:
+    nothing is written and its output is zeros. The blocks are updated in place
+    (``input_output_aliases``) when the caller donates them, as the engine's jitted step does.
 
-    Slot s attends to positions [0, positions[s]] of the window that the blocks make up
-    (its own new key already written there); a position at or past the window's end marks an
-    idle slot, whose output is zeros.
-
-    Shapes: q [S, K, G, H] float32, already scaled by 1/sqrt(H); positions [S] int32; key block
-    j [S, K, H, n_j] and value block j [S, K, n_j, H], all float32 or all bfloat16.
-    Returns [S, K, G, H] float32.
+    Shapes: q [S, K, G, H] float32, already scaled by 1/sqrt(H); k_new, v_new [S, K, H]
+    float32 (rounded to the cache dtype when written); positions [S] int32; key block j
+    [S, K, H, n_j] and value block j [S, K, n_j, H], all float32 or all bfloat16.
+    Returns (attention [S, K, G, H] float32, key blocks, value blocks).
 
     Raises:
         XlaRuntimeError (at run time): shapes or dtypes the kernel does not take (see ``supports``).
     """
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), positions.astype(jnp.int32), *k_blocks, *v_blocks)
+    blocks = (*k_blocks, *v_blocks)
+    first = 4  # operands before the blocks: q, positions, k_new, v_new
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32), *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in blocks)),
+        input_output_aliases={first + i: 1 + i for i in range(len(blocks))},
+    )
+    f32 = jnp.float32
+    out, *written = call(q.astype(f32), positions.astype(jnp.int32), k_new.astype(f32), v_new.astype(f32), *blocks)
+    n = len(k_blocks)
+    return out, tuple(written[:n]), tuple(written[n:])

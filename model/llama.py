@@ -235,8 +235,10 @@ class Llama(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array,
         cache: BlockedKVCache,
-        write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]],
-        attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array],
+        write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]] | None,
+        attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array] | None,
+        write_and_attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], tuple[jax.Array, Blocks, Blocks]]
+        | None = None,
     ) -> tuple[jax.Array, BlockedKVCache]:
         """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
         each block writing its new keys and values into the cache *before* attending.
@@ -252,6 +254,9 @@ class Llama(nnx.Module):
                 layer's blocks with the new entries written.
             attend: (q [B, T, K, G, H], new k, new v, written key blocks, value blocks) ->
                 attention output [B, T, K, G, H] float32.
+            write_and_attend: both in one call, instead of ``write`` and ``attend``: (q, new k,
+                new v, key blocks, value blocks) -> (attention output, written key blocks,
+                value blocks) (the native decode kernel, ``model.cpu_attention``).
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -267,8 +272,13 @@ class Llama(nnx.Module):
         for i in range(cfg.num_layers):
             p = {name: w[i] for name, w in weights.items()}
             q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
-            kb, vb = write(cache.k_blocks[i], cache.v_blocks[i], k, v)
-            x = out_and_mlp(cfg, x, p, attend(q, k, v, kb, vb))
+            if write_and_attend is not None:
+                attn, kb, vb = write_and_attend(q, k, v, cache.k_blocks[i], cache.v_blocks[i])
+            else:
+                assert write is not None and attend is not None
+                kb, vb = write(cache.k_blocks[i], cache.v_blocks[i], k, v)
+                attn = attend(q, k, v, kb, vb)
+            x = out_and_mlp(cfg, x, p, attn)
             k_out.append(kb)
             v_out.append(vb)
         return x, BlockedKVCache(k_blocks=tuple(k_out), v_blocks=tuple(v_out))
@@ -637,9 +647,10 @@ def decode_step(
         kv_len: static window of cached positions attended to; must exceed every active
             position (the engine picks a power-of-two bucket, so reads scale with the
             longest live sequence, not with T_max).
-        native_attention: with a ``BlockedKVCache``, attend through the CPU kernel of
-            ``model.cpu_attention`` (registered first by ``cpu_attention.available()``; one
-            device, float32 or bfloat16 cache) instead of XLA's dots.
+        native_attention: with a ``BlockedKVCache``, write the new keys and values and attend
+            through the CPU kernel of ``model.cpu_attention`` (registered first by
+            ``cpu_attention.available()``; one device, float32 or bfloat16 cache) instead of
+            XLA's scatters and dots.
 
     Returns:
         logits [S, V] float32 and the cache with each active slot's new K/V at its position.
@@ -669,11 +680,17 @@ def decode_step(
         mask = (jnp.arange(width)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, width]
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
-            if native_attention:  # q [S, 1, K, G, H]
-                return cpu_attention.decode_attention(q[:, 0], positions, kb[: len(blocks)], vb[: len(blocks)])[:, None]
             return attention_over_blocks(q, kb[: len(blocks)], vb[: len(blocks)], mask)
 
-        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, attend)
+        def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple:
+            n = len(blocks)  # q [S, 1, K, G, H]; k, v [S, 1, K, H]
+            out, kw, vw = cpu_attention.write_and_attend(q[:, 0], k[:, 0], v[:, 0], positions, kb[:n], vb[:n])
+            return out[:, None], kw + kb[n:], vw + vb[n:]
+
+        if native_attention:
+            h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, None, None, write_and_attend)
+        else:
+            h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, attend)
         return model.logits(h[:, 0]), cache
 
     assert isinstance(cache, KVCache), "stacked weights run on a KVCache"

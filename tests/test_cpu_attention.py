@@ -50,6 +50,13 @@ def blocks_of(keys: np.ndarray, values: np.ndarray, lengths: list[int], dtype: j
     return tuple(kb), tuple(vb)
 
 
+def unblocked(kb: tuple, vb: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of ``blocks_of``: [S, K, W, H] keys and values as float64."""
+    keys = np.concatenate([np.asarray(b.astype(jnp.float32), np.float64).transpose(0, 1, 3, 2) for b in kb], axis=2)
+    values = np.concatenate([np.asarray(b.astype(jnp.float32), np.float64) for b in vb], axis=2)
+    return keys, values
+
+
 @pytest.mark.parametrize(
     ("S", "K", "G", "H", "lengths", "dtype"),
     [
@@ -59,34 +66,63 @@ def blocks_of(keys: np.ndarray, values: np.ndarray, lengths: list[int], dtype: j
         (4, 2, 4, 32, [128, 128, 128], jnp.bfloat16),  # a bfloat16 cache
     ],
 )
-def test_kernel_matches_softmax_attention(S: int, K: int, G: int, H: int, lengths: list[int], dtype: jnp.dtype) -> None:
+def test_kernel_writes_then_matches_softmax_attention(
+    S: int, K: int, G: int, H: int, lengths: list[int], dtype: jnp.dtype
+) -> None:
     W = sum(lengths)
     rng = np.random.default_rng(S * 100 + H)
     q = rng.standard_normal((S, K, G, H)).astype(np.float32) / np.sqrt(H)
     keys = rng.standard_normal((S, K, W, H)).astype(np.float32) * 2
     values = rng.standard_normal((S, K, W, H)).astype(np.float32)
+    k_new = rng.standard_normal((S, K, H)).astype(np.float32) * 2
+    v_new = rng.standard_normal((S, K, H)).astype(np.float32)
     # Positions: the first, ones either side of a block edge and of a vector edge, the last,
     # and an idle slot (position W, as the engine passes T_max).
     choices = [0, 15, 16, 17, lengths[0] - 1, min(lengths[0], W - 1), W - 1, W]
     positions = np.array([choices[(i * 3) % len(choices)] for i in range(S)], np.int32)
     positions[-1] = W  # always one idle slot
     kb, vb = blocks_of(keys, values, lengths, dtype)
-    out = jax.jit(cpu_attention.decode_attention)(jnp.asarray(q), jnp.asarray(positions), kb, vb)
+
+    # What the kernel should leave in the cache: the new entries at each active position,
+    # rounded to the cache dtype as XLA's convert rounds them; the idle slot untouched.
+    want_k, want_v = unblocked(kb, vb)
+    for s, p in enumerate(positions):
+        if p < W:
+            want_k[s, :, p] = np.asarray(jnp.asarray(k_new[s], dtype).astype(jnp.float32))
+            want_v[s, :, p] = np.asarray(jnp.asarray(v_new[s], dtype).astype(jnp.float32))
+    want = reference(q.astype(np.float64), positions, want_k, want_v)
+
+    step = jax.jit(cpu_attention.write_and_attend, donate_argnums=(4, 5))
+    out, kb, vb = step(jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(positions), kb, vb)
     assert out.shape == (S, K, G, H) and out.dtype == jnp.float32
-    # The reference sees the cache as stored (bfloat16 keys and values rounded).
-    keys_seen = np.asarray(jnp.asarray(keys, dtype), np.float64)
-    values_seen = np.asarray(jnp.asarray(values, dtype), np.float64)
-    want = reference(q.astype(np.float64), positions, keys_seen, values_seen)
+    assert [b.shape[-1] for b in kb] == lengths and all(b.dtype == dtype for b in kb + vb)
+    got_k, got_v = unblocked(kb, vb)
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-4)
     assert not np.asarray(out)[-1].any()  # the idle slot
 
 
+def test_kernel_without_donation_leaves_its_operands_alone() -> None:
+    """Blocks that are not donated are copied into the results before the write, so the
+    caller's arrays keep their old contents."""
+    rng = np.random.default_rng(0)
+    kb = (jnp.asarray(rng.standard_normal((1, 1, 16, 128)), jnp.float32),)
+    vb = (jnp.asarray(rng.standard_normal((1, 1, 128, 16)), jnp.float32),)
+    before = np.asarray(kb[0]).copy()
+    q, new = jnp.ones((1, 1, 1, 16)), jnp.full((1, 1, 16), 7.0)
+    _, kw, _ = jax.jit(cpu_attention.write_and_attend)(q, new, new, jnp.array([5], jnp.int32), kb, vb)
+    np.testing.assert_array_equal(np.asarray(kb[0]), before)
+    assert (np.asarray(kw[0])[0, 0, :, 5] == 7.0).all()
+
+
 def test_kernel_rejects_mismatched_blocks() -> None:
     q = jnp.zeros((2, 1, 1, 16), jnp.float32)
+    new = jnp.zeros((2, 1, 16), jnp.float32)
     k = (jnp.zeros((2, 1, 16, 32), jnp.float32),)
     v = (jnp.zeros((2, 1, 16, 16), jnp.float32),)  # 16 positions where the key block has 32
     with pytest.raises(Exception, match="value block j must be"):
-        jax.block_until_ready(cpu_attention.decode_attention(q, jnp.zeros(2, jnp.int32), k, v))
+        jax.block_until_ready(cpu_attention.write_and_attend(q, new, new, jnp.zeros(2, jnp.int32), k, v))
 
 
 def test_supports() -> None:

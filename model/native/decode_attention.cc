@@ -1,17 +1,21 @@
-// Decode attention over a blocked KV cache, as an XLA FFI custom call for the CPU.
+// A decode step's KV-cache write and attention over a blocked KV cache, as an XLA FFI custom
+// call for the CPU.
 //
-// One query token per slot attends to the first position[s] + 1 cached positions of its slot
-// (its own new key included), W being the window (the sum of the block lengths); a position
-// outside [0, W) marks an idle slot, whose output is zeros. XLA:CPU runs this as
-// 2 * S * K tiny batched matmuls per block ([G, H] x [H, n]), bound by per-product overhead at
-// about 7 GB/s; here each (slot, KV head) pair is one work item that streams its
-// keys and values once, only up to its own length, vectorised over positions (scores) and
-// over head_dim (values). Scaled dot-product attention, Vaswani et al. 2017, section 3.2.1,
-// with grouped KV heads (Ainslie et al. 2023).
+// Each slot's new key and value are written at its position, then its one query token attends
+// to the first position[s] + 1 cached positions of the slot, W being the window (the sum of
+// the block lengths); a position outside [0, W) marks an idle slot: nothing is written and its
+// output is zeros. XLA:CPU runs this attention as 2 * S * K tiny batched matmuls per block
+// ([G, H] x [H, n]), bound by per-product overhead at about 7 GB/s, and the write as four
+// scatters per layer; here each (slot, KV head) pair is one work item that writes its entries
+// and streams its keys and values once, only up to its own length, vectorised over positions
+// (scores) and over head_dim (values). Scaled dot-product attention, Vaswani et al. 2017,
+// section 3.2.1, with grouped KV heads (Ainslie et al. 2023).
 //
-// Operands: q [S, K, G, H] f32 (already scaled by 1/sqrt(H)); positions [S] s32; then nb key
-// blocks [S, K, H, n_j] and nb value blocks [S, K, n_j, H], all f32 or all bf16.
-// Result: [S, K, G, H] f32. Built and registered by model/cpu_attention.py.
+// Operands: q [S, K, G, H] f32 (already scaled by 1/sqrt(H)); positions [S] s32; new keys and
+// values [S, K, H] f32; then nb key blocks [S, K, H, n_j] and nb value blocks [S, K, n_j, H],
+// all f32 or all bf16. Results: the attention [S, K, G, H] f32, then the 2 nb blocks, written
+// (aliased to the operand blocks by the caller; copied from them first where they are not).
+// Built and registered by model/cpu_attention.py.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,6 +32,17 @@ namespace ffi = xla::ffi;
 namespace {
 
 inline float to_f32(float x) { return x; }
+inline void from_f32(float x, float* out) { *out = x; }
+inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as XLA's convert does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
 inline float to_f32(uint16_t x) {  // bfloat16: the high half of a float32
   uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -39,7 +54,9 @@ struct Problem {
   int64_t S, K, G, H, width;
   const float* q;
   const int32_t* positions;
-  std::vector<const void*> k_blocks, v_blocks;
+  const float* k_new;  // [S, K, H]: each slot's new key, written at its position first
+  const float* v_new;  // [S, K, H]
+  std::vector<void*> k_blocks, v_blocks;  // the result buffers (aliased to the operands)
   std::vector<int64_t> block_len;
   float* out;
   bool bf16;
@@ -166,7 +183,20 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
   scores.resize(G * W + kLanes);
   const float* q = p.q + item * G * H;
 
+  // The new key and value go in first, at the slot's position (keys [H, n], values [n, H]).
   int64_t b0 = 0;
+  for (size_t j = 0; j < p.k_blocks.size(); b0 += p.block_len[j], ++j) {
+    const int64_t n = p.block_len[j];
+    if (pos < b0 || pos >= b0 + n) continue;
+    T* kb = static_cast<T*>(p.k_blocks[j]) + item * H * n + (pos - b0);
+    T* vb = static_cast<T*>(p.v_blocks[j]) + item * n * H + (pos - b0) * H;
+    for (int64_t h = 0; h < H; ++h) {
+      from_f32(p.k_new[item * H + h], kb + h * n);
+      from_f32(p.v_new[item * H + h], vb + h);
+    }
+  }
+
+  b0 = 0;
   for (size_t j = 0; j < p.k_blocks.size() && b0 < len; ++j) {
     const int64_t n = p.block_len[j];
     const T* kb = static_cast<const T*>(p.k_blocks[j]) + item * H * n;
@@ -242,43 +272,57 @@ struct Work {
 };
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> positions,
-                           ffi::RemainingArgs blocks, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::RemainingArgs blocks,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::RemainingRets blocks_out) {
   auto qd = q.dimensions();
   if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be [S, K, G, H]");
   if (qd[2] < 1 || qd[2] > kMaxGroup)
     return ffi::Error::InvalidArgument("query heads per KV head must be between 1 and 8");
   if (qd[3] % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
-  if (blocks.size() == 0 || blocks.size() % 2 != 0)
-    return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks");
+  if (blocks.size() == 0 || blocks.size() % 2 != 0 || blocks_out.size() != blocks.size())
+    return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks, in and out");
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
   p.S = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
   if (positions.element_count() != static_cast<size_t>(p.S))
     return ffi::Error::InvalidArgument("positions must be [S]");
+  const size_t kv_count = static_cast<size_t>(p.S * p.K * p.H);
+  if (k_new.element_count() != kv_count || v_new.element_count() != kv_count)
+    return ffi::Error::InvalidArgument("new keys and values must be [S, K, H]");
   p.q = q.typed_data();
   p.positions = positions.typed_data();
+  p.k_new = k_new.typed_data();
+  p.v_new = v_new.typed_data();
   p.out = out->typed_data();
   const size_t nb = blocks.size() / 2;
   p.width = 0;
   for (size_t j = 0; j < 2 * nb; ++j) {
     auto b = blocks.get<ffi::AnyBuffer>(j);
     if (b.has_error()) return b.error();
+    auto r = blocks_out.get<ffi::AnyBuffer>(j);
+    if (r.has_error()) return r.error();
     const bool bf16 = b->element_type() == ffi::DataType::BF16;
     if (!bf16 && b->element_type() != ffi::DataType::F32)
       return ffi::Error::InvalidArgument("cache blocks must be float32 or bfloat16");
     auto d = b->dimensions();
     if (d.size() != 4 || d[0] != p.S || d[1] != p.K) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
+    if ((*r)->element_type() != b->element_type() || (*r)->size_bytes() != b->size_bytes())
+      return ffi::Error::InvalidArgument("each result block must match its operand block");
     if (j == 0) p.bf16 = bf16;
     if (bf16 != p.bf16) return ffi::Error::InvalidArgument("all cache blocks must share one dtype");
+    // The result block is normally the operand's own buffer (input_output_aliases); else the
+    // operand is copied into it first.
+    void* dst = (*r)->untyped_data();
+    if (dst != b->untyped_data()) std::memcpy(dst, b->untyped_data(), b->size_bytes());
     if (j < nb) {  // key block [S, K, H, n]
       if (d[2] != p.H) return ffi::Error::InvalidArgument("key block must be [S, K, H, n]");
-      p.k_blocks.push_back(b->untyped_data());
+      p.k_blocks.push_back(dst);
       p.block_len.push_back(d[3]);
       p.width += d[3];
     } else {  // value block [S, K, n, H]
       if (d[3] != p.H || d[2] != p.block_len[j - nb])
         return ffi::Error::InvalidArgument("value block j must be [S, K, n_j, H] with key block j's n_j");
-      p.v_blocks.push_back(b->untyped_data());
+      p.v_blocks.push_back(dst);
     }
   }
   work->items = p.S * p.K;
@@ -294,7 +338,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new values
+                                  .RemainingArgs()               // key blocks, then value blocks
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // attention output
+                                  .RemainingRets());             // the blocks, written

@@ -114,10 +114,10 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
-def supports(num_kv_heads: int, q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:
-    """Whether the kernel handles these shapes and this cache dtype (float32 or bfloat16,
-    1 <= G <= 8, head_dim a multiple of 16); it says nothing of whether it is built."""
-    del num_kv_heads
+def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:
+    """Whether the kernel handles G = ``q_per_kv`` query heads per KV head, this head_dim and
+    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16); it says
+    nothing of whether it is built."""
     return 1 <= q_per_kv <= MAX_GROUP and head_dim % LANES == 0 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 

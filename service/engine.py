@@ -223,7 +223,7 @@ class Engine:
             and engine_cfg.layers == "unrolled"
             and self.mesh.devices.size == 1
             and self.mesh.devices.flat[0].platform == "cpu"
-            and cpu_attention.supports(cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim, self.dtype)
+            and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.dtype)
             and cpu_attention.available()
         )
         if engine_cfg.layers == "unrolled":

@@ -126,11 +126,11 @@ def test_kernel_rejects_mismatched_blocks() -> None:
 
 
 def test_supports() -> None:
-    assert cpu_attention.supports(3, 3, 64, jnp.float32)
-    assert cpu_attention.supports(8, 4, 128, jnp.bfloat16)
-    assert not cpu_attention.supports(3, 3, 60, jnp.float32)  # head_dim not a multiple of 16
-    assert not cpu_attention.supports(1, 9, 64, jnp.float32)  # more than 8 query heads per KV head
-    assert not cpu_attention.supports(3, 3, 64, jnp.float16)
+    assert cpu_attention.supports(3, 64, jnp.float32)
+    assert cpu_attention.supports(4, 128, jnp.bfloat16)
+    assert not cpu_attention.supports(3, 60, jnp.float32)  # head_dim not a multiple of 16
+    assert not cpu_attention.supports(9, 64, jnp.float32)  # more than 8 query heads per KV head
+    assert not cpu_attention.supports(3, 64, jnp.float16)
 
 
 def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:

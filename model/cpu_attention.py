@@ -49,7 +49,7 @@ MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool once tried; "error": why not
+_available: bool | None = None  # None until the first available() call
 
 
 def _cpu_flags() -> str:
@@ -98,8 +98,9 @@ def available() -> bool:
     """Whether the kernel is built (building it now if needed) and registered with XLA for the
     CPU. The first call may take a few seconds (the compile); a failure is logged once and
     remembered for the process."""
+    global _available
     with _lock:
-        if "ok" not in _state:
+        if _available is None:
             try:
                 path = library_path()
                 if not path.exists():
@@ -107,11 +108,11 @@ def available() -> bool:
                     build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-                _state["ok"] = True
+                _available = True
             except (OSError, RuntimeError, AttributeError) as e:
                 log.warning("CPU decode-attention kernel unavailable, using XLA's dots: %s", e)
-                _state.update(ok=False, error=str(e))
-        return bool(_state["ok"])
+                _available = False
+        return _available
 
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:

@@ -34,6 +34,24 @@ from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 
 Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
+# (q, new k, new v, key blocks, value blocks) -> (attention, written key blocks, value blocks)
+WriteAndAttend = Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], tuple[jax.Array, Blocks, Blocks]]
+
+
+def write_then_attend(
+    write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]],
+    attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array],
+) -> WriteAndAttend:
+    """One layer's cache update then attention as ``Llama.run_layers_in_place`` takes them:
+    ``write`` (key blocks, value blocks, new k, new v) -> written blocks, then ``attend``
+    (q, new k, new v, written blocks) -> attention output, reading what ``write`` wrote."""
+
+    def step(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple[jax.Array, Blocks, Blocks]:
+        kb, vb = write(kb, vb, k, v)
+        return attend(q, k, v, kb, vb), kb, vb
+
+    return step
+
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -235,10 +253,7 @@ class Llama(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array,
         cache: BlockedKVCache,
-        write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]] | None,
-        attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array] | None,
-        write_and_attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], tuple[jax.Array, Blocks, Blocks]]
-        | None = None,
+        write_and_attend: WriteAndAttend,
     ) -> tuple[jax.Array, BlockedKVCache]:
         """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
         each block writing its new keys and values into the cache *before* attending.
@@ -250,13 +265,10 @@ class Llama(nnx.Module):
         Args:
             tokens, positions: [B, T] int32 ids and absolute positions.
             cache: the blocked KV cache (``BlockedKVCache``).
-            write: (layer's key blocks, value blocks, new k, new v [B, T, K, H]) -> the
-                layer's blocks with the new entries written.
-            attend: (q [B, T, K, G, H], new k, new v, written key blocks, value blocks) ->
-                attention output [B, T, K, G, H] float32.
-            write_and_attend: both in one call, instead of ``write`` and ``attend``: (q, new k,
-                new v, key blocks, value blocks) -> (attention output, written key blocks,
-                value blocks) (the native decode kernel, ``model.cpu_attention``).
+            write_and_attend: (q [B, T, K, G, H], new k, new v [B, T, K, H], the layer's key
+                blocks, value blocks) -> (attention output [B, T, K, G, H] float32, the blocks
+                with the new entries written): XLA's scatters and dots composed by
+                ``write_then_attend``, or the native decode kernel (``model.cpu_attention``).
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -272,12 +284,7 @@ class Llama(nnx.Module):
         for i in range(cfg.num_layers):
             p = {name: w[i] for name, w in weights.items()}
             q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
-            if write_and_attend is not None:
-                attn, kb, vb = write_and_attend(q, k, v, cache.k_blocks[i], cache.v_blocks[i])
-            else:
-                assert write is not None and attend is not None
-                kb, vb = write(cache.k_blocks[i], cache.v_blocks[i], k, v)
-                attn = attend(q, k, v, kb, vb)
+            attn, kb, vb = write_and_attend(q, k, v, cache.k_blocks[i], cache.v_blocks[i])
             x = out_and_mlp(cfg, x, p, attn)
             k_out.append(kb)
             v_out.append(vb)
@@ -600,7 +607,7 @@ def prefill(
             def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
                 return attention(model.cfg, q, k, v, None, None, None, new_mask)
 
-        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write, attend)
+        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write_then_attend(write, attend))
         last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
         return model.logits(last), cache
 
@@ -682,15 +689,15 @@ def decode_step(
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
             return attention_over_blocks(q, kb[: len(blocks)], vb[: len(blocks)], mask)
 
-        def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple:
+        def native(
+            q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks
+        ) -> tuple[jax.Array, Blocks, Blocks]:
             n = len(blocks)  # q [S, 1, K, G, H]; k, v [S, 1, K, H]
             out, kw, vw = cpu_attention.write_and_attend(q[:, 0], k[:, 0], v[:, 0], positions, kb[:n], vb[:n])
             return out[:, None], kw + kb[n:], vw + vb[n:]
 
-        if native_attention:
-            h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, None, None, write_and_attend)
-        else:
-            h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, write, attend)
+        step = native if native_attention else write_then_attend(write, attend)
+        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step)
         return model.logits(h[:, 0]), cache
 
     assert isinstance(cache, KVCache), "stacked weights run on a KVCache"

@@ -12,107 +12,26 @@ blocks are aliased to the results, so the cache is updated in place. Measured by
 256-position window; step time with XLA's dots over the kernel's): 1.44x at 64 slots, 1.12x
 at 8 (medians; the README gives the run).
 
-The library is compiled on first use with the machine's C++ compiler (``g++``, or ``$CXX``)
-against the FFI headers of the installed jaxlib, for this CPU (``-march=native``), into
-``<cache dir>/native/`` under a name that hashes the source, the flags, the jaxlib version and
-the CPU's feature flags, so a changed input builds a new file and concurrent builders do not
-clash. Where it cannot be built (no compiler), ``available()`` is False and the engine keeps
-the XLA path (``model.llama.attention_over_blocks``).
+The library (``model.native_kernels``) is compiled on first use with the machine's C++
+compiler; where it cannot be built, ``available()`` is False and the engine keeps the XLA path
+(``model.llama.attention_over_blocks``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-import jaxlib
 
-from model.fetch import cache_dir
+from model import native_kernels
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "native" / "decode_attention.cc"
-TARGET = "meshserve_decode_attention"  # the FFI target name
-SYMBOL = "MeshserveDecodeAttention"  # the handler's exported symbol
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+TARGET = "meshserve_decode_attention"  # the FFI target name (registered by native_kernels)
 MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 
-_lock = threading.Lock()
-_available: bool | None = None  # None until the first available() call
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def library_path() -> Path:
-    """Where this machine's build of the kernel lives (it may not exist yet)."""
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir() / "native" / f"decode_attention-{platform.machine()}-{key.hexdigest()[:16]}.so"
-
-
-def build(path: Path) -> None:
-    """Compile the kernel into ``path`` (atomically: a temporary file renamed into place).
-
-    Raises:
-        RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
-    """
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the decode-attention kernel")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
 
 def available() -> bool:
-    """Whether the kernel is built (building it now if needed) and registered with XLA for the
-    CPU. The first call may take a few seconds (the compile); a failure is logged once and
-    remembered for the process."""
-    global _available
-    with _lock:
-        if _available is None:
-            try:
-                path = library_path()
-                if not path.exists():
-                    log.info("building the CPU decode-attention kernel into %s", path)
-                    build(path)
-                lib = ctypes.cdll.LoadLibrary(str(path))
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-                _available = True
-            except (OSError, RuntimeError, AttributeError) as e:
-                log.warning("CPU decode-attention kernel unavailable, using XLA's dots: %s", e)
-                _available = False
-        return _available
+    """Whether the native kernels are built and registered (``native_kernels.available``)."""
+    return native_kernels.available()
 
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention
+from model import cpu_attention, cpu_matmul
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 
@@ -196,14 +196,17 @@ class Llama(nnx.Module):
             )
 
     # ---- pieces -------------------------------------------------------------------------
-    def logits(self, h: jax.Array) -> jax.Array:
-        """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32."""
+    def logits(self, h: jax.Array, head: cpu_matmul.Panels | None = None) -> jax.Array:
+        """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32; ``head``: the LM head
+        packed for the native kernel (``decode_panels``), used instead of the module's (h [S, D])."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        if head is not None:
+            return cpu_matmul.matmul(h, head)
         if self.cfg.tie_word_embeddings:
             emb = self.embed[...]
             return jnp.einsum("...D,VD->...V", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32)
-        head = self.lm_head[...]
-        return jnp.einsum("...D,DV->...V", h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+        w = self.lm_head[...]
+        return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def run_layers(
         self,
@@ -254,6 +257,7 @@ class Llama(nnx.Module):
         positions: jax.Array,
         cache: BlockedKVCache,
         write_and_attend: WriteAndAttend,
+        panels: dict[str, Any] | None = None,
     ) -> tuple[jax.Array, BlockedKVCache]:
         """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
         each block writing its new keys and values into the cache *before* attending.
@@ -269,6 +273,8 @@ class Llama(nnx.Module):
                 blocks, value blocks) -> (attention output [B, T, K, G, H] float32, the blocks
                 with the new entries written): XLA's scatters and dots composed by
                 ``write_then_attend``, or the native decode kernel (``model.cpu_attention``).
+            panels: per-layer matmul weights packed for the native kernel (``decode_panels``),
+                used instead of the module's input-major ones for the names they have.
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -278,7 +284,7 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = materialised(cos), materialised(sin)
-        weights = self.layers.weights()
+        weights = {**self.layers.weights(), **(panels or {})}
         k_out, v_out = [], []
         cdt = cache.v_blocks[0][0].dtype
         for i in range(cfg.num_layers):
@@ -354,6 +360,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels, equation: str) -> jax.Array:
+    """x [B, T, ...] times a weight, float32 out: ``jnp.einsum(equation, x, w)`` for an
+    input-major weight, the native kernel (``model.cpu_matmul``) for a packed one, whose
+    outputs take its ``out_shape``: [B, T, *out_shape]."""
+    if isinstance(w, cpu_matmul.Panels):
+        B, T = x.shape[:2]
+        return cpu_matmul.matmul(x.reshape(B * T, -1), w).reshape(B, T, *w.out_shape)
+    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
 def project_qkv(
     cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, cdt: jnp.dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -365,9 +381,8 @@ def project_qkv(
     B, T, _ = x.shape
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
     wdt = p["wqkv"].dtype
-    f32 = jnp.float32
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
-    qkv = jnp.einsum("BTD,DKCH->BTKCH", h, p["wqkv"], preferred_element_type=f32)  # [B, T, K, G + 2, H]
+    qkv = dense(h, p["wqkv"], "BTD,DKCH->BTKCH")  # [B, T, K, G + 2, H]
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
     k = apply_rope(k, cos, sin)
@@ -508,17 +523,16 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     its residual. Shapes: x [B, T, D] f32; attn [B, T, K, G, H] f32. Returns the new x."""
     B, T, _ = x.shape
     wdt = p["wo"].dtype
-    f32 = jnp.float32
     # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
     wo = p["wo"]
     attn = attn.reshape(B, T, -1).astype(wdt)
-    x = x + jnp.einsum("BTE,ED->BTD", attn, wo.reshape(-1, wo.shape[-1]), preferred_element_type=f32)
+    x = x + dense(attn, wo if isinstance(wo, cpu_matmul.Panels) else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
-    gate_up = jnp.einsum("BTD,DCF->BTCF", h, p["w_gate_up"], preferred_element_type=f32)  # [B, T, 2, F]
+    gate_up = dense(h, p["w_gate_up"], "BTD,DCF->BTCF")  # [B, T, 2, F]
     act = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(wdt)
-    return x + jnp.einsum("BTF,FD->BTD", act, p["w_down"], preferred_element_type=f32)
+    return x + dense(act, p["w_down"], "BTF,FD->BTD")
 
 
 def decoder_block(
@@ -542,6 +556,34 @@ def decoder_block(
     q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
     attn = attention(cfg, q, k, v, cache_k, cache_v, cache_mask, new_mask)
     return out_and_mlp(cfg, x, p, attn), k, v
+
+
+# ---- weights packed for the native decode matmuls --------------------------------------------
+PANEL_IN_DIMS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # leading axes contracted
+
+
+def decode_panels(model: Llama) -> dict[str, Any]:
+    """The decode step's matmul weights packed for the native kernel (``model.cpu_matmul``).
+
+    Args:
+        model: a Llama in the per-layer form (``unstack_layers``) with float32 weights.
+
+    Returns:
+        {"wqkv", "wo", "w_gate_up", "w_down": tuples of L ``Panels``, "lm_head": one ``Panels``
+        of the LM head [D, V] (the tied embedding transposed, or ``lm_head``)}: a second copy
+        of those weights, for ``decode_step(panels=...)``.
+
+    Raises:
+        ValueError: a weight's output width is not a multiple of 32, or not float32.
+    """
+    assert model.layers.per_layer(), "decode_panels needs unstack_layers' per-layer form"
+    weights = model.layers.weights()
+    out: dict[str, Any] = {
+        name: tuple(cpu_matmul.pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
+    }
+    head = model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
+    out["lm_head"] = cpu_matmul.pack(head, 1)
+    return out
 
 
 # ---- the two entry points -------------------------------------------------------------------
@@ -641,6 +683,7 @@ def decode_step(
     *,
     kv_len: int,
     native_attention: bool = False,
+    panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """One new token for every slot.
 
@@ -658,6 +701,9 @@ def decode_step(
             through the CPU kernel of ``model.cpu_attention`` (registered first by
             ``cpu_attention.available()``; one device, float32 or bfloat16 cache) instead of
             XLA's scatters and dots.
+        panels: with per-layer weights, the matmul weights packed for the native kernel
+            (``decode_panels``; registered first by ``cpu_matmul.available()``): the layers'
+            projections and the LM head then run through ``model.cpu_matmul``.
 
     Returns:
         logits [S, V] float32 and the cache with each active slot's new K/V at its position.
@@ -697,8 +743,9 @@ def decode_step(
             return out[:, None], kw + kb[n:], vw + vb[n:]
 
         step = native if native_attention else write_then_attend(write, attend)
-        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step)
-        return model.logits(h[:, 0]), cache
+        layer_panels = {k: v for k, v in panels.items() if k != "lm_head"} if panels else None
+        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step, layer_panels)
+        return model.logits(h[:, 0], panels["lm_head"] if panels else None), cache
 
     assert isinstance(cache, KVCache), "stacked weights run on a KVCache"
     ck, cv = cache.k, cache.v  # the scan slices each layer's window without copying the cache

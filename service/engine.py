@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention
+from model import cpu_attention, cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
-from model.llama import decode_step, prefill, stack_layers, unstack_layers
+from model.llama import decode_panels, decode_step, prefill, stack_layers, unstack_layers
 from model.sampling import SamplingParams, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
@@ -126,7 +126,7 @@ class StepOutput:
 
 
 LAYER_MODES = ("unrolled", "scan")
-DECODE_ATTENTION_MODES = ("auto", "xla")
+NATIVE_MODES = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +147,11 @@ class EngineConfig:
             ``model.cpu_attention`` where it applies: CPU, one device, a float32 or bfloat16
             cache, G <= 8, head_dim a multiple of 16, the kernel built; else XLA's dots) or
             "xla" (always XLA's dots). The scan form always uses XLA's.
+        decode_matmul: how unrolled decode steps multiply by the weights: "auto" (the native
+            CPU kernel of ``model.cpu_matmul`` over a second, panel-packed copy of the layer
+            and LM-head weights, where it applies: CPU, one device, float32 weights whose
+            output widths are multiples of 32, at least 2 slots (at 1 XLA's matrix-vector
+            products are as fast), the kernel built; else XLA's) or "xla".
     """
 
     num_slots: int = 4
@@ -155,6 +160,7 @@ class EngineConfig:
     dtype: str = "float32"
     layers: str = "scan"
     decode_attention: str = "auto"
+    decode_matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -165,10 +171,9 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {self.layers!r}")
-        if self.decode_attention not in DECODE_ATTENTION_MODES:
-            raise ValueError(
-                f"decode_attention must be one of {', '.join(DECODE_ATTENTION_MODES)}, got {self.decode_attention!r}"
-            )
+        for name in ("decode_attention", "decode_matmul"):
+            if getattr(self, name) not in NATIVE_MODES:
+                raise ValueError(f"{name} must be one of {', '.join(NATIVE_MODES)}, got {getattr(self, name)!r}")
 
 
 class Engine:
@@ -218,16 +223,32 @@ class Engine:
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
         self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.dtype), out_shardings=cache_sh)()
-        self.native_attention = (
-            engine_cfg.decode_attention == "auto"
-            and engine_cfg.layers == "unrolled"
+        one_cpu = (
+            engine_cfg.layers == "unrolled"
             and self.mesh.devices.size == 1
             and self.mesh.devices.flat[0].platform == "cpu"
+        )
+        self.native_attention = (
+            one_cpu
+            and engine_cfg.decode_attention == "auto"
             and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.dtype)
             and cpu_attention.available()
         )
+        # The decode step's matmul weights packed for the native kernel (a second copy), or None.
+        self.panels: dict[str, Any] | None = None
+        if one_cpu and engine_cfg.decode_matmul == "auto" and S >= 2 and cpu_matmul.available():
+            try:
+                self.panels = decode_panels(nnx.merge(graphdef, self.params))
+            except ValueError as e:
+                log.info("decode matmuls stay XLA's: %s", e)
         if engine_cfg.layers == "unrolled":
-            log.info("decode attention: %s", "native CPU kernel" if self.native_attention else "XLA dots")
+            log.info(
+                "decode attention: %s; decode matmuls: %s",
+                "native CPU kernel" if self.native_attention else "XLA dots",
+                f"native CPU kernel ({self.panel_bytes() / 1e6:.0f} MB of panel-packed weights)"
+                if self.panels is not None
+                else "XLA dots",
+            )
         self._cache_sh = cache_sh
 
         self.prefill_buckets = power_of_two_buckets(MIN_BUCKET, min(engine_cfg.chunk_size, T))
@@ -268,7 +289,7 @@ class Engine:
         if kv_len not in self._decode_fns:
             graphdef = self.graphdef
 
-            def run(params, cache, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
+            def run(params, panels, cache, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
                 # Each slot's input id comes from the host (source 0), from the previous decode
                 # step's output (1) or from the previous prefill's output (2), so the next step
                 # can be dispatched before the previous one's ids reach the host.
@@ -277,7 +298,13 @@ class Engine:
                 tokens = jnp.select([source == 1, source == 2], [from_decode, from_prefill], host_tokens)
                 model = nnx.merge(graphdef, params)
                 logits, cache = decode_step(
-                    model, cache, tokens, positions, kv_len=kv_len, native_attention=self.native_attention
+                    model,
+                    cache,
+                    tokens,
+                    positions,
+                    kv_len=kv_len,
+                    native_attention=self.native_attention,
+                    panels=panels,
                 )
                 next_ids = sample(logits, sp, positions + 1)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
@@ -285,9 +312,9 @@ class Engine:
             r = self.repl
             self._decode_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r, r),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r),
                 out_shardings=(r, r, self._cache_sh),
-                donate_argnums=(1,),
+                donate_argnums=(2,),
             )
         return self._decode_fns[kv_len]
 
@@ -364,6 +391,7 @@ class Engine:
         sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
         packed, logits, self.cache = self._decode_fn(kv_len)(
             self.params,
+            self.panels,
             self.cache,
             tokens.astype(np.int32),
             np.zeros(S, np.int32) if source is None else source.astype(np.int32),
@@ -421,8 +449,13 @@ class Engine:
         self._sp = {k: v.copy() for k, v in old._sp.items()}
 
     # ---- facts -------------------------------------------------------------------------------
+    def panel_bytes(self) -> int:
+        """Bytes of the panel-packed weight copy the native decode matmuls read (0 without it)."""
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.panels))
+
     def weight_bytes_per_device(self) -> dict[str, int]:
-        """Bytes of parameters held by each device, keyed by device id string."""
+        """Bytes of parameters held by each device, keyed by device id string (without the
+        packed copy of the native decode matmuls, ``panel_bytes``)."""
         out: dict[str, int] = {}
         for leaf in jax.tree.leaves(self.params):
             for shard in leaf.addressable_shards:

@@ -15,7 +15,7 @@
 // values [S, K, H] f32; then nb key blocks [S, K, H, n_j] and nb value blocks [S, K, n_j, H],
 // all f32 or all bf16. Results: the attention [S, K, G, H] f32, then the 2 nb blocks, written
 // (aliased to the operand blocks by the caller; copied from them first where they are not).
-// Built and registered by model/cpu_attention.py.
+// Built and registered by model/native_kernels.py.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

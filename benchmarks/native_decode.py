@@ -1,13 +1,19 @@
-"""The unrolled decode step with XLA's attention dots against the native CPU kernel, in one process.
+"""The unrolled decode step with XLA's dots against the native CPU kernels, in one process.
 
-Both variants of ``model.llama.decode_step`` (``native_attention`` False / True) are compiled
-for the same model config (random weights: values do not change speed), a ``BlockedKVCache``
-and the same slot positions, then timed alternately, so both see the same machine state. For
-each batch size it prints the min and median step time (ms) of each and the ratio
-XLA / native (above 1: the kernel is faster).
+Three variants of ``model.llama.decode_step`` are compiled for the same model config (random
+weights: values do not change speed), a ``BlockedKVCache`` and the same slot positions, then
+timed alternately, so all see the same machine state:
 
-    python benchmarks/decode_attention.py                        # SmolLM2-135M shapes, B = 1 8 64
-    python benchmarks/decode_attention.py --batches 64 --context 1000 --rounds 8
+* ``xla``: XLA's attention dots and scatters, XLA's matmuls;
+* ``attention``: the native attention + KV-write kernel (``model.cpu_attention``), XLA's matmuls;
+* ``native``: both native kernels: attention and the panel-packed weight matmuls
+  (``model.cpu_matmul``), as ``Engine`` runs on one CPU device with 2 or more slots.
+
+For each batch size it prints the min and median step time (ms) of each and the ratio of each
+median to ``xla``'s (above 1: faster than XLA).
+
+    python benchmarks/native_decode.py                        # SmolLM2-135M shapes, B = 1 8 64
+    python benchmarks/native_decode.py --batches 64 --context 1000 --rounds 8
 
 The model config is read from the default GGUF (``meshserve fetch`` first) or ``--model``.
 """
@@ -29,10 +35,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from model import cpu_attention  # noqa: E402
+from model import native_kernels  # noqa: E402
 from model.fetch import default_model_path  # noqa: E402
 from model.kv_cache import BLOCK_LEN, BlockedKVCache  # noqa: E402
-from model.llama import decode_step, unstack_layers  # noqa: E402
+from model.llama import decode_panels, decode_step, unstack_layers  # noqa: E402
 from model.loader import random_llama, read_model_config  # noqa: E402
 
 
@@ -44,46 +50,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds of 3 steps per variant")
     args = ap.parse_args(argv)
 
-    if not cpu_attention.available():
-        print("the native kernel could not be built (see the warning above)")
+    if not native_kernels.available():
+        print("the native kernels could not be built (see the warning above)")
         return 1
     cfg = read_model_config(Path(args.model) if args.model else default_model_path())
     graphdef, params = random_llama(cfg, 0)
     params = unstack_layers(params)
+    panels = decode_panels(nnx.merge(graphdef, params))
+    variants = {"xla": (False, None), "attention": (True, None), "native": (True, panels)}
     lo = max(0, args.context - 16)
     window = -(-(args.context + 17) // BLOCK_LEN) * BLOCK_LEN
     print(f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.q_per_kv} query heads x {cfg.head_dim}; "
           f"slots at {lo}-{args.context + 16} tokens, window {window}; jax {jax.__version__} on {jax.devices()[0].platform}")  # fmt: skip
 
-    def compiled(native: bool, cache: BlockedKVCache, tokens: jax.Array, positions: jax.Array):  # type: ignore[no-untyped-def]
-        def step(p, c, t, pos):  # type: ignore[no-untyped-def]
-            return decode_step(nnx.merge(graphdef, p), c, t, pos, kv_len=window, native_attention=native)
+    def compiled(variant: str, cache: BlockedKVCache, tokens: jax.Array, positions: jax.Array):  # type: ignore[no-untyped-def]
+        native, packed = variants[variant]
 
-        return jax.jit(step, donate_argnums=1).lower(params, cache, tokens, positions).compile()
+        def step(p, w, c, t, pos):  # type: ignore[no-untyped-def]
+            model = nnx.merge(graphdef, p)
+            return decode_step(model, c, t, pos, kv_len=window, native_attention=native, panels=w)
+
+        fn = jax.jit(step, donate_argnums=2).lower(params, packed, cache, tokens, positions).compile()
+        return lambda c, t, pos: fn(params, packed, c, t, pos)
 
     for B in args.batches:
         tokens = jnp.zeros(B, jnp.int32)
         positions = jnp.asarray(np.random.default_rng(B).integers(lo, args.context + 17, B), jnp.int32)
         runs = {}
-        for name in ("xla", "native"):
+        for name in variants:
             cache = BlockedKVCache.zeros(cfg, B, window)
-            runs[name] = [compiled(name == "native", cache, tokens, positions), cache, []]
+            runs[name] = [compiled(name, cache, tokens, positions), cache, []]
         for _ in range(args.rounds):
             for run in runs.values():
                 fn, cache, times = run
-                out, cache = fn(params, cache, tokens, positions)
+                out, cache = fn(cache, tokens, positions)
                 out.block_until_ready()
                 t0 = time.perf_counter()
                 for _ in range(3):
-                    out, cache = fn(params, cache, tokens, positions)
+                    out, cache = fn(cache, tokens, positions)
                 out.block_until_ready()
                 times.append((time.perf_counter() - t0) / 3 * 1e3)
                 run[1] = cache
-        xla, native = (statistics.median(runs[k][2]) for k in ("xla", "native"))
-        print(
-            f"B={B:3d}: XLA dots min {min(runs['xla'][2]):7.1f} ms, median {xla:7.1f} ms; "
-            f"native min {min(runs['native'][2]):7.1f} ms, median {native:7.1f} ms; XLA / native {xla / native:.2f}x"
+        medians = {k: statistics.median(r[2]) for k, r in runs.items()}
+        cols = "; ".join(
+            f"{k} min {min(runs[k][2]):6.1f} median {medians[k]:6.1f} ms ({medians['xla'] / medians[k]:.2f}x)"
+            for k in variants
         )
+        print(f"B={B:3d}: {cols}")
     return 0
 
 

@@ -1,0 +1,107 @@
+"""Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
+
+Two kernels, one shared library: the decode step's KV-cache write and attention
+(``model.cpu_attention``) and its weight matmuls over panel-packed weights
+(``model.cpu_matmul``). The library is compiled on first use with the machine's C++ compiler
+(``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
+(``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
+flags, the jaxlib version and the CPU's feature flags, so a changed input builds a new file
+and concurrent builders do not clash (a temporary file renamed into place). Where it cannot be
+built (no compiler), ``available()`` is False and the engine keeps XLA's paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from model.fetch import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "native").glob("*.cc"))
+# FFI target name -> the handler's exported symbol
+TARGETS = {
+    "meshserve_decode_attention": "MeshserveDecodeAttention",
+    "meshserve_panel_matmul": "MeshservePanelMatmul",
+}
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+_lock = threading.Lock()
+_available: bool | None = None  # None until the first available() call
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where this machine's build of the kernels lives (it may not exist yet)."""
+    key = hashlib.sha256()
+    parts = [s.read_bytes() for s in SOURCES]
+    for part in (*parts, " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / "native" / f"meshserve-kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+def build(path: Path) -> None:
+    """Compile the kernels into ``path`` (atomically: a temporary file renamed into place).
+
+    Raises:
+        RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
+    """
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them now if needed) and registered with XLA for
+    the CPU. The first call may take several seconds (the compile); a failure is logged once and
+    remembered for the process."""
+    global _available
+    with _lock:
+        if _available is None:
+            try:
+                path = library_path()
+                if not path.exists():
+                    log.info("building the native CPU kernels into %s", path)
+                    build(path)
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                for target, symbol in TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _available = True
+            except (OSError, RuntimeError, AttributeError) as e:
+                log.warning("native CPU kernels unavailable, using XLA's dots: %s", e)
+                _available = False
+        return _available

@@ -1,0 +1,143 @@
+"""The native CPU panel matmul (``model.cpu_matmul``) against numpy float64, the packing of the
+model's weights for it, and the engine's choice of it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import cpu_matmul
+from model.config import LlamaConfig
+from model.kv_cache import BlockedKVCache
+from model.llama import decode_panels, decode_step, unstack_layers
+from model.loader import random_llama
+from service.engine import Engine, EngineConfig
+from service.request import SamplingOptions
+from sharding.layouts import Layout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_matmul.available(), "the kernels must build on a machine with g++ (CI has it)"
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        (1, 576, 960),  # one row: a 1-row tile
+        (3, 64, 32),  # one panel
+        (16, 100, 96),  # one full 16-row tile; K not a multiple of anything
+        (17, 1536, 576),  # a full tile and a 1-row tile
+        (64, 576, 3072),  # four full tiles, 96 panels over the threads
+        (45, 7, 64),  # 16 + 16 + 13 rows
+    ],
+)
+def test_matmul_matches_numpy(m: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    y = jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack(jnp.asarray(w), 1))
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_pack_layout_and_out_shape() -> None:
+    """Panel p holds columns 32p..32p+31 of every row; the outputs take the weight's trailing
+    axes; leading axes beyond the first are contracted too (wo [N, H, D] with in_dims 2)."""
+    w = np.arange(2 * 3 * 4 * 16, dtype=np.float32).reshape(2, 3, 4, 16)  # [N=2, H=3, 4, 16]: K=6, N=64
+    packed = cpu_matmul.pack(jnp.asarray(w), 2)
+    assert packed.out_shape == (4, 16) and packed.data.shape == (2, 6, 32)
+    flat = w.reshape(6, 64)
+    for p in range(2):
+        np.testing.assert_array_equal(np.asarray(packed.data[p]), flat[:, 32 * p : 32 * p + 32])
+    x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    y = cpu_matmul.matmul(jnp.asarray(x), packed)
+    assert y.shape == (5, 4, 16)
+    np.testing.assert_allclose(np.asarray(y).reshape(5, 64), x @ flat, rtol=1e-5, atol=1e-4)
+
+
+def test_pack_rejects_what_the_kernel_does_not_take() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_matmul.pack(jnp.zeros((8, 48), jnp.float32), 1)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_matmul.pack(jnp.zeros((8, 64), jnp.bfloat16), 1)
+    assert cpu_matmul.supports(960, jnp.float32)
+    assert not cpu_matmul.supports(960, jnp.bfloat16)
+
+
+def test_mismatched_k_is_an_error_not_a_crash() -> None:
+    packed = cpu_matmul.pack(jnp.zeros((8, 32), jnp.float32), 1)
+    with pytest.raises(Exception, match="panels must be"):
+        jax.block_until_ready(cpu_matmul.matmul(jnp.zeros((2, 9), jnp.float32), packed))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_step_with_panels_matches_xla(tied: bool) -> None:
+    """decode_step over the packed weights (every layer projection and the LM head) gives the
+    logits and the cache of XLA's matmuls, for a tied and an untied LM head."""
+    cfg = LlamaConfig.tiny(tie_word_embeddings=tied)
+    graphdef, params = random_llama(cfg, seed=5)
+    params = unstack_layers(params)
+    model = nnx.merge(graphdef, params)
+    panels = decode_panels(model)
+    assert set(panels) == {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}
+    assert len(panels["wqkv"]) == cfg.num_layers
+    S, T = 4, 256
+    tokens = jnp.array([3, 17, 200, 9], jnp.int32)
+    positions = jnp.array([0, 5, 130, T], jnp.int32)  # the last slot idle
+
+    def run(w):  # type: ignore[no-untyped-def]
+        cache = BlockedKVCache.zeros(cfg, S, T)
+        step = jax.jit(lambda p, w, c: decode_step(nnx.merge(graphdef, p), c, tokens, positions, kv_len=T, panels=w))
+        return step(params, w, cache)
+
+    (lx, cx), (ln, cn) = run(None), run(panels)
+    np.testing.assert_allclose(np.asarray(ln)[:3], np.asarray(lx)[:3], rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(cn), jax.tree.leaves(cx), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
+    """One CPU device, unrolled layers, 2+ slots: "auto" packs the weights; greedy ids and
+    logits match an all-XLA engine. One slot, "xla", the scan form and a 2-device mesh keep
+    XLA's matmuls."""
+    cfg = LlamaConfig.tiny()
+    graphdef, params = random_llama(cfg, seed=7)
+    ecfg = EngineConfig(num_slots=3, max_seq_len=256, chunk_size=64, layers="unrolled")
+    one = jax.devices()[:1]
+    native = Engine(cfg, graphdef, params, Layout("single"), ecfg, devices=one)
+    plain = dataclasses.replace(ecfg, decode_attention="xla", decode_matmul="xla")
+    xla = Engine(cfg, graphdef, params, Layout("single"), plain, devices=one)
+    assert native.panels is not None and native.panel_bytes() > 0
+    assert xla.panels is None and xla.panel_bytes() == 0
+    single = dataclasses.replace(ecfg, num_slots=1)
+    assert Engine(cfg, graphdef, params, Layout("single"), single, devices=one).panels is None
+    scan = dataclasses.replace(ecfg, layers="scan")
+    assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
+    assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None
+
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab_size, 40)]
+    runs = []
+    for engine in (native, xla):
+        engine.set_sampling(2, SamplingOptions(temperature=0.0))
+        ids, logits = [int(engine.prefill(2, prompt, 0).host().ids[0])], []
+        for i in range(12):
+            tokens = np.zeros(3, np.int32)
+            tokens[2] = ids[-1]
+            out = engine.decode(tokens, np.array([256, 256, len(prompt) + i], np.int32))
+            ids.append(int(out.host().ids[2]))
+            logits.append(np.asarray(out.logits)[2])
+        runs.append((ids, np.stack(logits)))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_rejects_unknown_decode_matmul() -> None:
+    with pytest.raises(ValueError, match="decode_matmul must be one of"):
+        EngineConfig(decode_matmul="fast")

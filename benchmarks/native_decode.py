@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `python benchmarks/decode_attention.py` from a checkout
+    sys.path.insert(0, str(ROOT))  # `python benchmarks/native_decode.py` from a checkout
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -38,7 +38,7 @@ from flax import nnx  # noqa: E402
 from model import native_kernels  # noqa: E402
 from model.fetch import default_model_path  # noqa: E402
 from model.kv_cache import BLOCK_LEN, BlockedKVCache  # noqa: E402
-from model.llama import decode_panels, decode_step, unstack_layers  # noqa: E402
+from model.llama import decode_step, panel_weights, unstack_layers  # noqa: E402
 from model.loader import random_llama, read_model_config  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = read_model_config(Path(args.model) if args.model else default_model_path())
     graphdef, params = random_llama(cfg, 0)
     params = unstack_layers(params)
-    panels = decode_panels(nnx.merge(graphdef, params))
+    panels = panel_weights(nnx.merge(graphdef, params))
     variants = {"xla": (False, None), "attention": (True, None), "native": (True, panels)}
     lo = max(0, args.context - 16)
     window = -(-(args.context + 17) // BLOCK_LEN) * BLOCK_LEN

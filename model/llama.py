@@ -198,7 +198,7 @@ class Llama(nnx.Module):
     # ---- pieces -------------------------------------------------------------------------
     def logits(self, h: jax.Array, head: cpu_matmul.Panels | None = None) -> jax.Array:
         """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32; ``head``: the LM head
-        packed for the native kernel (``decode_panels``), used instead of the module's (h [S, D])."""
+        packed for the native kernel (``panel_weights``), used instead of the module's (h [S, D])."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
         if head is not None:
             return cpu_matmul.matmul(h, head)
@@ -273,8 +273,8 @@ class Llama(nnx.Module):
                 blocks, value blocks) -> (attention output [B, T, K, G, H] float32, the blocks
                 with the new entries written): XLA's scatters and dots composed by
                 ``write_then_attend``, or the native decode kernel (``model.cpu_attention``).
-            panels: per-layer matmul weights packed for the native kernel (``decode_panels``),
-                used instead of the module's input-major ones for the names they have.
+            panels: matmul weights packed for the native kernel (``panel_weights``): the
+                layers' ones are used instead of the module's input-major ones.
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -284,7 +284,8 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = materialised(cos), materialised(sin)
-        weights = {**self.layers.weights(), **(panels or {})}
+        weights = self.layers.weights()
+        weights.update({name: w for name, w in (panels or {}).items() if name in weights})
         k_out, v_out = [], []
         cdt = cache.v_blocks[0][0].dtype
         for i in range(cfg.num_layers):
@@ -558,12 +559,12 @@ def decoder_block(
     return out_and_mlp(cfg, x, p, attn), k, v
 
 
-# ---- weights packed for the native decode matmuls --------------------------------------------
+# ---- weights packed for the native matmuls ---------------------------------------------------
 PANEL_IN_DIMS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # leading axes contracted
 
 
-def decode_panels(model: Llama) -> dict[str, Any]:
-    """The decode step's matmul weights packed for the native kernel (``model.cpu_matmul``).
+def panel_weights(model: Llama) -> dict[str, Any]:
+    """The layer and LM-head matmul weights packed for the native kernel (``model.cpu_matmul``).
 
     Args:
         model: a Llama in the per-layer form (``unstack_layers``) with float32 weights.
@@ -571,12 +572,13 @@ def decode_panels(model: Llama) -> dict[str, Any]:
     Returns:
         {"wqkv", "wo", "w_gate_up", "w_down": tuples of L ``Panels``, "lm_head": one ``Panels``
         of the LM head [D, V] (the tied embedding transposed, or ``lm_head``)}: a second copy
-        of those weights, for ``decode_step(panels=...)``.
+        of those weights, for ``prefill(panels=...)`` (which uses the layers') and
+        ``decode_step(panels=...)``.
 
     Raises:
         ValueError: a weight's output width is not a multiple of 32, or not float32.
     """
-    assert model.layers.per_layer(), "decode_panels needs unstack_layers' per-layer form"
+    assert model.layers.per_layer(), "panel_weights needs unstack_layers' per-layer form"
     weights = model.layers.weights()
     out: dict[str, Any] = {
         name: tuple(cpu_matmul.pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
@@ -596,6 +598,7 @@ def prefill(
     slot: jax.Array,
     *,
     kv_len: int,
+    panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """Run one prompt chunk through the model and write its KV into one slot of the cache.
 
@@ -611,6 +614,10 @@ def prefill(
         kv_len: static; how many cached positions to attend to (>= start_pos, <= T_max); 0 when
             start_pos is 0, which skips reading the cache. (The per-layer form attends to the
             slot's whole cache, masked, when kv_len > 0.)
+        panels: with per-layer weights, the matmul weights packed for the native kernel
+            (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
+            projections then run through ``model.cpu_matmul`` (the LM head of the one last
+            position stays XLA's matrix-vector product).
 
     Returns:
         logits [V] float32 at the last real position (start_pos + true_len - 1), and the cache
@@ -649,7 +656,8 @@ def prefill(
             def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
                 return attention(model.cfg, q, k, v, None, None, None, new_mask)
 
-        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, write_then_attend(write, attend))
+        step = write_then_attend(write, attend)
+        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, step, panels)
         last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
         return model.logits(last), cache
 
@@ -702,7 +710,7 @@ def decode_step(
             ``cpu_attention.available()``; one device, float32 or bfloat16 cache) instead of
             XLA's scatters and dots.
         panels: with per-layer weights, the matmul weights packed for the native kernel
-            (``decode_panels``; registered first by ``cpu_matmul.available()``): the layers'
+            (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
             projections and the LM head then run through ``model.cpu_matmul``.
 
     Returns:
@@ -743,8 +751,7 @@ def decode_step(
             return out[:, None], kw + kb[n:], vw + vb[n:]
 
         step = native if native_attention else write_then_attend(write, attend)
-        layer_panels = {k: v for k, v in panels.items() if k != "lm_head"} if panels else None
-        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step, layer_panels)
+        h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step, panels)
         return model.logits(h[:, 0], panels["lm_head"] if panels else None), cache
 
     assert isinstance(cache, KVCache), "stacked weights run on a KVCache"

@@ -76,6 +76,18 @@ def _filtered_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jnp.take_along_axis(filtered_sorted, inverse, axis=-1)
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """The index of each row's largest value, the first one on a tie, as ``jnp.argmax``:
+    logits [S, V] float -> [S] int32. Computed as a max, then the smallest index holding it:
+    two plain reductions, which XLA:CPU runs about twice as fast as argmax's variadic (value,
+    index) reduction (64 x 49152 float32: 3.1-4.2 against 6.4-7.9 ms, a scratch timing). A row
+    with a NaN gives V - 1 (argmax would give the NaN's index)."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(logits == top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+    return jnp.minimum(first, V - 1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, sp: SamplingParams, positions: jax.Array) -> jax.Array:
     """Pick one token per slot.
 
@@ -89,7 +101,7 @@ def sample(logits: jax.Array, sp: SamplingParams, positions: jax.Array) -> jax.A
         [S] int32 token ids. Slots with temperature 0 get the argmax; if no slot samples,
         nothing else runs, and the sorts run only when some sampling slot filters (``lax.cond``).
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
 
     V = logits.shape[-1]
     filters = ((sp.top_k > 0) & (sp.top_k < V)) | (sp.top_p < 1.0)

@@ -28,7 +28,7 @@ from flax import nnx
 from model import cpu_attention, cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
-from model.llama import decode_panels, decode_step, prefill, stack_layers, unstack_layers
+from model.llama import decode_step, panel_weights, prefill, stack_layers, unstack_layers
 from model.sampling import SamplingParams, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
@@ -147,11 +147,13 @@ class EngineConfig:
             ``model.cpu_attention`` where it applies: CPU, one device, a float32 or bfloat16
             cache, G <= 8, head_dim a multiple of 16, the kernel built; else XLA's dots) or
             "xla" (always XLA's dots). The scan form always uses XLA's.
-        decode_matmul: how unrolled decode steps multiply by the weights: "auto" (the native
-            CPU kernel of ``model.cpu_matmul`` over a second, panel-packed copy of the layer
-            and LM-head weights, where it applies: CPU, one device, float32 weights whose
-            output widths are multiples of 32, at least 2 slots (at 1 XLA's matrix-vector
-            products are as fast), the kernel built; else XLA's) or "xla".
+        matmul: how unrolled steps multiply by the weights: "auto" (the native CPU kernel of
+            ``model.cpu_matmul`` over a second, panel-packed copy of the layer and LM-head
+            weights, where it applies: CPU, one device, float32 weights whose output widths are
+            multiples of 32, the kernel built; prefill then uses it for the layers, decode for
+            the layers and the LM head with 2 or more slots, where one slot's matrix-vector
+            products are as fast on XLA; else XLA's dots) or "xla". The scan form always uses
+            XLA's.
     """
 
     num_slots: int = 4
@@ -160,7 +162,7 @@ class EngineConfig:
     dtype: str = "float32"
     layers: str = "scan"
     decode_attention: str = "auto"
-    decode_matmul: str = "auto"
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -171,7 +173,7 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {self.layers!r}")
-        for name in ("decode_attention", "decode_matmul"):
+        for name in ("decode_attention", "matmul"):
             if getattr(self, name) not in NATIVE_MODES:
                 raise ValueError(f"{name} must be one of {', '.join(NATIVE_MODES)}, got {getattr(self, name)!r}")
 
@@ -234,16 +236,17 @@ class Engine:
             and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.dtype)
             and cpu_attention.available()
         )
-        # The decode step's matmul weights packed for the native kernel (a second copy), or None.
+        # The matmul weights packed for the native kernel (a second copy), or None.
         self.panels: dict[str, Any] | None = None
-        if one_cpu and engine_cfg.decode_matmul == "auto" and S >= 2 and cpu_matmul.available():
+        if one_cpu and engine_cfg.matmul == "auto" and cpu_matmul.available():
             try:
-                self.panels = decode_panels(nnx.merge(graphdef, self.params))
+                self.panels = panel_weights(nnx.merge(graphdef, self.params))
             except ValueError as e:
-                log.info("decode matmuls stay XLA's: %s", e)
+                log.info("matmuls stay XLA's: %s", e)
+        self._decode_panels = self.panels if S >= 2 else None
         if engine_cfg.layers == "unrolled":
             log.info(
-                "decode attention: %s; decode matmuls: %s",
+                "decode attention: %s; matmuls: %s",
                 "native CPU kernel" if self.native_attention else "XLA dots",
                 f"native CPU kernel ({self.panel_bytes() / 1e6:.0f} MB of panel-packed weights)"
                 if self.panels is not None
@@ -270,18 +273,18 @@ class Engine:
         if kv_len not in self._prefill_fns:
             graphdef = self.graphdef
 
-            def run(params, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
+            def run(params, panels, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
                 model = nnx.merge(graphdef, params)
-                logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len)
+                logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len, panels=panels)
                 token = sample(logits[None], sp, (start + true_len)[None])
                 return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl
             self._prefill_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r),
                 out_shardings=(r, r, self._cache_sh),
-                donate_argnums=(1,),
+                donate_argnums=(2,),
             )
         return self._prefill_fns[kv_len]
 
@@ -353,6 +356,7 @@ class Engine:
         kv_len = 0 if start == 0 else self.ecfg.max_seq_len
         packed, logits, self.cache = self._prefill_fn(kv_len)(
             self.params,
+            self.panels,
             self.cache,
             padded,
             np.int32(start),
@@ -391,7 +395,7 @@ class Engine:
         sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
         packed, logits, self.cache = self._decode_fn(kv_len)(
             self.params,
-            self.panels,
+            self._decode_panels,
             self.cache,
             tokens.astype(np.int32),
             np.zeros(S, np.int32) if source is None else source.astype(np.int32),

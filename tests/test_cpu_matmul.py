@@ -1,5 +1,6 @@
 """The native CPU panel matmul (``model.cpu_matmul``) against numpy float64, the packing of the
-model's weights for it, and the engine's choice of it."""
+model's weights for it, prefill and decode over the packed weights against XLA's matmuls, and
+the engine's choice of it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from flax import nnx
 from model import cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
-from model.llama import decode_panels, decode_step, unstack_layers
+from model.llama import decode_step, panel_weights, prefill, unstack_layers
 from model.loader import random_llama
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
@@ -85,7 +86,7 @@ def test_decode_step_with_panels_matches_xla(tied: bool) -> None:
     graphdef, params = random_llama(cfg, seed=5)
     params = unstack_layers(params)
     model = nnx.merge(graphdef, params)
-    panels = decode_panels(model)
+    panels = panel_weights(model)
     assert set(panels) == {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}
     assert len(panels["wqkv"]) == cfg.num_layers
     S, T = 4, 256
@@ -103,21 +104,55 @@ def test_decode_step_with_panels_matches_xla(tied: bool) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("start", [0, 100])
+def test_prefill_with_panels_matches_xla(start: int) -> None:
+    """A first chunk (start 0) and a later one (start 100, attending to the cached prefix)
+    over the packed layer weights give XLA's logits and cache."""
+    cfg = LlamaConfig.tiny()
+    graphdef, params = random_llama(cfg, seed=9)
+    params = unstack_layers(params)
+    panels = panel_weights(nnx.merge(graphdef, params))
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, 64), jnp.int32)
+    kv_len = 0 if start == 0 else 256
+
+    def run(w):  # type: ignore[no-untyped-def]
+        cache = BlockedKVCache.zeros(cfg, 2, 256)
+        fn = jax.jit(
+            lambda p, w, c: prefill(
+                nnx.merge(graphdef, p),
+                c,
+                tokens,
+                jnp.int32(start),
+                jnp.int32(50),
+                jnp.int32(1),
+                kv_len=kv_len,
+                panels=w,
+            )
+        )
+        return fn(params, w, cache)
+
+    (lx, cx), (ln, cn) = run(None), run(panels)
+    np.testing.assert_allclose(np.asarray(ln), np.asarray(lx), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(cn), jax.tree.leaves(cx), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
-    """One CPU device, unrolled layers, 2+ slots: "auto" packs the weights; greedy ids and
-    logits match an all-XLA engine. One slot, "xla", the scan form and a 2-device mesh keep
-    XLA's matmuls."""
+    """One CPU device, unrolled layers: "auto" packs the weights (prefill uses them; decode
+    with 2+ slots); greedy ids and logits match an all-XLA engine. "xla", the scan form and a
+    2-device mesh keep XLA's matmuls."""
     cfg = LlamaConfig.tiny()
     graphdef, params = random_llama(cfg, seed=7)
     ecfg = EngineConfig(num_slots=3, max_seq_len=256, chunk_size=64, layers="unrolled")
     one = jax.devices()[:1]
     native = Engine(cfg, graphdef, params, Layout("single"), ecfg, devices=one)
-    plain = dataclasses.replace(ecfg, decode_attention="xla", decode_matmul="xla")
+    plain = dataclasses.replace(ecfg, decode_attention="xla", matmul="xla")
     xla = Engine(cfg, graphdef, params, Layout("single"), plain, devices=one)
     assert native.panels is not None and native.panel_bytes() > 0
     assert xla.panels is None and xla.panel_bytes() == 0
-    single = dataclasses.replace(ecfg, num_slots=1)
-    assert Engine(cfg, graphdef, params, Layout("single"), single, devices=one).panels is None
+    assert native._decode_panels is native.panels
+    single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)
+    assert single.panels is not None and single._decode_panels is None  # one slot decodes on XLA
     scan = dataclasses.replace(ecfg, layers="scan")
     assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
     assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None
@@ -138,6 +173,6 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
     np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
 
 
-def test_engine_rejects_unknown_decode_matmul() -> None:
-    with pytest.raises(ValueError, match="decode_matmul must be one of"):
-        EngineConfig(decode_matmul="fast")
+def test_engine_rejects_unknown_matmul() -> None:
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        EngineConfig(matmul="fast")

@@ -143,7 +143,7 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Eng
     zeros_i = np.zeros(S, np.int32)
     hlo = engine._decode_fn(128).lower(
         engine.params,
-        engine.panels,
+        engine._decode_panels,
         engine.cache,
         zeros_i,  # host tokens
         zeros_i,  # source

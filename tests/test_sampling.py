@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.sampling import SamplingParams, sample, seed_to_key
+from model.sampling import SamplingParams, first_argmax, sample, seed_to_key
 
 V = 50
 sample_jit = jax.jit(sample)
@@ -82,3 +82,17 @@ def test_same_seed_same_position_same_token_in_any_row() -> None:
     outs = [np.asarray(sample_jit(logits, sp, jnp.array([p, p, p]))) for p in range(40)]
     assert all(o[0] == o[2] for o in outs)
     assert any(o[0] != o[1] for o in outs)
+
+
+def test_first_argmax_matches_argmax_with_ties_and_infinities() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((6, 1000)).astype(np.float32)
+    logits[1, [3, 700]] = 50.0  # a tie: the first index wins, as with argmax
+    logits[2, :] = -np.inf  # a fully masked row: index 0
+    logits[3, 999] = np.inf
+    logits[4, :] = 7.0  # all equal
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got.dtype == np.int32
+    logits[5, 10] = np.nan  # a NaN row stays a valid id
+    assert 0 <= int(first_argmax(jnp.asarray(logits))[5]) < 1000

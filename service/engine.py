@@ -243,6 +243,8 @@ class Engine:
                 self.panels = panel_weights(nnx.merge(graphdef, self.params))
             except ValueError as e:
                 log.info("matmuls stay XLA's: %s", e)
+            if self.panels is not None and S == 1:
+                del self.panels["lm_head"]  # only decode with 2+ slots reads the packed LM head
         self._decode_panels = self.panels if S >= 2 else None
         if engine_cfg.layers == "unrolled":
             log.info(
@@ -454,12 +456,12 @@ class Engine:
 
     # ---- facts -------------------------------------------------------------------------------
     def panel_bytes(self) -> int:
-        """Bytes of the panel-packed weight copy the native decode matmuls read (0 without it)."""
+        """Bytes of the panel-packed weight copy the native matmuls read (0 without it)."""
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self.panels))
 
     def weight_bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters held by each device, keyed by device id string (without the
-        packed copy of the native decode matmuls, ``panel_bytes``)."""
+        packed copy of the native matmuls, ``panel_bytes``)."""
         out: dict[str, int] = {}
         for leaf in jax.tree.leaves(self.params):
             for shard in leaf.addressable_shards:

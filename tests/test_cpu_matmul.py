@@ -153,6 +153,7 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
     assert native._decode_panels is native.panels
     single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)
     assert single.panels is not None and single._decode_panels is None  # one slot decodes on XLA
+    assert "lm_head" not in single.panels and "lm_head" in native.panels
     scan = dataclasses.replace(ecfg, layers="scan")
     assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
     assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None

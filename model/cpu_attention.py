@@ -24,14 +24,12 @@ import jax.numpy as jnp
 
 from model import native_kernels
 
-TARGET = "meshserve_decode_attention"  # the FFI target name (registered by native_kernels)
+TARGET = native_kernels.DECODE_ATTENTION  # the FFI target (registered by native_kernels)
 MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 
 
-def available() -> bool:
-    """Whether the native kernels are built and registered (``native_kernels.available``)."""
-    return native_kernels.available()
+available = native_kernels.available  # whether the kernels are built and registered
 
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:

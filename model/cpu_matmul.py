@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from model import native_kernels
 
-TARGET = "meshserve_panel_matmul"  # the FFI target name (registered by native_kernels)
+TARGET = native_kernels.PANEL_MATMUL  # the FFI target (registered by native_kernels)
 PANEL = 32  # columns per panel; N must be a multiple of it
 
 
@@ -88,6 +88,4 @@ def matmul(x: jax.Array, w: Panels) -> jax.Array:
     return call(x.astype(jnp.float32), w.data).reshape(m, *w.out_shape)
 
 
-def available() -> bool:
-    """Whether the native kernels are built and registered (``native_kernels.available``)."""
-    return native_kernels.available()
+available = native_kernels.available  # whether the kernels are built and registered

@@ -563,15 +563,16 @@ def decoder_block(
 PANEL_IN_DIMS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # leading axes contracted
 
 
-def panel_weights(model: Llama) -> dict[str, Any]:
+def panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
     """The layer and LM-head matmul weights packed for the native kernel (``model.cpu_matmul``).
 
     Args:
         model: a Llama in the per-layer form (``unstack_layers``) with float32 weights.
+        lm_head: pack the LM head too (only ``decode_step`` reads it).
 
     Returns:
         {"wqkv", "wo", "w_gate_up", "w_down": tuples of L ``Panels``, "lm_head": one ``Panels``
-        of the LM head [D, V] (the tied embedding transposed, or ``lm_head``)}: a second copy
+        of the LM head [D, V] (the tied embedding transposed, or ``lm_head``), if asked}: a second copy
         of those weights, for ``prefill(panels=...)`` (which uses the layers') and
         ``decode_step(panels=...)``.
 
@@ -583,8 +584,9 @@ def panel_weights(model: Llama) -> dict[str, Any]:
     out: dict[str, Any] = {
         name: tuple(cpu_matmul.pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
     }
-    head = model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
-    out["lm_head"] = cpu_matmul.pack(head, 1)
+    if lm_head:
+        head = model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
+        out["lm_head"] = cpu_matmul.pack(head, 1)
     return out
 
 
@@ -711,7 +713,7 @@ def decode_step(
             XLA's scatters and dots.
         panels: with per-layer weights, the matmul weights packed for the native kernel
             (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
-            projections and the LM head then run through ``model.cpu_matmul``.
+            projections, and the LM head when it is packed, then run through ``model.cpu_matmul``.
 
     Returns:
         logits [S, V] float32 and the cache with each active slot's new K/V at its position.
@@ -752,7 +754,7 @@ def decode_step(
 
         step = native if native_attention else write_then_attend(write, attend)
         h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step, panels)
-        return model.logits(h[:, 0], panels["lm_head"] if panels else None), cache
+        return model.logits(h[:, 0], panels.get("lm_head") if panels else None), cache
 
     assert isinstance(cache, KVCache), "stacked weights run on a KVCache"
     ck, cv = cache.k, cache.v  # the scan slices each layer's window without copying the cache

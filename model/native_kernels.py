@@ -31,11 +31,9 @@ from model.fetch import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "native").glob("*.cc"))
-# FFI target name -> the handler's exported symbol
-TARGETS = {
-    "meshserve_decode_attention": "MeshserveDecodeAttention",
-    "meshserve_panel_matmul": "MeshservePanelMatmul",
-}
+DECODE_ATTENTION = "meshserve_decode_attention"  # FFI target names
+PANEL_MATMUL = "meshserve_panel_matmul"
+TARGETS = {DECODE_ATTENTION: "MeshserveDecodeAttention", PANEL_MATMUL: "MeshservePanelMatmul"}  # -> exported symbol
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 _lock = threading.Lock()

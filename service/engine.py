@@ -239,12 +239,10 @@ class Engine:
         # The matmul weights packed for the native kernel (a second copy), or None.
         self.panels: dict[str, Any] | None = None
         if one_cpu and engine_cfg.matmul == "auto" and cpu_matmul.available():
-            try:
-                self.panels = panel_weights(nnx.merge(graphdef, self.params))
+            try:  # only decode with 2+ slots reads the packed LM head
+                self.panels = panel_weights(nnx.merge(graphdef, self.params), lm_head=S >= 2)
             except ValueError as e:
                 log.info("matmuls stay XLA's: %s", e)
-            if self.panels is not None and S == 1:
-                del self.panels["lm_head"]  # only decode with 2+ slots reads the packed LM head
         self._decode_panels = self.panels if S >= 2 else None
         if engine_cfg.layers == "unrolled":
             log.info(

@@ -1,13 +1,15 @@
 """The unrolled decode step with XLA's dots against the native CPU kernels, in one process.
 
-Three variants of ``model.llama.decode_step`` are compiled for the same model config (random
+Three (four) variants of ``model.llama.decode_step`` are compiled for the same model config (random
 weights: values do not change speed), a ``BlockedKVCache`` and the same slot positions, then
 timed alternately, so all see the same machine state:
 
 * ``xla``: XLA's attention dots and scatters, XLA's matmuls;
 * ``attention``: the native attention + KV-write kernel (``model.cpu_attention``), XLA's matmuls;
 * ``native``: both native kernels: attention and the panel-packed weight matmuls
-  (``model.cpu_matmul``), as ``Engine`` runs on one CPU device with 2 or more slots.
+  (``model.cpu_matmul``), as ``Engine`` runs on one CPU device with 2 or more slots;
+* ``bf16x3`` (where the CPU has AMX-BF16): native attention and the AMX bf16x3 matmuls
+  (``EngineConfig.matmul="bf16x3"``: float32 weights as two bfloat16 halves).
 
 For each batch size it prints the min and median step time (ms) of each and the ratio of each
 median to ``xla``'s (above 1: faster than XLA).
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     params = unstack_layers(params)
     panels = panel_weights(nnx.merge(graphdef, params))
     variants = {"xla": (False, None), "attention": (True, None), "native": (True, panels)}
+    if native_kernels.amx_available():
+        variants["bf16x3"] = (True, panel_weights(nnx.merge(graphdef, params), format="bf16x3"))
     lo = max(0, args.context - 16)
     window = -(-(args.context + 17) // BLOCK_LEN) * BLOCK_LEN
     print(f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.q_per_kv} query heads x {cfg.head_dim}; "

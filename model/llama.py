@@ -563,12 +563,14 @@ def decoder_block(
 PANEL_IN_DIMS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # leading axes contracted
 
 
-def panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
-    """The layer and LM-head matmul weights packed for the native kernel (``model.cpu_matmul``).
+def panel_weights(model: Llama, lm_head: bool = True, format: str = "f32") -> dict[str, Any]:
+    """The layer and LM-head matmul weights packed for a native kernel (``model.cpu_matmul``).
 
     Args:
         model: a Llama in the per-layer form (``unstack_layers``) with float32 weights.
         lm_head: pack the LM head too (only ``decode_step`` reads it).
+        format: "f32" (float32 panels, ``cpu_matmul.pack``) or "bf16x3" (AMX bf16x3,
+            ``cpu_matmul.pack_bf16x3``).
 
     Returns:
         {"wqkv", "wo", "w_gate_up", "w_down": tuples of L ``Panels``, "lm_head": one ``Panels``
@@ -577,16 +579,18 @@ def panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
         ``decode_step(panels=...)``.
 
     Raises:
-        ValueError: a weight's output width is not a multiple of 32, or not float32.
+        ValueError: a weight's output width (for bf16x3, or its input width) is not a multiple
+            of 32, or it is not float32.
     """
     assert model.layers.per_layer(), "panel_weights needs unstack_layers' per-layer form"
+    pack = {"f32": cpu_matmul.pack, "bf16x3": cpu_matmul.pack_bf16x3}[format]
     weights = model.layers.weights()
     out: dict[str, Any] = {
-        name: tuple(cpu_matmul.pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
+        name: tuple(pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
     }
     if lm_head:
         head = model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
-        out["lm_head"] = cpu_matmul.pack(head, 1)
+        out["lm_head"] = pack(head, 1)
     return out
 
 

@@ -1,8 +1,8 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Two kernels, one shared library: the decode step's KV-cache write and attention
-(``model.cpu_attention``) and its weight matmuls over panel-packed weights
-(``model.cpu_matmul``). The library is compiled on first use with the machine's C++ compiler
+Three kernels, one shared library: the decode step's KV-cache write and attention
+(``model.cpu_attention``), and the weight matmuls over packed weights (``model.cpu_matmul``):
+float32 AVX-512 panels, and bf16x3 on AMX tiles where the CPU has AMX (``amx_available``). The library is compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
 (``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
 flags, the jaxlib version and the CPU's feature flags, so a changed input builds a new file
@@ -31,13 +31,21 @@ from model.fetch import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "native").glob("*.cc"))
+HEADERS = sorted((Path(__file__).parent / "native").glob("*.h"))
 DECODE_ATTENTION = "meshserve_decode_attention"  # FFI target names
 PANEL_MATMUL = "meshserve_panel_matmul"
-TARGETS = {DECODE_ATTENTION: "MeshserveDecodeAttention", PANEL_MATMUL: "MeshservePanelMatmul"}  # -> exported symbol
+AMX_MATMUL = "meshserve_amx_matmul"
+TARGETS = {  # -> exported symbol
+    DECODE_ATTENTION: "MeshserveDecodeAttention",
+    PANEL_MATMUL: "MeshservePanelMatmul",
+    AMX_MATMUL: "MeshserveAmxMatmul",
+}
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 _lock = threading.Lock()
 _available: bool | None = None  # None until the first available() call
+_amx: bool | None = None  # None until the first amx_available() call
+_library: ctypes.CDLL | None = None
 
 
 def _cpu_flags() -> str:
@@ -53,7 +61,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
     """Where this machine's build of the kernels lives (it may not exist yet)."""
     key = hashlib.sha256()
-    parts = [s.read_bytes() for s in SOURCES]
+    parts = [s.read_bytes() for s in (*SOURCES, *HEADERS)]
     for part in (*parts, " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
@@ -87,7 +95,7 @@ def available() -> bool:
     """Whether the kernels are built (building them now if needed) and registered with XLA for
     the CPU. The first call may take several seconds (the compile); a failure is logged once and
     remembered for the process."""
-    global _available
+    global _available, _library
     with _lock:
         if _available is None:
             try:
@@ -98,8 +106,25 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in TARGETS.items():
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _library = lib
                 _available = True
             except (OSError, RuntimeError, AttributeError) as e:
                 log.warning("native CPU kernels unavailable, using XLA's dots: %s", e)
                 _available = False
         return _available
+
+
+def amx_available() -> bool:
+    """Whether the AMX bf16x3 matmul (``AMX_MATMUL``) can run here: the kernels are available
+    and the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16, and Linux let this process use the tile
+    registers (asked once, by ``MeshserveAmxInit``; Linux 5.16 or later)."""
+    global _amx
+    if not available():
+        return False
+    with _lock:
+        if _amx is None:
+            assert _library is not None
+            _amx = bool(_library.MeshserveAmxInit())
+            if not _amx:
+                log.info("no AMX bf16 tiles on this CPU (or not granted): the bf16x3 matmul is unavailable")
+        return _amx

@@ -29,7 +29,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise SystemExit(f"meshserve: unknown keys in {args.config}: {sorted(unknown)}; known: {sorted(known)}")
         values.update(loaded)
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "layers", "metrics_port", "grace_period_s", "stall_timeout_s",
+                "max_queue", "default_max_tokens", "dtype", "layers", "matmul", "metrics_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -422,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["unrolled", "scan"],
         help="decoder blocks as lax.scan over stacked weights (default: fast compile) or as an unrolled "
         "loop over per-layer weights (faster decode steps on CPU, about 3x the compile time)",
+    )
+    s.add_argument(
+        "--matmul",
+        choices=["auto", "xla", "bf16x3"],
+        help="with --layers unrolled on one CPU: the native float32 kernel (auto, default), XLA's dots, or "
+        "bf16x3 on AMX tiles (float32 weights as two bfloat16 halves; JAX's Precision.HIGH; needs AMX-BF16)",
     )
     s.add_argument("--warmup-full", action="store_true", help="compile every shape variant before SERVING")
     s.add_argument("--metrics-port", type=int, help="Prometheus metrics HTTP port (default 9400; 0 = off)")

@@ -79,6 +79,7 @@ class ServerConfig:
         default_max_tokens: max_tokens when a request leaves it unset.
         dtype: "float32" (CPU) or "bfloat16" (accelerators).
         layers: "scan" (fast compile) or "unrolled" (faster steps on CPU; see EngineConfig).
+        matmul: "auto", "xla" or "bf16x3" (the AMX bf16x3 precision, opt-in; see EngineConfig).
         warmup_full: compile every shape variant before reporting SERVING (else only the
             smallest; others compile on first use and land in the persistent cache).
         stall_timeout_s: health turns NOT_SERVING when a busy engine loop makes no progress
@@ -108,6 +109,7 @@ class ServerConfig:
     default_max_tokens: int = 512
     dtype: str = "float32"
     layers: str = "scan"
+    matmul: str = "auto"
     warmup_full: bool = False
     stall_timeout_s: float = 120.0
     watchdog_interval_s: float = 0.5
@@ -223,7 +225,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         else:
             specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
             device_sets = [devices]
-        ecfg = EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype, cfg.layers)
+        ecfg = EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype, cfg.layers, matmul=cfg.matmul)
 
         clock = CompileClock()
         with clock:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from model import cpu_matmul
 from model.loader import load_gguf_model
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
@@ -21,10 +22,15 @@ FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.npz"
 GREEDY = SamplingOptions(temperature=0.0)
 
 
-@pytest.fixture(scope="module", params=["scan", "unrolled"])
+@pytest.fixture(scope="module", params=["scan", "unrolled", "unrolled-bf16x3"])
 def engine(smollm2_gguf: Path, request: pytest.FixtureRequest) -> Engine:
+    """The float32 engine in both layer forms, and the unrolled one with the AMX bf16x3 matmuls
+    (JAX's Precision.HIGH; on CPUs with AMX-BF16), each held to the same bounds."""
+    layers, _, matmul = request.param.partition("-")
+    if matmul == "bf16x3" and not (cpu_matmul.available() and cpu_matmul.amx_available()):
+        pytest.skip("no AMX-BF16 on this CPU: the engine refuses bf16x3 (tests/test_amx_matmul.py)")
     cfg, graphdef, params = load_gguf_model(smollm2_gguf)
-    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=request.param)
+    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=layers, matmul=matmul or "auto")
     return Engine(cfg, graphdef, params, Layout("single"), ecfg)
 
 

@@ -17,14 +17,12 @@
 // (aliased to the operand blocks by the caller; copied from them first where they are not).
 // Built and registered by model/native_kernels.py.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -250,27 +248,6 @@ void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
   }
 }
 
-// Work shared by the calling thread and the tasks it schedules on XLA's intra-op pool: items
-// are claimed one at a time; the caller returns once every item is done. A task that starts
-// after the caller has claimed the last item finds nothing to do and touches no buffer.
-struct Work {
-  Problem problem;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    thread_local std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      if (problem.bf16)
-        attend_item<uint16_t>(problem, i, scores);
-      else
-        attend_item<float>(problem, i, scores);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> positions,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::RemainingArgs blocks,
                            ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::RemainingRets blocks_out) {
@@ -281,8 +258,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd[3] % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
   if (blocks.size() == 0 || blocks.size() % 2 != 0 || blocks_out.size() != blocks.size())
     return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks, in and out");
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
   p.S = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
   if (positions.element_count() != static_cast<size_t>(p.S))
     return ffi::Error::InvalidArgument("positions must be [S]");
@@ -325,11 +301,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       p.v_blocks.push_back(dst);
     }
   }
-  work->items = p.S * p.K;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  meshserve::ParallelFor(pool, p.S * p.K, [&p](int64_t item) {  // one item per (slot, KV head)
+    thread_local std::vector<float> scores;
+    if (p.bf16)
+      attend_item<uint16_t>(p, item, scores);
+    else
+      attend_item<float>(p, item, scores);
+  });
   return ffi::Error::Success();
 }
 

@@ -16,13 +16,11 @@
 // Operands: x [M, K] f32; panels [P, K, 32] f32. Result: y [M, 32 P] f32. Work items are runs
 // of panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,33 +82,23 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* xp) {
   }
 }
 
-struct Work {
-  std::vector<float> xp;  // x packed by pack_rows
-  const float* panels;
-  float* y;
-  int64_t M, K, P, per_item, items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void run() {
-    const int64_t N = P * kPanel;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      const int64_t end = std::min(P, (i + 1) * per_item);
-      for (int64_t p = i * per_item; p < end; ++p) {
-        const float* panel = panels + p * K * kPanel;
-        for (int64_t m = 0; m < M; m += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-          float* out = y + m * N + p * kPanel;
-          if (m == 0)
-            tile_rows<true>(rows, xp.data() + m * K, panel, out, K, N);
-          else
-            tile_rows<false>(rows, xp.data() + m * K, panel, out, K, N);
-        }
-      }
-      done.fetch_add(1, std::memory_order_release);
+// y[:, panels p0 .. p1) = x @ those panels; xp is x packed by pack_rows. The first tile of
+// rows streams each panel from memory (prefetching ahead); later tiles find it in L2.
+void panel_run(const float* xp, const float* panels, float* y, int64_t M, int64_t K, int64_t P, int64_t p0,
+               int64_t p1) {
+  const int64_t N = P * kPanel;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = panels + p * K * kPanel;
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+      float* out = y + m * N + p * kPanel;
+      if (m == 0)
+        tile_rows<true>(rows, xp + m * K, panel, out, K, N);
+      else
+        tile_rows<false>(rows, xp + m * K, panel, out, K, N);
     }
   }
-};
+}
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                        ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -122,24 +110,19 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
     return ffi::Error::InvalidArgument("y must be [M, 32 * panels]");
-  auto work = std::make_shared<Work>();
-  work->panels = panels.typed_data();
-  work->y = y->typed_data();
-  work->M = xd[0];
-  work->K = xd[1];
-  work->P = pd[0];
-  if (work->M == 0 || work->P == 0) return ffi::Error::Success();
-  work->xp.resize(static_cast<size_t>(work->M * work->K));
-  pack_rows(x.typed_data(), work->M, work->K, work->xp.data());
-  // About four items per thread: long contiguous streams, and a thread that finishes early
-  // takes the next run.
+  const int64_t M = xd[0], K = xd[1], P = pd[0];
+  if (M == 0 || P == 0) return ffi::Error::Success();
+  std::vector<float> xp(static_cast<size_t>(M * K));
+  pack_rows(x.typed_data(), M, K, xp.data());
+  // Work items are runs of panels, about four per thread: long contiguous streams, and a
+  // thread that finishes early takes the next run.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->per_item = std::max<int64_t>(1, (work->P + 4 * threads - 1) / (4 * threads));
-  work->items = (work->P + work->per_item - 1) / work->per_item;
-  const int64_t helpers = std::min<int64_t>(threads, work->items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
+  const float* w = panels.typed_data();
+  float* out = y->typed_data();
+  meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
+    panel_run(xp.data(), w, out, M, K, P, i * per_item, std::min(P, (i + 1) * per_item));
+  });
   return ffi::Error::Success();
 }
 

@@ -1,5 +1,5 @@
 """A decode step's KV-cache write and attention over a ``BlockedKVCache`` as one native XLA:CPU
-custom call.
+custom call; and a first prefill chunk's causal self-attention as another.
 
 XLA:CPU lowers decode attention (one query token per slot) to 2 x S x K tiny batched matmuls
 per cache block ([G, H] x [H, n]), which run at about 7 GB/s whatever their orientation or
@@ -11,6 +11,13 @@ blocks are aliased to the results, so the cache is updated in place. Measured by
 ``python benchmarks/native_decode.py`` (SmolLM2-135M shapes, slots at 128-160 tokens, a
 256-position window; step time with XLA's dots over the kernel's, XLA's matmuls in both):
 1.44x at 64 slots, 1.12x at 8 at 1801e88; 1.23x and 1.16x at b5abadb (medians).
+
+A first prefill chunk (nothing cached) attends causally to its own keys. XLA runs that as
+batched dots over 128-query blocks, each computing its whole key range, the masked upper
+triangle included, with the scores copied between the dots and the softmax (about 140-170 ms
+of a 512-token SmolLM2-135M prefill). ``native/prefill_attention.cc`` (``causal``) takes one
+(KV head, 16 queries) item at a time: scores against the keys up to the item's last query only,
+kept in L1, the softmax of each row over its own causal range, values accumulated in registers.
 
 The library (``model.native_kernels``) is compiled on first use with the machine's C++
 compiler; where it cannot be built, ``available()`` is False and the engine keeps the XLA path
@@ -24,7 +31,9 @@ import jax.numpy as jnp
 
 from model import native_kernels
 
-TARGET = native_kernels.DECODE_ATTENTION  # the FFI target (registered by native_kernels)
+TARGET = native_kernels.DECODE_ATTENTION  # the FFI targets (registered by native_kernels)
+CAUSAL_TARGET = native_kernels.CAUSAL_ATTENTION
+MAX_HEAD_DIM = 256  # the causal kernel's largest head_dim
 MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 
@@ -33,10 +42,15 @@ available = native_kernels.available  # whether the kernels are built and regist
 
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:
-    """Whether the kernel handles G = ``q_per_kv`` query heads per KV head, this head_dim and
-    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16); it says
-    nothing of whether it is built."""
-    return 1 <= q_per_kv <= MAX_GROUP and head_dim % LANES == 0 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    """Whether the kernels handle G = ``q_per_kv`` query heads per KV head, this head_dim and
+    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16 and at most
+    256); it says nothing of whether they are built."""
+    return (
+        1 <= q_per_kv <= MAX_GROUP
+        and head_dim % LANES == 0
+        and head_dim <= MAX_HEAD_DIM
+        and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    )
 
 
 def write_and_attend(
@@ -73,3 +87,21 @@ def write_and_attend(
     out, *written = call(q.astype(f32), positions.astype(jnp.int32), k_new.astype(f32), v_new.astype(f32), *blocks)
     n = len(k_blocks)
     return out, tuple(written[:n]), tuple(written[n:])
+
+
+def causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal self-attention of one chunk with nothing cached, by the native kernel (call
+    ``available()`` first): query t attends keys 0 .. t (softmax attention, Vaswani et al.
+    2017, §3.2.1, grouped KV heads). Padding past the prompt's end only ever attends, never is
+    attended to by a real token, as with the causal mask of ``model.llama.attention``.
+
+    Shapes: q [1, T, K, G, H] float32, already scaled by 1/sqrt(H); k, v [1, T, K, H] (float32
+    or bfloat16, widened exactly to float32). head_dim a multiple of 16, at most 256 (``supports``).
+    Returns [1, T, K, G, H] float32.
+
+    Raises:
+        XlaRuntimeError (at run time): shapes the kernel does not take.
+    """
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(CAUSAL_TARGET, jax.ShapeDtypeStruct(q.shape[1:], f32))
+    return call(q[0].astype(f32), k[0].astype(f32), v[0].astype(f32))[None]

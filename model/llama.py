@@ -604,6 +604,7 @@ def prefill(
     slot: jax.Array,
     *,
     kv_len: int,
+    native_attention: bool = False,
     panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """Run one prompt chunk through the model and write its KV into one slot of the cache.
@@ -620,6 +621,9 @@ def prefill(
         kv_len: static; how many cached positions to attend to (>= start_pos, <= T_max); 0 when
             start_pos is 0, which skips reading the cache. (The per-layer form attends to the
             slot's whole cache, masked, when kv_len > 0.)
+        native_attention: with per-layer weights, a first chunk (kv_len 0) attends causally
+            through the CPU kernel of ``model.cpu_attention`` (``causal``; registered first by
+            ``cpu_attention.available()``, one device) instead of XLA's dots by query blocks.
         panels: with per-layer weights, the matmul weights packed for the native kernel
             (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
             projections then run through ``model.cpu_matmul`` (the LM head of the one last
@@ -656,6 +660,11 @@ def prefill(
                 rows_k = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in kb]  # [1, K, H, n]
                 rows_v = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in vb]
                 return attention_over_blocks(q, tuple(rows_k), tuple(rows_v), mask)
+
+        elif native_attention:
+
+            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
+                return cpu_attention.causal(q, k, v)
 
         else:
 

@@ -1,7 +1,7 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Three kernels, one shared library: the decode step's KV-cache write and attention
-(``model.cpu_attention``), and the weight matmuls over packed weights (``model.cpu_matmul``):
+Four kernels, one shared library: the decode step's KV-cache write and attention and a first
+prefill chunk's causal attention (``model.cpu_attention``), and the weight matmuls over packed weights (``model.cpu_matmul``):
 float32 AVX-512 panels, and bf16x3 on AMX tiles where the CPU has AMX (``amx_available``). The library is compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
 (``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
@@ -35,8 +35,10 @@ HEADERS = sorted((Path(__file__).parent / "native").glob("*.h"))
 DECODE_ATTENTION = "meshserve_decode_attention"  # FFI target names
 PANEL_MATMUL = "meshserve_panel_matmul"
 AMX_MATMUL = "meshserve_amx_matmul"
+CAUSAL_ATTENTION = "meshserve_causal_attention"
 TARGETS = {  # -> exported symbol
     DECODE_ATTENTION: "MeshserveDecodeAttention",
+    CAUSAL_ATTENTION: "MeshserveCausalAttention",
     PANEL_MATMUL: "MeshservePanelMatmul",
     AMX_MATMUL: "MeshserveAmxMatmul",
 }

@@ -144,10 +144,12 @@ class EngineConfig:
             per layer, an unrolled loop, a ``BlockedKVCache``: on XLA:CPU the faster steps,
             SmolLM2-135M decode at batch 1 in 39 ms instead of 70 ms, but each program
             compiles L blocks, about 3x the compile time). See ``model.llama.unstack_layers``.
-        decode_attention: how unrolled decode steps attend: "auto" (the native CPU kernel of
-            ``model.cpu_attention`` where it applies: CPU, one device, a float32 or bfloat16
-            cache, G <= 8, head_dim a multiple of 16, the kernel built; else XLA's dots) or
-            "xla" (always XLA's dots). The scan form always uses XLA's.
+        decode_attention: how unrolled steps attend: "auto" (the native CPU kernels of
+            ``model.cpu_attention`` where they apply: CPU, one device, a float32 or bfloat16
+            cache, G <= 8, head_dim a multiple of 16 and at most 256, the kernels built; decode
+            steps then write and attend through one kernel, a first prefill chunk attends
+            causally through the other; else XLA's dots) or "xla" (always XLA's dots). The scan
+            form always uses XLA's.
         matmul: how unrolled steps multiply by the weights: "auto" (the native CPU kernel of
             ``model.cpu_matmul`` over a second, panel-packed copy of the layer and LM-head
             weights, where it applies: CPU, one device, float32 weights whose output widths are
@@ -296,7 +298,17 @@ class Engine:
 
             def run(params, panels, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
                 model = nnx.merge(graphdef, params)
-                logits, cache = prefill(model, cache, tokens, start, true_len, slot, kv_len=kv_len, panels=panels)
+                logits, cache = prefill(
+                    model,
+                    cache,
+                    tokens,
+                    start,
+                    true_len,
+                    slot,
+                    kv_len=kv_len,
+                    native_attention=self.native_attention,
+                    panels=panels,
+                )
                 token = sample(logits[None], sp, (start + true_len)[None])
                 return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
 

@@ -1,5 +1,6 @@
-"""The native CPU decode-attention kernel (``model.cpu_attention``) against softmax attention
-computed in numpy float64, and the engine's choice of it."""
+"""The native CPU attention kernels (``model.cpu_attention``): decode write + attention and a
+first prefill chunk's causal attention, against softmax attention in numpy float64 and XLA's
+path, and the engine's choice of them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from model import cpu_attention
 from model.config import LlamaConfig
+from model.kv_cache import BlockedKVCache
+from model.llama import prefill, unstack_layers
 from model.loader import random_llama
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
@@ -125,12 +129,76 @@ def test_kernel_rejects_mismatched_blocks() -> None:
         jax.block_until_ready(cpu_attention.write_and_attend(q, new, new, jnp.zeros(2, jnp.int32), k, v))
 
 
+def causal_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal softmax attention in float64: q [T, K, G, H]; k, v [T, K, H]; query t attends
+    keys 0..t."""
+    T = q.shape[0]
+    scores = np.einsum("tkgh,ukh->kgtu", q, k)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("kgtu,ukh->tkgh", probs, v)
+
+
+@pytest.mark.parametrize(
+    ("T", "K", "G", "H"),
+    [
+        (1, 1, 1, 16),  # one token
+        (5, 2, 3, 16),  # a partial 16-query item
+        (37, 3, 3, 64),  # SmolLM2's heads; 16 + 16 + 5 queries
+        (130, 2, 4, 128),  # rows past 128 keys; value passes of 4 + 4 vectors
+        (33, 1, 8, 48),  # 8 query heads per KV head; head_dim 48: 1-vector value passes
+    ],
+)
+def test_causal_kernel_matches_float64(T: int, K: int, G: int, H: int) -> None:
+    rng = np.random.default_rng(T * 7 + H)
+    q = rng.standard_normal((T, K, G, H)).astype(np.float32) * np.float32(H**-0.5)
+    k = rng.standard_normal((T, K, H)).astype(np.float32)
+    v = rng.standard_normal((T, K, H)).astype(np.float32)
+    got = jax.jit(cpu_attention.causal)(q[None], k[None], v[None])
+    assert got.shape == (1, T, K, G, H) and got.dtype == jnp.float32
+    want = causal_reference(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got)[0], want, atol=2e-6, rtol=1e-5)
+
+
+def test_causal_kernel_rejects_a_head_dim_it_does_not_take() -> None:
+    q = jnp.zeros((1, 4, 1, 1, 24), jnp.float32)
+    kv = jnp.zeros((1, 4, 1, 24), jnp.float32)
+    with pytest.raises(Exception, match="head_dim must be a multiple of 16"):
+        jax.block_until_ready(jax.jit(cpu_attention.causal)(q, kv, kv))
+
+
+def test_first_prefill_chunk_with_the_causal_kernel_matches_xla() -> None:
+    """model.llama.prefill of a first chunk (a padded bucket) through the causal kernel gives
+    XLA's logits and writes the same keys and values."""
+    cfg = LlamaConfig.tiny()
+    graphdef, params = random_llama(cfg, seed=11)
+    params = unstack_layers(params)
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, cfg.vocab_size, 64), jnp.int32)
+
+    def run(native: bool):  # type: ignore[no-untyped-def]
+        cache = BlockedKVCache.zeros(cfg, 2, 128)
+        step = jax.jit(
+            lambda p, c: prefill(
+                nnx.merge(graphdef, p), c, tokens, jnp.int32(0), jnp.int32(50), jnp.int32(1),
+                kv_len=0, native_attention=native,
+            )
+        )  # fmt: skip
+        return step(params, cache)
+
+    (ln, cn), (lx, cx) = run(True), run(False)
+    np.testing.assert_allclose(np.asarray(ln), np.asarray(lx), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(cn), jax.tree.leaves(cx), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_supports() -> None:
     assert cpu_attention.supports(3, 64, jnp.float32)
     assert cpu_attention.supports(4, 128, jnp.bfloat16)
     assert not cpu_attention.supports(3, 60, jnp.float32)  # head_dim not a multiple of 16
     assert not cpu_attention.supports(9, 64, jnp.float32)  # more than 8 query heads per KV head
     assert not cpu_attention.supports(3, 64, jnp.float16)
+    assert not cpu_attention.supports(3, 272, jnp.float32)  # head_dim past the causal kernel's 256
 
 
 def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:

@@ -83,10 +83,11 @@ MESHSERVE_AMX void split16(const float* src, uint16_t* hi, uint16_t* lo) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), (__m256i)l);
 }
 
-// x [M, K] -> [ceil(M/32), K/32, 2, 2, 16, 32] bf16 (see the header); rows past M stay zero.
-MESHSERVE_AMX void pack_x(const float* x, int64_t M, int64_t K, uint16_t* xp) {
+// Rows [m0, m1) of x [M, K] into xp [ceil(M/32), K/32, 2, 2, 16, 32] bf16 (see the header);
+// rows past M stay zero.
+MESHSERVE_AMX void pack_x(const float* x, int64_t m0, int64_t m1, int64_t K, uint16_t* xp) {
   const int64_t KB = K / kBlock;
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     const int64_t mb = m / kBlock, half = (m % kBlock) / 16, r = m % 16;
     for (int64_t b = 0; b < KB; ++b) {
       uint16_t* hi = xp + (mb * KB + b) * kStep + half * kTile + r * 32;
@@ -187,7 +188,10 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   const int64_t M = xd[0], K = xd[1], P = pd[0], N = P * kBlock;
   if (M == 0 || P == 0) return ffi::Error::Success();
   std::vector<uint16_t> xp(static_cast<size_t>((M + kBlock - 1) / kBlock * kBlock * K * 2), 0);
-  pack_x(x.typed_data(), M, K, xp.data());
+  const float* xs = x.typed_data();
+  meshserve::ParallelFor(pool, (M + kBlock - 1) / kBlock, [&](int64_t b) {  // one 32-row block per item
+    pack_x(xs, b * kBlock, std::min(M, (b + 1) * kBlock), K, xp.data());
+  });
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.typed_data());

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -61,16 +62,14 @@ struct Problem {
 };
 
 constexpr int64_t kMaxGroup = 8;  // attend_item's largest G
-constexpr int kLanes = 16;        // floats per vector (GCC vector extension: AVX-512, or 2 AVX2 registers)
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+using meshserve::exp_nonpositive;
+using meshserve::kLanes;
+using meshserve::load;
+using meshserve::store;
+using meshserve::vf;
 typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 inline vf load(const uint16_t* p) {  // kLanes bfloat16 values widened to float32
   vh h;
   std::memcpy(&h, p, sizeof h);
@@ -80,27 +79,6 @@ inline vf load(const uint16_t* p) {  // kLanes bfloat16 values widened to float3
   return v;
 }
 constexpr int kAhead = 16;  // rows prefetched ahead (hardware prefetchers restart at every 4 KiB page)
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-// e^x for x <= 0 (softmax after max subtraction), kLanes at a time: x = k ln2 + r with
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 3e-7 there), 2^k
-// through the exponent bits; x below -87 (e^x < 2^-126) gives 0.
-inline vf exp_nonpositive(vf x) {
-  typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const vf lo = vf{} - 87.0f;
-  const vi tiny = x < lo;
-  x = tiny ? lo : x;
-  const vf kf = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vi), vf);  // round(x / ln2)
-  const vf r = x - kf * 0.693145752f - kf * 1.42860677e-6f;  // ln2 split in two for precision
-  vf e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  vi bits;
-  std::memcpy(&bits, &e, sizeof bits);
-  bits += __builtin_convertvector(kf, vi) << 23;
-  bits = tiny ? vi{} : bits;
-  std::memcpy(&e, &bits, sizeof e);
-  return e;
-}
 
 // The scores of G query heads over positions [0, m) of one block, keys stored [H, n]. The
 // keys of one (slot, head) are read in storage order: 4 head_dim rows at a time, each swept

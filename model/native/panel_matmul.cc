@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,14 +31,9 @@ namespace {
 constexpr int64_t kPanel = 32;      // columns per panel: two vectors of 16 floats
 constexpr int kMaxRows = 16;        // rows of x per register tile (2 x 16 accumulators)
 constexpr int64_t kAhead = 4096;    // floats prefetched ahead in the panel stream (16 KiB)
-typedef float vf __attribute__((vector_size(16 * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+using meshserve::load;
+using meshserve::store;
+using meshserve::vf;
 
 // y[0:R, 0:32] = x[0:R, :] @ panel; xt is the tile's rows of x packed as [K, R]; rows of y at
 // a stride of N floats.

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 from model import native_kernels
 
 PANEL = 32  # columns per panel; N (and, for bf16x3, K) must be a multiple of it
-FORMATS = ("f32", "bf16x3")  # Panels.format: the kernel that reads them
-TARGETS = {"f32": native_kernels.PANEL_MATMUL, "bf16x3": native_kernels.AMX_MATMUL}
+TARGETS = {"f32": native_kernels.PANEL_MATMUL, "bf16x3": native_kernels.AMX_MATMUL}  # Panels.format -> FFI target
 
 
 @jax.tree_util.register_dataclass

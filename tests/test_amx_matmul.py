@@ -129,3 +129,14 @@ def test_engine_refuses_bf16x3_without_amx(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(cpu_matmul, "amx_available", lambda: False)
     with pytest.raises(ValueError, match="AMX-BF16"):
         tiny_engine("bf16x3")
+
+
+def test_serve_flag_reaches_the_server_config() -> None:
+    from service.cli import _serve_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--layers", "unrolled", "--matmul", "bf16x3"])
+    cfg = _serve_config(args)
+    assert (cfg.layers, cfg.matmul) == ("unrolled", "bf16x3")
+    assert _serve_config(build_parser().parse_args(["serve"])).matmul == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--matmul", "bf16"])

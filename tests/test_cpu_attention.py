@@ -68,6 +68,8 @@ def unblocked(kb: tuple, vb: tuple) -> tuple[np.ndarray, np.ndarray]:
         (4, 2, 1, 16, [128, 44], jnp.float32),  # a short last block (its tail one position at a time)
         (3, 1, 8, 128, [37], jnp.float32),  # one block shorter than a vector multiple; G = 8
         (4, 2, 4, 32, [128, 128, 128], jnp.bfloat16),  # a bfloat16 cache
+        (8, 1, 2, 16, [128, 32], jnp.float32),  # every position below, a block's first one too
+        (8, 1, 2, 16, [128, 32], jnp.bfloat16),
     ],
 )
 def test_kernel_writes_then_matches_softmax_attention(

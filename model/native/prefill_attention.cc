@@ -26,7 +26,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using meshserve::exp_nonpositive;
+using meshserve::exp_minus_max;
 using meshserve::kLanes;
 using meshserve::load;
 using meshserve::store;
@@ -141,33 +141,11 @@ void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
       case 2: scores_tile<2>(qs, kt, p.H, p.Tp, ns, s, W); break;
       default: scores_tile<1>(qs, kt, p.H, p.Tp, ns, s, W); break;
     }
-    // Softmax of each row over [0, len): max, e^(x - max) by vectors, zeros past len.
+    // Softmax of each row over [0, len), zeros past len.
     for (int j = 0; j < q; ++j) {
       float* sj = s + j * W;
       const int64_t m = len[j];
-      const int64_t mv = m / kLanes * kLanes;
-      float mx = sj[0];
-      if (mv > 0) {
-        vf vmx = load(sj);
-        for (int64_t u = kLanes; u < mv; u += kLanes) {
-          const vf x = load(sj + u);
-          vmx = x > vmx ? x : vmx;
-        }
-        for (int i = 0; i < kLanes; ++i) mx = std::max(mx, vmx[i]);
-      }
-      for (int64_t u = mv; u < m; ++u) mx = std::max(mx, sj[u]);
-      vf vsum = vf{};
-      for (int64_t u = 0; u < mv; u += kLanes) {
-        const vf e = exp_nonpositive(load(sj + u) - mx);
-        store(sj + u, e);
-        vsum += e;
-      }
-      float sum = 0.0f;
-      for (int i = 0; i < kLanes; ++i) sum += vsum[i];
-      for (int64_t u = mv; u < m; ++u) {
-        sj[u] = std::exp(sj[u] - mx);
-        sum += sj[u];
-      }
+      const float sum = exp_minus_max(sj, m);
       std::fill(sj + m, sj + ns, 0.0f);  // the values pass reads every row up to the longest
       inv[j] = 1.0f / sum;
     }

@@ -2,6 +2,8 @@
 // vector helpers meshserve's CPU kernels share.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -34,6 +36,35 @@ inline vf exp_nonpositive(vf x) {
   bits = tiny ? vi{} : bits;
   std::memcpy(&e, &bits, sizeof e);
   return e;
+}
+
+// One softmax row in place, unnormalised: s[0, n) becomes e^(s - max) (by vectors, the tail
+// one at a time); returns their sum (n >= 1). The caller scales by 1 / sum where it is cheaper.
+inline float exp_minus_max(float* s, int64_t n) {
+  const int64_t nv = n / kLanes * kLanes;
+  float mx = s[0];
+  if (nv > 0) {
+    vf vmx = load(s);
+    for (int64_t u = kLanes; u < nv; u += kLanes) {
+      const vf x = load(s + u);
+      vmx = x > vmx ? x : vmx;
+    }
+    for (int i = 0; i < kLanes; ++i) mx = std::max(mx, vmx[i]);
+  }
+  for (int64_t u = nv; u < n; ++u) mx = std::max(mx, s[u]);
+  vf vsum = vf{};
+  for (int64_t u = 0; u < nv; u += kLanes) {
+    const vf e = exp_nonpositive(load(s + u) - mx);
+    store(s + u, e);
+    vsum += e;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += vsum[i];
+  for (int64_t u = nv; u < n; ++u) {
+    s[u] = std::exp(s[u] - mx);
+    sum += s[u];
+  }
+  return sum;
 }
 
 }  // namespace meshserve

@@ -1,9 +1,9 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Four kernels, one shared library: the decode step's KV-cache write and attention and a first
-prefill chunk's causal attention (``model.cpu_attention``), and the weight matmuls over packed
+Five kernels, one shared library: the decode step's KV-cache write and attention and a first
+prefill chunk's causal attention (``model.cpu_attention``), the weight matmuls over packed
 weights (``model.cpu_matmul``): float32 panels, and bf16x3 on AMX tiles where the CPU has AMX
-(``amx_available``). The library is compiled on first use with the machine's C++ compiler
+(``amx_available``), and greedy decoding's argmax (``model.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
 (``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
 flags, the jaxlib version and the CPU's feature flags, so a changed input builds a new file
@@ -37,11 +37,13 @@ DECODE_ATTENTION = "meshserve_decode_attention"  # FFI target names
 PANEL_MATMUL = "meshserve_panel_matmul"
 AMX_MATMUL = "meshserve_amx_matmul"
 CAUSAL_ATTENTION = "meshserve_causal_attention"
+FIRST_ARGMAX = "meshserve_first_argmax"
 TARGETS = {  # -> exported symbol
     DECODE_ATTENTION: "MeshserveDecodeAttention",
     CAUSAL_ATTENTION: "MeshserveCausalAttention",
     PANEL_MATMUL: "MeshservePanelMatmul",
     AMX_MATMUL: "MeshserveAmxMatmul",
+    FIRST_ARGMAX: "MeshserveFirstArgmax",
 }
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 

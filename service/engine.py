@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention, cpu_matmul
+from model import cpu_argmax, cpu_attention, cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, panel_weights, prefill, stack_layers, unstack_layers
-from model.sampling import SamplingParams, sample, seed_to_key
+from model.sampling import SamplingParams, first_argmax, sample, seed_to_key
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
@@ -251,6 +251,8 @@ class Engine:
             and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.dtype)
             and cpu_attention.available()
         )
+        # Greedy ids (and the Gumbel-max draw) by the native argmax where the other kernels run.
+        self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
         # The matmul weights packed for a native kernel (a second copy), or None.
         self.panels: dict[str, Any] | None = None
         if engine_cfg.matmul == "bf16x3":
@@ -309,7 +311,7 @@ class Engine:
                     native_attention=self.native_attention,
                     panels=panels,
                 )
-                token = sample(logits[None], sp, (start + true_len)[None])
+                token = sample(logits[None], sp, (start + true_len)[None], self.argmax)
                 return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl
@@ -342,7 +344,7 @@ class Engine:
                     native_attention=self.native_attention,
                     panels=panels,
                 )
-                next_ids = sample(logits, sp, positions + 1)
+                next_ids = sample(logits, sp, positions + 1, self.argmax)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import cpu_attention
+from model import cpu_argmax, cpu_attention
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
 from model.llama import prefill, unstack_layers
 from model.loader import random_llama
+from model.sampling import first_argmax
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
 from sharding.layouts import Layout
@@ -214,10 +215,12 @@ def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:
         cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, decode_attention="xla"), devices=one
     )
     assert native.native_attention and not xla.native_attention
-    assert not Engine(
-        cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan")
-    ).native_attention
-    assert not Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).native_attention
+    scan = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan"))
+    two = Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2])
+    assert not scan.native_attention and not two.native_attention
+    # The greedy argmax's kernel goes with them (model.cpu_argmax; tested in test_sampling).
+    assert native.argmax is cpu_argmax.first_argmax
+    assert scan.argmax is first_argmax and two.argmax is first_argmax
 
     prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 140))
     runs = []

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from model import cpu_argmax
 from model.sampling import SamplingParams, first_argmax, sample, seed_to_key
 
 V = 50
@@ -84,15 +88,40 @@ def test_same_seed_same_position_same_token_in_any_row() -> None:
     assert any(o[0] != o[1] for o in outs)
 
 
-def test_first_argmax_matches_argmax_with_ties_and_infinities() -> None:
+@pytest.fixture(params=["xla", "native"])
+def argmax(request: pytest.FixtureRequest) -> Callable[[jax.Array], jax.Array]:
+    """``first_argmax`` in XLA and as the native CPU kernel (``model.cpu_argmax``)."""
+    if request.param == "xla":
+        return first_argmax
+    assert cpu_argmax.available(), "the kernel must build on a machine with g++ (CI has it)"
+    return cpu_argmax.first_argmax
+
+
+@pytest.mark.parametrize("width", [1000, 49152, 7])  # a vector tail; SmolLM2's vocabulary; tail only
+def test_first_argmax_matches_argmax_with_ties_and_infinities(
+    argmax: Callable[[jax.Array], jax.Array], width: int
+) -> None:
     rng = np.random.default_rng(4)
-    logits = rng.standard_normal((6, 1000)).astype(np.float32)
-    logits[1, [3, 700]] = 50.0  # a tie: the first index wins, as with argmax
+    logits = rng.standard_normal((7, width)).astype(np.float32)
+    logits[1, [3, width - 2]] = 50.0  # a tie: the first index wins, as with argmax
     logits[2, :] = -np.inf  # a fully masked row: index 0
-    logits[3, 999] = np.inf
+    logits[3, width - 1] = np.inf
     logits[4, :] = 7.0  # all equal
-    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    logits[5, [width // 2, width // 2 + 1]] = 60.0  # a tie inside one 16-float vector
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
-    assert got.dtype == np.int32
-    logits[5, 10] = np.nan  # a NaN row stays a valid id
-    assert 0 <= int(first_argmax(jnp.asarray(logits))[5]) < 1000
+    assert got.dtype == np.int32 and got.shape == (7,)
+    logits[6, width // 3] = np.nan  # a NaN row still gives a valid id; the kernel's is width - 1
+    nan_row = int(jax.jit(argmax)(jnp.asarray(logits))[6])
+    assert 0 <= nan_row < width
+    assert argmax is first_argmax or nan_row == width - 1
+
+
+def test_sample_with_the_native_argmax_matches_xla() -> None:
+    """Greedy and seeded sampled slots draw the same ids whichever argmax ``sample`` uses."""
+    logits = _logits(4, seed=9)
+    sp = _params([0.0, 1.0, 0.7, 0.0], [0, 0, 40, 0], [1.0, 1.0, 0.9, 1.0], [1, 2, 3, 4])
+    positions = jnp.array([5, 6, 7, 8])
+    want = np.asarray(jax.jit(sample)(logits, sp, positions))
+    got = np.asarray(jax.jit(lambda *a: sample(*a, argmax=cpu_argmax.first_argmax))(logits, sp, positions))
+    np.testing.assert_array_equal(got, want)

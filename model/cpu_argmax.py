@@ -1,0 +1,30 @@
+"""Greedy decoding's argmax as a native XLA:CPU custom call (``native/first_argmax.cc``).
+
+XLA:CPU (jaxlib 0.10) runs :func:`model.sampling.first_argmax` over a decode step's logits
+[64, 49152] float32 as a single-threaded reduce_max fusion, a select and a reduce-window:
+about 14 ms of a 180 ms step at 64 slots (an XLA trace of ``Engine.decode``), for 12.6 MB
+that streams in under 1 ms. The kernel takes one row per work item on XLA's intra-op threads:
+a vectorised max, then the first index holding it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model import native_kernels
+
+TARGET = native_kernels.FIRST_ARGMAX  # the FFI target (registered by native_kernels)
+available = native_kernels.available  # whether the kernels are built and registered
+
+
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """Each row's first index of its largest value, by the native kernel (call ``available()``
+    first; CPU only): logits [R, V] float32 -> [R] int32, ``jnp.argmax``'s tie rule; a row
+    holding a NaN gives V - 1 (a valid id, as :func:`model.sampling.first_argmax` gives).
+
+    Raises:
+        XlaRuntimeError (at run time): logits that are not [R, V] with V >= 1.
+    """
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))
+    return call(logits.astype(jnp.float32))

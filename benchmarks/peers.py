@@ -39,6 +39,12 @@ prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column 
 roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
 llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
 
+The shared machine's matmul rate moves by minutes (the start-of-run probe read 161 to 311
+GFLOP/s across runs), so each worker also measures sgemm just before and just after its
+512-token TTFT timings and keeps the faster of the two ("sgemm GFLOP/s at that TTFT"); "TTFT /
+its compute floor" is that TTFT over the float32 prefill FLOPs at that rate (the faster probe
+gives the lower floor, so the ratio errs against the engine).
+
     python benchmarks/peers.py                                   # the full peers.md workload
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
     python benchmarks/peers.py --peers meshserve hf --json out.json
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -142,9 +149,16 @@ def measure_machine() -> dict[str, float]:
         a = np.ones(128 * 2**20, np.float32)
         t = min(_timed(a.sum)[1] for _ in range(3))
         bandwidth = a.nbytes / t
-        x = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
-        flops = 2 * 2048**3 / min(_timed(lambda: x @ x)[1] for _ in range(3))
+        flops = sgemm_rate()
     return {"read_bytes_per_s": bandwidth, "float32_flops": flops}
+
+
+def sgemm_rate(n: int = 2048, repeats: int = 3) -> float:
+    """float32 FLOP/s of numpy's sgemm on an n³ product, best of ``repeats`` (not cached: a
+    worker calls it around its TTFT timing, the machine's rate moving by minutes)."""
+    x = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    x @ x
+    return 2 * n**3 / min(_timed(lambda: x @ x)[1] for _ in range(repeats))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -431,7 +445,9 @@ def measure(runner: Runner, wl: dict[str, Any]) -> dict[str, Any]:
     long = wl["ttft_prompt"]
     runner.setup(1, len(long), 1)
     runner.generate([long], 1)
+    before = sgemm_rate()  # the machine's matmul rate next to the timing, for its floor
     ttft = statistics.median(_timed(lambda: runner.generate([long], 1))[1] for _ in range(R))
+    out["ttft_long_probe_flops"] = max(before, sgemm_rate())  # the faster: the lower floor
     out["ttft_long_s"] = ttft
     out["ttft_long_prefill_tok_s"] = len(long) / ttft
     print(f"peers:   TTFT of a {len(long)}-token prompt: {1e3 * ttft:.0f} ms", file=sys.stderr)
@@ -498,6 +514,10 @@ def add_utilization(
             u = decode(int(B), fig["tpot_ms"] / 1e3)
             fig.update(mbu=None if label in QUANTIZED else u.mbu, mfu=u.mfu, predicted_tpot_ms=1e3 * u.predicted_s)
         r["ttft_long_mfu"] = prefill(n_long, r["ttft_long_s"]).mfu
+        if r.get("ttft_long_probe_flops"):  # against the sgemm rate measured next to it
+            near = dataclasses.replace(hw, peak_flops={"float32": r["ttft_long_probe_flops"]})
+            floor = rl.prefill_utilization(cfg, near, par, n_long, "float32", 1.0).predicted_s
+            r["ttft_long_floor_ratio"] = r["ttft_long_s"] / floor
     roof: dict[str, Any] = {"status": "ok", "batches": {}}
     for B in wl["batches"]:
         tpot_s = decode(B, 1.0).predicted_s
@@ -548,6 +568,8 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
     figures.append((f"TTFT ms, 1 x {n_long}", ("ttft_long_s",), ".0f", 1e3))
     figures.append((f"MFU TTFT, 1 x {n_long}", ("ttft_long_mfu",), ".1%", 1.0))
     figures.append((f"prefill tok/s, 1 x {n_long}", ("ttft_long_prefill_tok_s",), ".0f", 1.0))
+    figures.append(("sgemm GFLOP/s at that TTFT", ("ttft_long_probe_flops",), ".0f", 1e-9))
+    figures.append(("TTFT / its compute floor", ("ttft_long_floor_ratio",), ".2f", 1.0))
     figures.append(("load s", ("load_s",), ".1f", 1.0))
     width = max(22, *(len(label) + 10 for label in labels))
     lines = [f"{'figure':28s}" + "".join(f"{label:>{width}s}" for label in labels)]

@@ -46,3 +46,21 @@ def test_mbu_mfu_and_the_roofline_column() -> None:
     assert "36.7%" in lines["MBU decode, B=1"] and "100.0%" in lines["MBU decode, B=1"]
     assert lines["MBU decode, B=1"].split()[4] == "-"  # Q4_1's cell
     assert "MFU TTFT, 1 x 16" in lines
+
+
+def test_ttft_against_the_floor_at_the_sgemm_rate_measured_next_to_it() -> None:
+    """A worker's own sgemm probe (taken around its 512-token TTFT) sets that engine's floor: at
+    twice the machine's rate, a compute-bound prefill's floor is half the roofline column's."""
+    probed = {**result(1.0), "ttft_long_probe_flops": 2e9}
+    results = {"meshserve fp32": probed, "HF transformers fp32": result(1.0)}  # HF: no probe
+    roof = peers.add_utilization(results, WL, MACHINE, TINY)
+    assert roof["ttft_long_mfu"] == pytest.approx(1.0)  # compute-bound at 16 tokens
+    assert probed["ttft_long_floor_ratio"] == pytest.approx(0.5 / (roof["ttft_long_s"] / 2))
+    assert "ttft_long_floor_ratio" not in results["HF transformers fp32"]
+    lines = {line[:28].strip(): line for line in peers.table({**results, peers.ROOFLINE: roof}, WL).splitlines()}
+    assert lines["sgemm GFLOP/s at that TTFT"].split()[5] == "2"
+    assert lines["TTFT / its compute floor"].split()[5] == f"{probed['ttft_long_floor_ratio']:.2f}"
+
+
+def test_sgemm_rate_is_positive() -> None:
+    assert peers.sgemm_rate(n=64, repeats=1) > 0

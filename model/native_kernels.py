@@ -3,7 +3,8 @@
 Five kernels, one shared library: the decode step's KV-cache write and attention and a first
 prefill chunk's causal attention (``model.cpu_attention``), the weight matmuls over packed
 weights (``model.cpu_matmul``): float32 panels, and bf16x3 on AMX tiles where the CPU has AMX
-(``amx_available``), and greedy decoding's argmax (``model.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
+(``amx_available``), and greedy decoding's argmax (``model.cpu_argmax``). The library is
+compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
 (``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
 flags, the jaxlib version and the CPU's feature flags, so a changed input builds a new file

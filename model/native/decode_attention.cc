@@ -183,8 +183,9 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
     block_scores<G, T>(q, kb, H, n, std::min(n, pos - b0), scores.data() + b0, W);
     b0 += n;
   }
-  const float* k_new = p.k_new + item * H;  // then position pos, after the passes (which may
-  for (int g = 0; g < G; ++g) {             // leave stale scores past their m)
+  // Then position pos's scores, after the passes (which may leave stale scores past their m).
+  const float* k_new = p.k_new + item * H;
+  for (int g = 0; g < G; ++g) {
     float acc = 0.0f;
     for (int64_t h = 0; h < H; ++h) {
       T stored;

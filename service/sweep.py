@@ -545,6 +545,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     import jax
 
     devices = jax.devices()
+    # The roofline's hardware first: "auto" measures this CPU (roofline.measure_cpu), which read
+    # 9.6 GB/s instead of 21 when it ran while XLA was still computing --random's weights.
+    predictor, overlay = roofline_predictor(args.hardware, devices[0].platform, devices[0].device_kind)
     try:
         scfg = SweepConfig(
             layouts=tuple(args.layouts or default_layouts(len(devices))),
@@ -562,7 +565,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"meshserve sweep: {exc}") from None
-    predictor, overlay = roofline_predictor(args.hardware, devices[0].platform, devices[0].device_kind)
     print(
         f"meshserve sweep: {source}; {cfg.param_count() / 1e6:.1f} M parameters, {args.dtype}; "
         f"{len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind})\n  {overlay}",

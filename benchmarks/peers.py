@@ -28,9 +28,18 @@ programs). Engines:
   column's, are to meshserve fp32.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
-engine runs in its own subprocess (no thread pools or allocators shared), one after another, never
-two at once, with its threads set to the machine's core count. The machine's read bandwidth and
-float32 matmul rate are measured first (numpy), for the table's header and the JSON.
+engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
+set to the machine's core count; the workers are loaded one after another and then all stay up,
+so their timed runs interleave: for each B, round after round, every engine runs once while the
+others wait on their pipes (``measure_all``), never two at once. The shared machine's speed moves
+by minutes: measured in turn, minutes apart, the same commit read meshserve fp32 at B=64 as 2.30x
+and as 1.36x HF in two runs an hour apart; interleaved, a slow phase falls on every engine of its
+round. The machine's read bandwidth and float32 matmul rate are measured
+first (numpy), for the table's header and the JSON.
+
+"host share of TPOT" (meshserve's engines): the mean time of an ``Engine.decode`` call (the
+host's work per step: its arguments and the jitted call's dispatch) over the TPOT; the loop
+overlaps it with the device's step, so it bounds host overhead from above.
 
 Against those two figures the table also gives, per engine, the MBU and MFU of decode at each B
 (``sharding.roofline.decode_utilization``: the bytes of the fp32 weights plus the KV cache of B rows
@@ -63,6 +72,7 @@ import importlib.util
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -180,6 +190,10 @@ class Runner:
     def generate(self, rows: list[list[int]], n: int) -> list[int]:
         raise NotImplementedError
 
+    def stats(self) -> dict[str, float]:
+        """Figures of the last ``generate`` besides its time (meshserve's: ``dispatch_ms``)."""
+        return {}
+
 
 class MeshserveRunner(Runner):
     def __init__(self, model: Path, threads: int, layers: str, matmul: str = "auto") -> None:
@@ -191,6 +205,7 @@ class MeshserveRunner(Runner):
         self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
         self.engine: Any = None
         self.layers, self.matmul = layers, matmul
+        self.dispatch_ms: float | None = None
         self.notes = (
             f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
             "pipelined decode"
@@ -202,6 +217,7 @@ class MeshserveRunner(Runner):
         from sharding.layouts import Layout
 
         self.engine = None  # free the previous cache first
+        self.dispatch_ms = None
         ecfg = EngineConfig(
             num_slots=batch,
             max_seq_len=prompt_len + new_tokens,
@@ -221,15 +237,26 @@ class MeshserveRunner(Runner):
         if n == 1:
             return got
         positions = np.full(B, P, np.int32)
+        t0 = time.perf_counter()
         pending = e.decode(tokens, positions)
+        dispatch = [time.perf_counter() - t0]
         from_prev = np.ones(B, np.int32)
         for _ in range(n - 2):
             positions = positions + 1
+            t0 = time.perf_counter()
             nxt = e.decode(tokens, positions, from_prev, prev_decode=pending)
+            dispatch.append(time.perf_counter() - t0)
             got.append(int(pending.host().ids[0]))
             pending = nxt
         got.append(int(pending.host().ids[0]))
+        self.dispatch_ms = 1e3 * statistics.mean(dispatch)
         return got
+
+    def stats(self) -> dict[str, float]:
+        """``dispatch_ms``: the mean time of the last ``generate``'s ``Engine.decode`` calls, the
+        host's work per decode step (the arguments, the jitted call's dispatch); the device runs
+        the step while the host waits for the previous step's ids."""
+        return {"dispatch_ms": self.dispatch_ms} if self.dispatch_ms is not None else {}
 
 
 class HFRunner(Runner):
@@ -416,42 +443,130 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
     raise ValueError(f"unknown engine {variant!r}")
 
 
-def measure(runner: Runner, wl: dict[str, Any]) -> dict[str, Any]:
-    """The workload's figures for one engine (see the module docstring)."""
-    P, N, R = wl["prompt_len"], wl["new_tokens"], wl["repeats"]
-    out: dict[str, Any] = {"batches": {}}
-    for B in wl["batches"]:
-        rows = wl["prompts"][:B]
-        runner.setup(B, P, N)
+def handle(runner: Runner, wl: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
+    """Run one of the coordinator's commands on this worker's engine (see ``measure_all``).
+
+    Ops: ``setup`` (B rows; one untimed N-token run, which compiles meshserve's programs: row 0's
+    ids and its seconds), ``time`` (one timed 1-token and one timed N-token run of the B rows:
+    ``ttft_s``, ``total_s`` and the runner's ``stats()``), ``long_setup`` (the long prompt; one
+    untimed run), ``long_time`` (one timed 1-token run of it, with sgemm probed just before and
+    just after: ``ttft_s``, ``probe_flops``, the faster probe).
+
+    Raises:
+        ValueError: an unknown op.
+    """
+    op, N = cmd["op"], wl["new_tokens"]
+    if op == "setup":
+        rows = wl["prompts"][: cmd["batch"]]
+        runner.setup(len(rows), wl["prompt_len"], N)
         ids, warm = _timed(partial(runner.generate, rows, N))
-        ttfts, totals = [], []
-        for _ in range(R):
-            ttfts.append(_timed(partial(runner.generate, rows, 1))[1])
-            totals.append(_timed(partial(runner.generate, rows, N))[1])
-        ttft, total = statistics.median(ttfts), statistics.median(totals)
-        decode = max(total - ttft, 1e-9)
-        out["batches"][str(B)] = {
-            "ttft_s": ttft,
-            "total_s": total,
-            "warmup_s": warm,
-            "tpot_ms": 1e3 * decode / (N - 1),
-            "decode_tok_s": B * (N - 1) / decode,
-            "prefill_tok_s": B * P / ttft,
-        }
-        if "row0_ids" not in out:  # the smallest batch comes first
-            out["row0_ids"] = ids
-        print(f"peers:   B={B}: TTFT {ttft:.3f} s, TPOT {1e3 * decode / (N - 1):.1f} ms, "
-              f"{B * (N - 1) / decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+        return {"ids": ids, "warmup_s": warm}
+    if op == "time":
+        rows = wl["prompts"][: cmd["batch"]]
+        ttft = _timed(partial(runner.generate, rows, 1))[1]
+        total = _timed(partial(runner.generate, rows, N))[1]
+        return {"ttft_s": ttft, "total_s": total, **runner.stats()}
     long = wl["ttft_prompt"]
-    runner.setup(1, len(long), 1)
-    runner.generate([long], 1)
-    before = sgemm_rate()  # the machine's matmul rate next to the timing, for its floor
-    ttft = statistics.median(_timed(lambda: runner.generate([long], 1))[1] for _ in range(R))
-    out["ttft_long_probe_flops"] = max(before, sgemm_rate())  # the faster: the lower floor
-    out["ttft_long_s"] = ttft
-    out["ttft_long_prefill_tok_s"] = len(long) / ttft
-    print(f"peers:   TTFT of a {len(long)}-token prompt: {1e3 * ttft:.0f} ms", file=sys.stderr)
-    return out
+    if op == "long_setup":
+        runner.setup(1, len(long), 1)
+        runner.generate([long], 1)
+        return {}
+    if op == "long_time":
+        before = sgemm_rate()  # the machine's matmul rate next to the timing, for its floor
+        ttft = _timed(partial(runner.generate, [long], 1))[1]
+        return {"ttft_s": ttft, "probe_flops": max(before, sgemm_rate())}  # the faster: the lower floor
+    raise ValueError(f"unknown op {op!r}")
+
+
+def measure_all(engines: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], wl: dict[str, Any],
+                settle_s: float = 0.5) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The workload's figures for every engine, their timed runs interleaved.
+
+    Args:
+        engines: label -> a call that runs one command (``handle``'s ops) on that engine's worker
+            and returns its reply, ``{"status": "ok", ...}`` or ``{"status": "failed: ..."}``.
+        wl: the workload (``make_workload``).
+        settle_s: seconds of pause before each command, so the previous engine's spinning
+            threads go idle first.
+
+    For each B every engine is set up and warmed, then ``repeats`` rounds follow, each timing
+    every engine once (the order reversed every other round, so a drift in the machine's speed
+    falls on all alike); likewise the long prompt. Figures are the medians of an engine's rounds.
+    An engine whose call fails or raises keeps that failure as its status; the others go on.
+
+    Returns: label -> ``{"status": "ok", "batches": {B: figures}, "row0_ids", "ttft_long_s",
+    "ttft_long_prefill_tok_s", "ttft_long_probe_flops"}`` or ``{"status": "failed: ..."}``.
+    """
+    results: dict[str, dict[str, Any]] = {label: {"status": "ok", "batches": {}} for label in engines}
+
+    def call(label: str, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        if results[label]["status"] != "ok":
+            return None
+        time.sleep(settle_s)
+        try:
+            reply = engines[label](cmd)
+        except Exception as exc:
+            reply = {"status": f"failed: {type(exc).__name__}: {exc}"}
+        if reply.get("status") != "ok":
+            results[label] = {"status": reply.get("status", f"failed: bad reply {reply!r}")}
+            print(f"peers: {label}: {results[label]['status']}", file=sys.stderr)
+            return None
+        return reply
+
+    labels, R = list(engines), wl["repeats"]
+    rounds = [labels if r % 2 == 0 else labels[::-1] for r in range(R)]
+    P, N = wl["prompt_len"], wl["new_tokens"]
+    for B in wl["batches"]:
+        warm = {label: call(label, {"op": "setup", "batch": B}) for label in labels}
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+        for order in rounds:
+            for label in order:
+                if (got := call(label, {"op": "time", "batch": B})) is not None:
+                    runs[label].append(got)
+        for label in labels:
+            r, w = results[label], warm[label]
+            if r["status"] != "ok" or w is None:
+                continue
+            ttft = statistics.median(x["ttft_s"] for x in runs[label])
+            total = statistics.median(x["total_s"] for x in runs[label])
+            decode = total - ttft
+            if decode <= 0:  # noise larger than the decode time: no decode figures
+                print(f"peers: {label}, B={B}: the {N}-token runs took no longer than the 1-token runs; "
+                      "no decode figures (use more --new-tokens)", file=sys.stderr)  # fmt: skip
+            fig = {
+                "ttft_s": ttft,
+                "total_s": total,
+                "warmup_s": w["warmup_s"],
+                "tpot_ms": 1e3 * decode / (N - 1) if decode > 0 else None,
+                "decode_tok_s": B * (N - 1) / decode if decode > 0 else None,
+                "prefill_tok_s": B * P / ttft,
+            }
+            if decode > 0 and all("dispatch_ms" in x for x in runs[label]):
+                fig["dispatch_ms"] = statistics.median(x["dispatch_ms"] for x in runs[label])
+                fig["host_share"] = fig["dispatch_ms"] / fig["tpot_ms"]
+            r["batches"][str(B)] = fig
+            r.setdefault("row0_ids", w["ids"])  # the smallest batch comes first
+            if decode > 0:
+                print(f"peers:   {label}, B={B}: TTFT {ttft:.3f} s, TPOT {fig['tpot_ms']:.1f} ms, "
+                      f"{fig['decode_tok_s']:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    for label in labels:
+        call(label, {"op": "long_setup"})
+    long_runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for order in rounds:
+        for label in order:
+            if (got := call(label, {"op": "long_time"})) is not None:
+                long_runs[label].append(got)
+    n_long = len(wl["ttft_prompt"])
+    for label in labels:
+        r = results[label]
+        if r["status"] != "ok":
+            continue
+        ttft = statistics.median(x["ttft_s"] for x in long_runs[label])
+        r["ttft_long_s"] = ttft
+        r["ttft_long_prefill_tok_s"] = n_long / ttft
+        r["ttft_long_probe_flops"] = max(x["probe_flops"] for x in long_runs[label])
+        print(f"peers:   {label}: TTFT of a {n_long}-token prompt: {1e3 * ttft:.0f} ms", file=sys.stderr)
+    return results
 
 
 def missing_modules(python: str, modules: list[str]) -> list[str]:
@@ -468,18 +583,80 @@ def missing_modules(python: str, modules: list[str]) -> list[str]:
     return done.stdout.split()
 
 
-def worker(variant: str, workload_path: str, result_path: str) -> int:
-    """Measure one engine; write its result (or its failure) as JSON."""
+def worker(variant: str, workload_path: str) -> int:
+    """One engine's worker: load it, then run the coordinator's commands (one JSON object per line
+    on stdin, ``handle``'s ops, ``quit`` to end) and answer each with one JSON line on stdout,
+    ``{"status": "ok", ...}`` or ``{"status": "failed: ..."}``. The first line says whether the
+    engine loaded (``load_s``, ``notes``). Whatever the engine itself prints goes to stderr."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)  # the coordinator's pipe
+    os.dup2(2, 1)  # C libraries' prints too
+    sys.stdout = sys.stderr
     wl = json.loads(Path(workload_path).read_text())
     os.environ["OMP_NUM_THREADS"] = str(wl["threads"])
+
+    def reply(obj: dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+
     try:
         runner, load_s = _timed(lambda: make_runner(variant, wl))
-        result = {"status": "ok", "load_s": load_s, "notes": runner.notes, **measure(runner, wl)}
     except Exception as exc:
         traceback.print_exc()
-        result = {"status": f"failed: {type(exc).__name__}: {exc}"}
-    Path(result_path).write_text(json.dumps(result))
+        reply({"status": f"failed: {type(exc).__name__}: {exc}"})
+        return 1
+    reply({"status": "ok", "load_s": load_s, "notes": runner.notes})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        try:
+            reply({"status": "ok", **handle(runner, wl, cmd)})
+        except Exception as exc:
+            traceback.print_exc()
+            reply({"status": f"failed: {type(exc).__name__}: {exc}"})
     return 0
+
+
+class Worker:
+    """A peer's worker process (``--worker``), driven by JSON lines: a command on its stdin, its
+    one-line reply on its stdout. ``hello`` is the first line (whether the engine loaded).
+
+    Raises (from ``__call__``): TimeoutError when a reply takes over ``timeout`` seconds (the
+    process is killed); RuntimeError when the process exits without one."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], timeout: float) -> None:
+        self.timeout = timeout
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            self.proc.kill()
+            raise TimeoutError(f"no reply in {self.timeout:.0f} s (--timeout)")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited (rc {self.proc.wait()})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def __call__(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        """Ask it to quit; kill it if it has not within 30 s."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # ---- against the roofline -----------------------------------------------------------------------
@@ -511,6 +688,8 @@ def add_utilization(
         if r.get("status") != "ok":
             continue
         for B, fig in r["batches"].items():
+            if fig.get("tpot_ms") is None:
+                continue
             u = decode(int(B), fig["tpot_ms"] / 1e3)
             fig.update(mbu=None if label in QUANTIZED else u.mbu, mfu=u.mfu, predicted_tpot_ms=1e3 * u.predicted_s)
         r["ttft_long_mfu"] = prefill(n_long, r["ttft_long_s"]).mfu
@@ -562,6 +741,7 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
         figures.append((f"TPOT ms, B={B}", ("batches", str(B), "tpot_ms"), ".1f", 1.0))
         figures.append((f"MBU decode, B={B}", ("batches", str(B), "mbu"), ".1%", 1.0))
         figures.append((f"MFU decode, B={B}", ("batches", str(B), "mfu"), ".1%", 1.0))
+        figures.append((f"host share of TPOT, B={B}", ("batches", str(B), "host_share"), ".1%", 1.0))
     for B in wl["batches"]:
         figures.append((f"TTFT s, B={B} x {wl['prompt_len']}", ("batches", str(B), "ttft_s"), ".3f", 1.0))
     n_long = len(wl["ttft_prompt"])
@@ -615,14 +795,21 @@ def main(argv: list[str] | None = None) -> int:
         default="unrolled",
         help="meshserve's EngineConfig.layers (%(default)s: the faster steps on CPU; scan compiles faster)",
     )
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per engine (%(default)s)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds an engine may take to load or to answer one command (%(default)s)",
+    )
+    p.add_argument(
+        "--settle", type=float, default=0.5, help="seconds of pause between two engines' timings (%(default)s)"
+    )
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "peers.json"), help="results (%(default)s)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.workload, args.result)
+        return worker(args.worker, args.workload)
     if args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
         p.error("--new-tokens must be >= 2, batches >= 1, --repeats >= 1")
 
@@ -636,7 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+    workers: dict[str, Worker] = {}
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp, contextlib.ExitStack() as stack:
         wl_path = Path(tmp) / "workload.json"
         wl_path.write_text(json.dumps(wl))
         pythons = dict(item.split("=", 1) for item in args.python)
@@ -648,14 +836,20 @@ def main(argv: list[str] | None = None) -> int:
                     results[label] = {"status": f"not installed (no {', '.join(missing)})"}
                     print(f"peers: {label}: not installed (no {', '.join(missing)})", file=sys.stderr)
                     continue
-                print(f"peers: {label} ...", file=sys.stderr)
-                out = Path(tmp) / f"{variant}.json"
-                cmd = [python, __file__, "--worker", variant, "--workload", str(wl_path), "--result", str(out)]
+                print(f"peers: loading {label} ...", file=sys.stderr)  # one at a time: load_s is its own
+                cmd = [python, __file__, "--worker", variant, "--workload", str(wl_path)]
                 try:
-                    subprocess.run(cmd, env=env, timeout=args.timeout, check=False)
-                    results[label] = json.loads(out.read_text()) if out.exists() else {"status": "failed: no result"}
-                except subprocess.TimeoutExpired:
-                    results[label] = {"status": f"failed: over --timeout {args.timeout:.0f} s"}
+                    w = Worker(cmd, env, args.timeout)
+                except (TimeoutError, RuntimeError, json.JSONDecodeError) as exc:
+                    results[label] = {"status": f"failed: {exc}"}
+                    continue
+                stack.callback(w.close)
+                results[label] = w.hello
+                if w.hello.get("status") == "ok":
+                    workers[label] = w
+        measured = measure_all(dict(workers), wl, args.settle)
+    for label, r in measured.items():
+        results[label] = {**results[label], **r} if r["status"] == "ok" else r
 
     roofline = add_utilization(results, wl, machine, LlamaConfig.from_gguf(model))
     header = (

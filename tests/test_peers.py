@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,107 @@ def test_ttft_against_the_floor_at_the_sgemm_rate_measured_next_to_it() -> None:
 
 def test_sgemm_rate_is_positive() -> None:
     assert peers.sgemm_rate(n=64, repeats=1) > 0
+
+
+class Recorder:
+    """Fake engines for ``measure_all``: each answers from ``times[label]`` in turn and logs the call."""
+
+    def __init__(self, times: dict[str, list[tuple[float, float]]], fail_at: dict[str, int] | None = None) -> None:
+        self.times, self.fail_at, self.log = times, fail_at or {}, []
+
+    def engine(self, label: str):
+        def call(cmd: dict) -> dict:
+            self.log.append((label, cmd["op"], cmd.get("batch")))
+            timed = sum(1 for lab, op, _ in self.log if lab == label and op == "time")
+            if cmd["op"] == "time" and timed == self.fail_at.get(label):
+                raise RuntimeError("worker exited (rc 1)")
+            if cmd["op"] == "setup":
+                return {"status": "ok", "ids": [7, 8], "warmup_s": 9.0}
+            if cmd["op"] == "time":
+                ttft, total = self.times[label][(timed - 1) % len(self.times[label])]
+                return {"status": "ok", "ttft_s": ttft, "total_s": total, "dispatch_ms": 1.0}
+            if cmd["op"] == "long_time":
+                return {"status": "ok", "ttft_s": 0.5, "probe_flops": 1e9 * timed_long(self.log, label)}
+            return {"status": "ok"}
+
+        return call
+
+
+def timed_long(log: list, label: str) -> int:
+    return sum(1 for lab, op, _ in log if lab == label and op == "long_time")
+
+
+def test_measure_all_interleaves_rounds_and_takes_each_engines_median() -> None:
+    wl = {**WL, "batches": [2], "repeats": 3, "new_tokens": 5, "prompts": [[1] * 8] * 2}
+    rec = Recorder({"a": [(0.1, 0.5), (0.3, 0.9), (0.2, 0.6)], "b": [(0.2, 0.1)]})
+    out = peers.measure_all({"a": rec.engine("a"), "b": rec.engine("b")}, wl, settle_s=0.0)
+    timed = [lab for lab, op, _ in rec.log if op == "time"]
+    assert timed == ["a", "b", "b", "a", "a", "b"]  # every other round reversed
+    assert [op for lab, op, _ in rec.log if lab == "a"] == ["setup", "time", "time", "time", "long_setup"] + [
+        "long_time"
+    ] * 3
+    fig = out["a"]["batches"]["2"]
+    assert fig["ttft_s"] == pytest.approx(0.2) and fig["total_s"] == pytest.approx(0.6)  # medians
+    assert fig["tpot_ms"] == pytest.approx(1e3 * 0.4 / 4) and fig["decode_tok_s"] == pytest.approx(2 * 4 / 0.4)
+    assert fig["host_share"] == pytest.approx(1.0 / 100.0) and fig["warmup_s"] == 9.0
+    assert out["a"]["row0_ids"] == [7, 8] and out["a"]["ttft_long_probe_flops"] == 3e9  # the fastest probe
+    # b's 5-token runs were faster than its 1-token runs: no decode figures, and none made up.
+    assert out["b"]["batches"]["2"]["tpot_ms"] is None and "host_share" not in out["b"]["batches"]["2"]
+    peers.add_utilization({"b": out["b"]}, wl, MACHINE, TINY)
+    assert "mbu" not in out["b"]["batches"]["2"]
+
+
+def test_a_failing_engine_drops_out_and_the_others_go_on() -> None:
+    wl = {**WL, "batches": [1, 2], "repeats": 2, "prompts": [[1] * 8] * 2}
+    rec = Recorder({"a": [(0.1, 0.5)], "c": [(0.1, 0.5)]}, fail_at={"c": 2})
+    out = peers.measure_all({"a": rec.engine("a"), "c": rec.engine("c")}, wl, settle_s=0.0)
+    assert out["c"] == {"status": "failed: RuntimeError: worker exited (rc 1)"}
+    assert [op for lab, op, _ in rec.log if lab == "c"] == ["setup", "time", "time"]  # no call after it failed
+    assert set(out["a"]["batches"]) == {"1", "2"} and out["a"]["ttft_long_s"] == 0.5
+
+
+class FakeRunner(peers.Runner):
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
+        self.calls.append(("setup", batch, prompt_len, new_tokens))
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        self.calls.append(("generate", len(rows), len(rows[0]), n))
+        return list(range(n))
+
+
+def test_handle_runs_each_command_on_the_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    probes = iter([2e9, 3e9])
+    monkeypatch.setattr(peers, "sgemm_rate", lambda: next(probes))
+    wl = {**WL, "prompts": [[1] * 8] * 2}
+    r = FakeRunner()
+    assert peers.handle(r, wl, {"op": "setup", "batch": 2})["ids"] == [0, 1, 2, 3]
+    got = peers.handle(r, wl, {"op": "time", "batch": 2})
+    assert got["total_s"] >= 0 and got["ttft_s"] >= 0
+    assert peers.handle(r, wl, {"op": "long_setup"}) == {}
+    assert peers.handle(r, wl, {"op": "long_time"})["probe_flops"] == 3e9  # the faster of the two
+    assert r.calls == [("setup", 2, 8, 4), ("generate", 2, 8, 4), ("generate", 2, 8, 1), ("generate", 2, 8, 4),
+                       ("setup", 1, 16, 1), ("generate", 1, 16, 1), ("generate", 1, 16, 1)]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown op"):
+        peers.handle(r, wl, {"op": "nap"})
+
+
+def test_worker_pipe_round_trip_timeout_and_exit() -> None:
+    echo = "import sys, json\nprint(json.dumps({'status': 'ok'}), flush=True)\nfor line in sys.stdin:\n" \
+           "    c = json.loads(line)\n    if c['op'] == 'quit': break\n    if c['op'] == 'die': sys.exit(3)\n" \
+           "    if c['op'] == 'nap': import time; time.sleep(30)\n" \
+           "    print(json.dumps({'status': 'ok', 'echo': c['op']}), flush=True)\n"  # fmt: skip
+    w = peers.Worker([sys.executable, "-c", echo], dict(os.environ), timeout=20)
+    assert w.hello == {"status": "ok"} and w({"op": "time"}) == {"status": "ok", "echo": "time"}
+    w.close()
+    assert w.proc.returncode == 0
+    w = peers.Worker([sys.executable, "-c", echo], dict(os.environ), timeout=20)
+    with pytest.raises(RuntimeError, match="rc 3"):
+        w({"op": "die"})
+    w = peers.Worker([sys.executable, "-c", echo], dict(os.environ), timeout=0.5)
+    with pytest.raises(TimeoutError):
+        w({"op": "nap"})
+    w.close()
+    assert w.proc.returncode is not None

@@ -4,12 +4,16 @@ The workload is the one of ``/work/shared/reference/peers.md``: B rows of 128-to
 (different windows of one English text, so no padding), greedy, exactly N = 128 new tokens, for
 B in 1 8 32 64; plus the TTFT of one 512-token prompt. For each engine and B:
 
-* TTFT_B = time of a 1-token generation of the B rows (the whole batch's prefill);
-* total = time of the N-token generation; decode tok/s = B (N - 1) / (total - TTFT_B);
-  TPOT = (total - TTFT_B) / (N - 1), the single-stream TPOT at B = 1;
+* TTFT_B = from the call to the moment every row's first new token is known (the whole
+  batch's prefill), as the engine's own loop timestamps it;
+* decode = from then to the N-th token; TPOT = decode / (N - 1), the single-stream TPOT at
+  B = 1; decode tok/s = B (N - 1) / decode;
 
 each the median of ``--repeats`` runs after one untimed warm-up run (which compiles meshserve's
-programs). Engines:
+programs). Both come from the same N-token run: at B = 64 the prefill of the rows takes 10-50 s
+and the decode 4-18 s, so a TPOT taken as (N-token run - separate 1-token run) / (N - 1), as this
+script did before, moved by tens of ms with the prefill's own noise. An engine whose loop cannot be
+timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
 
 * ``meshserve``: the Engine itself (no gRPC), float32, the GGUF's weights dequantized; one slot per
   row, prompts prefilled one after another, decode steps pipelined as the engine loop does
@@ -180,9 +184,11 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 # ---- engines (each in its own worker process) -----------------------------------------------------
 class Runner:
     """One engine: ``setup(B, prompt_len, new_tokens)`` prepares for B rows, ``generate(rows, n)``
-    returns row 0's n greedy ids once all rows have n."""
+    returns row 0's n greedy ids once all rows have n, setting ``first_at`` (``time.perf_counter()``
+    when every row's first new token was known) where the engine's loop lets it."""
 
     notes = ""
+    first_at: float | None = None  # perf_counter() once generate knew every row's first new token
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
         pass
@@ -233,6 +239,7 @@ class MeshserveRunner(Runner):
         e, B, P = self.engine, len(rows), len(rows[0])
         outs = [e.prefill(slot, row, 0) for slot, row in enumerate(rows)]
         tokens = np.array([o.host().ids[0] for o in outs], np.int32)
+        self.first_at = time.perf_counter()
         got = [int(tokens[0])]
         if n == 1:
             return got
@@ -275,6 +282,21 @@ class HFRunner(Runner):
         self.notes = f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, sdpa"
 
     def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        from transformers.generation.streamers import BaseStreamer
+
+        runner = self
+
+        class FirstToken(BaseStreamer):  # generate puts the prompt, then each step's new tokens
+            puts = 0
+
+            def put(self, value: Any) -> None:
+                self.puts += 1
+                if self.puts == 2:
+                    runner.first_at = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
         torch = self.torch
         ids = torch.tensor(rows, dtype=torch.long)
         with torch.inference_mode():
@@ -285,6 +307,7 @@ class HFRunner(Runner):
                 min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
+                streamer=FirstToken(),
             )
         return out[0, ids.shape[1] :].tolist()
 
@@ -387,6 +410,7 @@ class LlamaCppRunner(Runner):
             for i, (_, _, seq, logits) in enumerate(chunk):
                 if logits:
                     last[seq] = self._argmax(i)
+        self.first_at = time.perf_counter()
         got = [last[0]]
         for k in range(1, n):
             self._decode([(last[s], len(rows[s]) + k - 1, s, True) for s in range(B)])
@@ -447,8 +471,9 @@ def handle(runner: Runner, wl: dict[str, Any], cmd: dict[str, Any]) -> dict[str,
     """Run one of the coordinator's commands on this worker's engine (see ``measure_all``).
 
     Ops: ``setup`` (B rows; one untimed N-token run, which compiles meshserve's programs: row 0's
-    ids and its seconds), ``time`` (one timed 1-token and one timed N-token run of the B rows:
-    ``ttft_s``, ``total_s`` and the runner's ``stats()``), ``long_setup`` (the long prompt; one
+    ids and its seconds), ``time`` (one timed N-token run of the B rows: ``ttft_s`` and
+    ``decode_s`` split at the runner's ``first_at``, ``total_s``, and the runner's ``stats()``;
+    without ``first_at`` a timed 1-token run gives ``ttft_s``), ``long_setup`` (the long prompt; one
     untimed run), ``long_time`` (one timed 1-token run of it, with sgemm probed just before and
     just after: ``ttft_s``, ``probe_flops``, the faster probe).
 
@@ -463,9 +488,14 @@ def handle(runner: Runner, wl: dict[str, Any], cmd: dict[str, Any]) -> dict[str,
         return {"ids": ids, "warmup_s": warm}
     if op == "time":
         rows = wl["prompts"][: cmd["batch"]]
-        ttft = _timed(partial(runner.generate, rows, 1))[1]
-        total = _timed(partial(runner.generate, rows, N))[1]
-        return {"ttft_s": ttft, "total_s": total, **runner.stats()}
+        runner.first_at = None
+        start = time.perf_counter()
+        runner.generate(rows, N)
+        end, first = time.perf_counter(), runner.first_at
+        stats = runner.stats()
+        if first is None:  # the runner cannot timestamp its first token: a 1-token run instead
+            first = start + _timed(partial(runner.generate, rows, 1))[1]
+        return {"ttft_s": first - start, "decode_s": end - first, "total_s": end - start, **stats}
     long = wl["ttft_prompt"]
     if op == "long_setup":
         runner.setup(1, len(long), 1)
@@ -529,8 +559,8 @@ def measure_all(engines: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], 
                 continue
             ttft = statistics.median(x["ttft_s"] for x in runs[label])
             total = statistics.median(x["total_s"] for x in runs[label])
-            decode = total - ttft
-            if decode <= 0:  # noise larger than the decode time: no decode figures
+            decode = statistics.median(x["decode_s"] for x in runs[label])
+            if decode <= 0:  # a 1-token run (no first_at) slower than the N-token one: no decode figures
                 print(f"peers: {label}, B={B}: the {N}-token runs took no longer than the 1-token runs; "
                       "no decode figures (use more --new-tokens)", file=sys.stderr)  # fmt: skip
             fig = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ class Recorder:
                 return {"status": "ok", "ids": [7, 8], "warmup_s": 9.0}
             if cmd["op"] == "time":
                 ttft, total = self.times[label][(timed - 1) % len(self.times[label])]
-                return {"status": "ok", "ttft_s": ttft, "total_s": total, "dispatch_ms": 1.0}
+                return {"status": "ok", "ttft_s": ttft, "total_s": total, "decode_s": total - ttft, "dispatch_ms": 1.0}
             if cmd["op"] == "long_time":
                 return {"status": "ok", "ttft_s": 0.5, "probe_flops": 1e9 * timed_long(self.log, label)}
             return {"status": "ok"}
@@ -110,7 +111,8 @@ def test_measure_all_interleaves_rounds_and_takes_each_engines_median() -> None:
     assert fig["tpot_ms"] == pytest.approx(1e3 * 0.4 / 4) and fig["decode_tok_s"] == pytest.approx(2 * 4 / 0.4)
     assert fig["host_share"] == pytest.approx(1.0 / 100.0) and fig["warmup_s"] == 9.0
     assert out["a"]["row0_ids"] == [7, 8] and out["a"]["ttft_long_probe_flops"] == 3e9  # the fastest probe
-    # b's 5-token runs were faster than its 1-token runs: no decode figures, and none made up.
+    # b's 5-token runs were faster than its 1-token runs (a runner without first_at): no decode
+    # figures, and none made up.
     assert out["b"]["batches"]["2"]["tpot_ms"] is None and "host_share" not in out["b"]["batches"]["2"]
     peers.add_utilization({"b": out["b"]}, wl, MACHINE, TINY)
     assert "mbu" not in out["b"]["batches"]["2"]
@@ -126,14 +128,19 @@ def test_a_failing_engine_drops_out_and_the_others_go_on() -> None:
 
 
 class FakeRunner(peers.Runner):
-    def __init__(self) -> None:
+    def __init__(self, stamps: bool = False) -> None:
         self.calls: list = []
+        self.stamps = stamps  # whether generate sets first_at, as the real runners but vLLM's do
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
         self.calls.append(("setup", batch, prompt_len, new_tokens))
 
     def generate(self, rows: list[list[int]], n: int) -> list[int]:
         self.calls.append(("generate", len(rows), len(rows[0]), n))
+        if self.stamps:
+            time.sleep(0.01)
+            self.first_at = time.perf_counter()
+            time.sleep(0.02)
         return list(range(n))
 
 
@@ -143,14 +150,20 @@ def test_handle_runs_each_command_on_the_runner(monkeypatch: pytest.MonkeyPatch)
     wl = {**WL, "prompts": [[1] * 8] * 2}
     r = FakeRunner()
     assert peers.handle(r, wl, {"op": "setup", "batch": 2})["ids"] == [0, 1, 2, 3]
-    got = peers.handle(r, wl, {"op": "time", "batch": 2})
-    assert got["total_s"] >= 0 and got["ttft_s"] >= 0
+    got = peers.handle(r, wl, {"op": "time", "batch": 2})  # no first_at: a 1-token run for TTFT
+    assert got["ttft_s"] >= 0 and got["decode_s"] == pytest.approx(got["total_s"] - got["ttft_s"])
     assert peers.handle(r, wl, {"op": "long_setup"}) == {}
     assert peers.handle(r, wl, {"op": "long_time"})["probe_flops"] == 3e9  # the faster of the two
-    assert r.calls == [("setup", 2, 8, 4), ("generate", 2, 8, 4), ("generate", 2, 8, 1), ("generate", 2, 8, 4),
+    assert r.calls == [("setup", 2, 8, 4), ("generate", 2, 8, 4), ("generate", 2, 8, 4), ("generate", 2, 8, 1),
                        ("setup", 1, 16, 1), ("generate", 1, 16, 1), ("generate", 1, 16, 1)]  # fmt: skip
     with pytest.raises(ValueError, match="unknown op"):
         peers.handle(r, wl, {"op": "nap"})
+    # A runner that timestamps its first token: TTFT and decode split one run, no extra run.
+    r = FakeRunner(stamps=True)
+    got = peers.handle(r, wl, {"op": "time", "batch": 2})
+    assert r.calls == [("generate", 2, 8, 4)]
+    assert 0.01 <= got["ttft_s"] < got["total_s"] and 0.02 <= got["decode_s"] < got["total_s"]
+    assert got["ttft_s"] + got["decode_s"] == pytest.approx(got["total_s"])
 
 
 def test_worker_pipe_round_trip_timeout_and_exit() -> None:

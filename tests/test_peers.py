@@ -1,4 +1,5 @@
-"""benchmarks/peers.py's MBU/MFU columns and roofline column on hand-made results (no engine runs)."""
+"""benchmarks/peers.py on hand-made results and fakes (no engine runs): the MBU/MFU and roofline columns, the
+interleaved rounds of measure_all, the worker's commands (handle) and its JSON-lines pipe (Worker)."""
 
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ so their timed runs interleave: for each B, round after round, every engine runs
 others wait on their pipes (``measure_all``), never two at once. The shared machine's speed moves
 by minutes: measured in turn, minutes apart, the same commit read meshserve fp32 at B=64 as 2.30x
 and as 1.36x HF in two runs an hour apart; interleaved, a slow phase falls on every engine of its
-round. The machine's read bandwidth and float32 matmul rate are measured
-first (numpy), for the table's header and the JSON.
+round. The machine's read bandwidth and float32 matmul rate are measured first (numpy), for
+the table's header and the JSON.
 
 "host share of TPOT" (meshserve's engines): the mean time of an ``Engine.decode`` call (the
 host's work per step: its arguments and the jitted call's dispatch) over the TPOT; the loop
@@ -53,10 +53,10 @@ roofline's own figures on this machine (its TTFT_B: B prompts prefilled one afte
 llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
 
 The shared machine's matmul rate moves by minutes (the start-of-run probe read 161 to 311
-GFLOP/s across runs), so each worker also measures sgemm just before and just after its
-512-token TTFT timings and keeps the faster of the two ("sgemm GFLOP/s at that TTFT"); "TTFT /
-its compute floor" is that TTFT over the float32 prefill FLOPs at that rate (the faster probe
-gives the lower floor, so the ratio errs against the engine).
+GFLOP/s across runs), so each worker also measures sgemm just before and just after each of its
+512-token TTFT timings and keeps the fastest ("sgemm GFLOP/s at that TTFT"); "TTFT / its
+compute floor" is that TTFT over the float32 prefill FLOPs at that rate (the fastest probe gives
+the lowest floor, so the ratio errs against the engine).
 
     python benchmarks/peers.py                                   # the full peers.md workload
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check

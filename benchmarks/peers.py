@@ -41,16 +41,16 @@ and as 1.36x HF in two runs an hour apart; interleaved, a slow phase falls on ev
 round. The machine's read bandwidth and float32 matmul rate are measured first (numpy), for
 the table's header and the JSON.
 
-"host share of TPOT" (meshserve's engines): the mean time of an ``Engine.decode`` call (the
-host's work per step: its arguments and the jitted call's dispatch) over the TPOT; the loop
-overlaps it with the device's step, so it bounds host overhead from above.
-
 Against those two figures the table also gives, per engine, the MBU and MFU of decode at each B
 (``sharding.roofline.decode_utilization``: the bytes of the fp32 weights plus the KV cache of B rows
 at the mean context P + N/2, and the step's FLOPs, over the measured TPOT) and the MFU of the long
 prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column with the
 roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
 llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
+
+"host share of TPOT" (meshserve's engines): the mean time of an ``Engine.decode`` call (the
+host's work per step: its arguments and the jitted call's dispatch) over the TPOT; the loop
+overlaps it with the device's step, so it bounds host overhead from above.
 
 The shared machine's matmul rate moves by minutes (the start-of-run probe read 161 to 311
 GFLOP/s across runs), so each worker also measures sgemm just before and just after each of its
@@ -243,16 +243,19 @@ class MeshserveRunner(Runner):
         got = [int(tokens[0])]
         if n == 1:
             return got
+        dispatch: list[float] = []
+
+        def decode(*args: Any, **kwargs: Any) -> Any:  # Engine.decode, its call timed
+            out, seconds = _timed(partial(e.decode, *args, **kwargs))
+            dispatch.append(seconds)
+            return out
+
         positions = np.full(B, P, np.int32)
-        t0 = time.perf_counter()
-        pending = e.decode(tokens, positions)
-        dispatch = [time.perf_counter() - t0]
+        pending = decode(tokens, positions)
         from_prev = np.ones(B, np.int32)
         for _ in range(n - 2):
             positions = positions + 1
-            t0 = time.perf_counter()
-            nxt = e.decode(tokens, positions, from_prev, prev_decode=pending)
-            dispatch.append(time.perf_counter() - t0)
+            nxt = decode(tokens, positions, from_prev, prev_decode=pending)
             got.append(int(pending.host().ids[0]))
             pending = nxt
         got.append(int(pending.host().ids[0]))
@@ -280,24 +283,24 @@ class HFRunner(Runner):
             model.parent, gguf_file=model.name, dtype=torch.float32, attn_implementation="sdpa"
         ).eval()
         self.notes = f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, sdpa"
-
-    def generate(self, rows: list[list[int]], n: int) -> list[int]:
         from transformers.generation.streamers import BaseStreamer
 
-        runner = self
-
         class FirstToken(BaseStreamer):  # generate puts the prompt, then each step's new tokens
-            puts = 0
+            puts, first_at = 0, None
 
             def put(self, value: Any) -> None:
                 self.puts += 1
                 if self.puts == 2:
-                    runner.first_at = time.perf_counter()
+                    self.first_at = time.perf_counter()
 
             def end(self) -> None:
                 pass
 
+        self.first_token = FirstToken
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
         torch = self.torch
+        streamer = self.first_token()
         ids = torch.tensor(rows, dtype=torch.long)
         with torch.inference_mode():
             out = self.model.generate(
@@ -307,8 +310,9 @@ class HFRunner(Runner):
                 min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
-                streamer=FirstToken(),
+                streamer=streamer,
             )
+        self.first_at = streamer.first_at
         return out[0, ids.shape[1] :].tolist()
 
 
@@ -543,16 +547,21 @@ def measure_all(engines: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], 
             return None
         return reply
 
-    labels, R = list(engines), wl["repeats"]
-    rounds = [labels if r % 2 == 0 else labels[::-1] for r in range(R)]
+    labels = list(engines)
+
+    def rounds(cmd: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+        """``cmd`` on every engine, ``repeats`` times, every other round in reverse order."""
+        replies: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+        for r in range(wl["repeats"]):
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                if (got := call(label, cmd)) is not None:
+                    replies[label].append(got)
+        return replies
+
     P, N = wl["prompt_len"], wl["new_tokens"]
     for B in wl["batches"]:
         warm = {label: call(label, {"op": "setup", "batch": B}) for label in labels}
-        runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
-        for order in rounds:
-            for label in order:
-                if (got := call(label, {"op": "time", "batch": B})) is not None:
-                    runs[label].append(got)
+        runs = rounds({"op": "time", "batch": B})
         for label in labels:
             r, w = results[label], warm[label]
             if r["status"] != "ok" or w is None:
@@ -560,32 +569,23 @@ def measure_all(engines: dict[str, Callable[[dict[str, Any]], dict[str, Any]]], 
             ttft = statistics.median(x["ttft_s"] for x in runs[label])
             total = statistics.median(x["total_s"] for x in runs[label])
             decode = statistics.median(x["decode_s"] for x in runs[label])
+            fig = {"ttft_s": ttft, "total_s": total, "warmup_s": w["warmup_s"], "prefill_tok_s": B * P / ttft,
+                   "tpot_ms": None, "decode_tok_s": None}  # fmt: skip
             if decode <= 0:  # a 1-token run (no first_at) slower than the N-token one: no decode figures
                 print(f"peers: {label}, B={B}: the {N}-token runs took no longer than the 1-token runs; "
                       "no decode figures (use more --new-tokens)", file=sys.stderr)  # fmt: skip
-            fig = {
-                "ttft_s": ttft,
-                "total_s": total,
-                "warmup_s": w["warmup_s"],
-                "tpot_ms": 1e3 * decode / (N - 1) if decode > 0 else None,
-                "decode_tok_s": B * (N - 1) / decode if decode > 0 else None,
-                "prefill_tok_s": B * P / ttft,
-            }
-            if decode > 0 and all("dispatch_ms" in x for x in runs[label]):
-                fig["dispatch_ms"] = statistics.median(x["dispatch_ms"] for x in runs[label])
-                fig["host_share"] = fig["dispatch_ms"] / fig["tpot_ms"]
-            r["batches"][str(B)] = fig
-            r.setdefault("row0_ids", w["ids"])  # the smallest batch comes first
-            if decode > 0:
+            else:
+                fig.update(tpot_ms=1e3 * decode / (N - 1), decode_tok_s=B * (N - 1) / decode)
+                if all("dispatch_ms" in x for x in runs[label]):
+                    fig["dispatch_ms"] = statistics.median(x["dispatch_ms"] for x in runs[label])
+                    fig["host_share"] = fig["dispatch_ms"] / fig["tpot_ms"]
                 print(f"peers:   {label}, B={B}: TTFT {ttft:.3f} s, TPOT {fig['tpot_ms']:.1f} ms, "
                       f"{fig['decode_tok_s']:.1f} tok/s", file=sys.stderr)  # fmt: skip
+            r["batches"][str(B)] = fig
+            r.setdefault("row0_ids", w["ids"])  # the smallest batch comes first
     for label in labels:
         call(label, {"op": "long_setup"})
-    long_runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
-    for order in rounds:
-        for label in order:
-            if (got := call(label, {"op": "long_time"})) is not None:
-                long_runs[label].append(got)
+    long_runs = rounds({"op": "long_time"})
     n_long = len(wl["ttft_prompt"])
     for label in labels:
         r = results[label]

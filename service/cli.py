@@ -419,9 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"])
     s.add_argument(
         "--layers",
-        choices=["unrolled", "scan"],
-        help="decoder blocks as lax.scan over stacked weights (default: fast compile) or as an unrolled "
-        "loop over per-layer weights (faster decode steps on CPU, about 3x the compile time)",
+        choices=["auto", "unrolled", "scan"],
+        help="decoder blocks as lax.scan over stacked weights (fast compile) or as an unrolled loop over "
+        "per-layer weights (faster decode steps, about 3x the compile time); auto (default): scan on CPU, "
+        "unrolled on a GPU or TPU",
     )
     s.add_argument(
         "--matmul",

@@ -78,7 +78,8 @@ class ServerConfig:
         max_queue: most requests waiting for a slot before RESOURCE_EXHAUSTED.
         default_max_tokens: max_tokens when a request leaves it unset.
         dtype: "float32" (CPU) or "bfloat16" (accelerators).
-        layers: "scan" (fast compile) or "unrolled" (faster steps on CPU; see EngineConfig).
+        layers: "auto" (scan on CPU, unrolled on accelerators), "scan" (fast compile) or
+            "unrolled" (faster steps; see EngineConfig).
         matmul: "auto", "xla" or "bf16x3" (the AMX bf16x3 precision, opt-in; see EngineConfig).
         warmup_full: compile every shape variant before reporting SERVING (else only the
             smallest; others compile on first use and land in the persistent cache).
@@ -108,7 +109,7 @@ class ServerConfig:
     max_queue: int = 64
     default_max_tokens: int = 512
     dtype: str = "float32"
-    layers: str = "scan"
+    layers: str = "auto"
     matmul: str = "auto"
     warmup_full: bool = False
     stall_timeout_s: float = 120.0
@@ -281,11 +282,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         loaded = "restore" if kind == "checkpoint" else "load"
         log.info(
             "model %s (%s) ready in %.1f s: %s %.1f s, place+KV %.1f s, compile %.1f s, warm-up %.1f s; "
-            "pools: %s; %d slots x %d tokens each",
+            "pools: %s; %d slots x %d tokens each; %s layers",
             path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
             clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
-            cfg.num_slots, cfg.max_seq_len,
+            cfg.num_slots, cfg.max_seq_len, engines[0].ecfg.layers,
         )  # fmt: skip
         self.startup_seconds = {
             loaded: t_load - c_load,

@@ -11,7 +11,9 @@ devices present (fake CPU devices included: ``--cpu-devices 8`` or
 3. every decode window the timed steps use is compiled (timed as the decode compile), then
    ``warmup_steps`` + ``steps`` greedy decode steps run for all B slots, each blocking on its host
    copy as the engine loop's postprocess does: the median of the last ``steps`` is the TPOT, and
-   B / TPOT the decode throughput.
+   B / TPOT the decode throughput. ``decode_call_ms`` is the median time of the ``Engine.decode``
+   call alone (host work: arguments, dispatch), before the step's host copy waits for the device;
+   the engine loop overlaps it with the step before, the sweep does not.
 
 Compile times are the first calls' times less one steady-state run of the same program.
 
@@ -59,6 +61,7 @@ FIELDS = [
     "data",
     "model",
     "attention",
+    "layers",
     "devices",
     "batch",
     "prompt_len",
@@ -77,6 +80,7 @@ FIELDS = [
     "tpot_ms",
     "tpot_min_ms",
     "tpot_max_ms",
+    "decode_call_ms",
     "decode_tok_s",
     "predicted_tpot_ms",
     "predicted_ttft_ms",
@@ -100,7 +104,7 @@ class SweepConfig:
         steps: timed decode steps K per point (the TPOT is their median).
         warmup_steps: decode steps run before the timed ones, not counted.
         dtype: parameter and KV-cache dtype.
-        layers: ``EngineConfig.layers``: "scan" or "unrolled".
+        layers: ``EngineConfig.layers``: "auto", "scan" or "unrolled".
         seed: seeds the prompt ids.
         max_seq_len: KV-cache tokens per slot; None = just enough (P + warmup_steps + steps + 1).
     """
@@ -111,7 +115,7 @@ class SweepConfig:
     steps: int = 16
     warmup_steps: int = 2
     dtype: str = "float32"
-    layers: str = "scan"
+    layers: str = "auto"
     seed: int = 0
     max_seq_len: int | None = None
 
@@ -180,14 +184,17 @@ def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: in
         first_decode[window] = time.perf_counter() - t0
 
     positions = np.full(B, P, np.int32)
-    step_s = []
+    step_s, call_s = [], []
     for i in range(warmup_steps + steps):
         t0 = time.perf_counter()
-        host = engine.decode(tokens, positions).host()
+        out = engine.decode(tokens, positions)
+        t1 = time.perf_counter()
+        host = out.host()
         dt = time.perf_counter() - t0
         tokens, positions = host.ids, positions + 1
         if i >= warmup_steps:
             step_s.append(dt)
+            call_s.append(t1 - t0)
 
     prefill = statistics.median(prefill_s)
     tpot = statistics.median(step_s)
@@ -206,6 +213,7 @@ def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: in
         "tpot_ms": _ms(tpot),
         "tpot_min_ms": _ms(min(step_s)),
         "tpot_max_ms": _ms(max(step_s)),
+        "decode_call_ms": _ms(statistics.median(call_s)),
         "decode_tok_s": B / tpot,
     }
 
@@ -371,6 +379,7 @@ def run_sweep(
                     t0 = time.perf_counter()
                     engine = Engine(cfg, graphdef, params, layout, ecfg)
                     row["setup_s"] = time.perf_counter() - t0
+                    row["layers"] = engine.ecfg.layers  # "auto" resolved
                     row.update(measure_point(engine, prompts[:B], scfg.steps, scfg.warmup_steps))
                     row["status"] = "ok"
                 except LayoutError as exc:
@@ -409,7 +418,7 @@ def format_row(row: dict[str, Any]) -> str:
         tpot = f" (roofline {row['predicted_tpot_ms']:.2f} ms, MBU {row['mbu']:.1%}, MFU {row['mfu']:.1%})"
     return (
         f"{head} prefill {row['prefill_ms']:8.2f} ms/prompt{prefill}  TPOT {row['tpot_ms']:8.2f} ms{tpot}  "
-        f"{row['decode_tok_s']:8.1f} tok/s  compile {row['compile_s']:.1f} s"
+        f"{row['decode_tok_s']:8.1f} tok/s  decode call {row['decode_call_ms']:.2f} ms  compile {row['compile_s']:.1f} s"
     )
 
 
@@ -513,7 +522,12 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (%(default)s)")
     p.add_argument("--max-seq-len", type=int, help="KV tokens per slot (default: prompt + steps + 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--layers", choices=["scan", "unrolled"], default="scan", help="EngineConfig.layers (%(default)s)")
+    p.add_argument(
+        "--layers",
+        choices=["auto", "scan", "unrolled"],
+        default="auto",
+        help="EngineConfig.layers (%(default)s: scan on CPU, unrolled on accelerators)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the prompt ids and random weights (%(default)s)")
     p.add_argument(
         "--hardware",

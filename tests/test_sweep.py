@@ -63,6 +63,9 @@ def test_json_rows_and_meta(results: Path) -> None:
         assert r["decode_tok_s"] == pytest.approx(r["batch"] / (r["tpot_ms"] / 1e3))
         assert r["max_seq_len"] == 8 + 1 + 2 + 1
         assert r["attention"] == "heads"  # tiny: 4 query / 2 KV heads split over 1 or 2
+        assert r["layers"] == "scan"  # --layers auto on CPU devices
+        # the decode call is part of each timed step, so its median is at most the TPOT
+        assert 0 < r["decode_call_ms"] <= r["tpot_ms"]
     if meta["roofline"].startswith("roofline overlay"):
         for r in rows:
             assert r["predicted_tpot_ms"] > 0 and r["predicted_regime"] in ("memory", "compute")

@@ -147,7 +147,7 @@ class EngineConfig:
             where compile time dominates start-up on few cores, "unrolled" on accelerators,
             where XLA:GPU reads a scanned layer's weights at a third of the rate (H200, bf16,
             Llama 3 8B's shapes: 32 layers' matmul chain 10.9 ms scanned, 4.1 ms unrolled;
-            decode TPOT at batch 1 13.6 ms against 7.1 ms; README "On a GPU"). The engine
+            decode TPOT at batch 1 13.6 ms against 7.1-8.0 ms; README "On a GPU"). The engine
             resolves "auto" when it is built (``Engine.ecfg.layers`` holds the form it took).
             See ``model.llama.unstack_layers``.
         decode_attention: how unrolled steps attend: "auto" (the native CPU kernels of

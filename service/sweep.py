@@ -12,8 +12,9 @@ devices present (fake CPU devices included: ``--cpu-devices 8`` or
    ``warmup_steps`` + ``steps`` greedy decode steps run for all B slots, each blocking on its host
    copy as the engine loop's postprocess does: the median of the last ``steps`` is the TPOT, and
    B / TPOT the decode throughput. ``decode_call_ms`` is the median time of the ``Engine.decode``
-   call alone (host work: arguments, dispatch), before the step's host copy waits for the device;
-   the engine loop overlaps it with the step before, the sweep does not.
+   call alone, until it returns, before the step's host copy waits for the device: its arguments,
+   the dispatch, and whatever the runtime does before returning (on an H200 most of the step).
+   The engine loop overlaps that call with the step before; the sweep does not.
 
 Compile times are the first calls' times less one steady-state run of the same program.
 

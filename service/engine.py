@@ -318,7 +318,10 @@ class Engine:
     # ---- compiled programs ---------------------------------------------------------------
     def _prefill_fn(self, kv_len: int) -> Any:
         if kv_len not in self._prefill_fns:
-            graphdef = self.graphdef
+            # Locals, not ``self``: a jitted function closing over the engine that holds it is a
+            # reference cycle, which kept each engine (weights, KV cache) alive until a full
+            # garbage collection, e.g. the old one after a live layout switch.
+            graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
 
             def run(params, panels, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
                 model = nnx.merge(graphdef, params)
@@ -330,10 +333,10 @@ class Engine:
                     true_len,
                     slot,
                     kv_len=kv_len,
-                    native_attention=self.native_attention,
+                    native_attention=native_attention,
                     panels=panels,
                 )
-                token = sample(logits[None], sp, (start + true_len)[None], self.argmax)
+                token = sample(logits[None], sp, (start + true_len)[None], argmax)
                 return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl
@@ -347,7 +350,10 @@ class Engine:
 
     def _decode_fn(self, kv_len: int) -> Any:
         if kv_len not in self._decode_fns:
-            graphdef = self.graphdef
+            # Locals, not ``self``: a jitted function closing over the engine that holds it is a
+            # reference cycle, which kept each engine (weights, KV cache) alive until a full
+            # garbage collection, e.g. the old one after a live layout switch.
+            graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
 
             def run(params, panels, cache, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
                 # Each slot's input id comes from the host (source 0), from the previous decode
@@ -363,10 +369,10 @@ class Engine:
                     tokens,
                     positions,
                     kv_len=kv_len,
-                    native_attention=self.native_attention,
+                    native_attention=native_attention,
                     panels=panels,
                 )
-                next_ids = sample(logits, sp, positions + 1, self.argmax)
+                next_ids = sample(logits, sp, positions + 1, argmax)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
 
             r = self.repl

@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import gc
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,35 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def resident_bytes() -> int:
-    """This process's resident set size now (bytes; Linux's /proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-# Resident bytes after the last full collection, or the fewest seen since.
-_after_collect = [0]
-
-
-@pytest.fixture(autouse=True)
-def collect_garbage() -> Iterator[None]:
-    """Free the engines a test left behind once the process has grown by 256 MiB.
-
-    Engines hold reference cycles (their jitted steps close over the engine), so they live until a
-    full garbage collection; without one, several tests' weights and KV caches (hundreds of MB
-    each, times the devices they are replicated on) piled up to 17 GB in one run and outgrew
-    CI's 24 GiB in another. A collection after every test made the run 4 minutes longer
-    (test_tokenizer.py's 241 quick tests: 1 s -> 185 s), so tests that allocate little skip it.
-    """
-    yield
-    now = resident_bytes()
-    if now - _after_collect[0] > 256 << 20:
-        gc.collect()
-        _after_collect[0] = resident_bytes()
-    else:
-        _after_collect[0] = min(_after_collect[0], now)
 
 
 @pytest.fixture(scope="session")

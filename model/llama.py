@@ -258,6 +258,7 @@ class Llama(nnx.Module):
         cache: BlockedKVCache,
         write_and_attend: WriteAndAttend,
         panels: dict[str, Any] | None = None,
+        attend_dtype: jnp.dtype | None = None,
     ) -> tuple[jax.Array, BlockedKVCache]:
         """All decoder blocks as an unrolled loop over per-layer weights (``unstack_layers``),
         each block writing its new keys and values into the cache *before* attending.
@@ -275,6 +276,11 @@ class Llama(nnx.Module):
                 ``write_then_attend``, or the native decode kernel (``model.cpu_attention``).
             panels: matmul weights packed for the native kernel (``panel_weights``): the
                 layers' ones are used instead of the module's input-major ones.
+            attend_dtype: the dtype of the new k, v handed to ``write_and_attend`` (the writes
+                round them to the cache's dtype); None = the cache's, so attention reads exactly
+                what the cache holds. A first prefill chunk, which attends only to its own
+                keys, passes float32, as the stacked form does: with a bfloat16 cache it then
+                attends to unrounded keys and values.
 
         Returns:
             hidden [B, T, D] float32 after the last block, and the updated cache.
@@ -287,7 +293,7 @@ class Llama(nnx.Module):
         weights = self.layers.weights()
         weights.update({name: w for name, w in (panels or {}).items() if name in weights})
         k_out, v_out = [], []
-        cdt = cache.v_blocks[0][0].dtype
+        cdt = attend_dtype or cache.v_blocks[0][0].dtype
         for i in range(cfg.num_layers):
             p = {name: w[i] for name, w in weights.items()}
             q, k, v = project_qkv(cfg, x, p, cos, sin, cdt)
@@ -672,7 +678,8 @@ def prefill(
                 return attention(model.cfg, q, k, v, None, None, None, new_mask)
 
         step = write_then_attend(write, attend)
-        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, step, panels)
+        first = jnp.float32 if kv_len == 0 else None  # a first chunk attends to unrounded k, v
+        h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, step, panels, first)
         last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
         return model.logits(last), cache
 

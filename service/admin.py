@@ -19,6 +19,7 @@ import grpc
 
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 from sharding.plan import make_plan
@@ -36,13 +37,14 @@ def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = 
     assert cfg is not None, "admin calls are served only after the model is loaded"
     plan = make_plan(layout, cfg, ecfg.num_slots)
     itemsize = 2 if ecfg.dtype == "bfloat16" else 4
+    kv_itemsize = 2 if resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype) == "bfloat16" else 4
     info = apb.LayoutInfo(
         name=layout.name,
         data=layout.data,
         model=layout.model,
         attention=plan.attention,
         weight_bytes_per_device=plan.weight_bytes_per_device(cfg, itemsize),
-        kv_cache_bytes_per_device=plan.kv_bytes_per_device(cfg, ecfg.num_slots, ecfg.max_seq_len, itemsize),
+        kv_cache_bytes_per_device=plan.kv_bytes_per_device(cfg, ecfg.num_slots, ecfg.max_seq_len, kv_itemsize),
         all_reduces_per_layer=plan.all_reduces_per_layer,
         description=layout.description,
     )

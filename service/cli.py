@@ -29,7 +29,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise SystemExit(f"meshserve: unknown keys in {args.config}: {sorted(unknown)}; known: {sorted(known)}")
         values.update(loaded)
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "layers", "matmul", "metrics_port", "grace_period_s", "stall_timeout_s",
+                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "metrics_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -231,10 +231,13 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 
     cfg = read_model_config(resolve_model(args.model, args.cache_dir))
     itemsize = 2 if args.dtype == "bfloat16" else 4
+    kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+    kv_itemsize = 2 if kv_dtype == "bfloat16" else 4
     present = len(jax.devices())
     print(
         f"model: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads; "
-        f"{args.num_slots} slots x {args.max_seq_len} tokens, {args.dtype}; {present} device(s) present"
+        f"{args.num_slots} slots x {args.max_seq_len} tokens, {args.dtype} weights, {kv_dtype} KV; "
+        f"{present} device(s) present"
     )
     print(f"{'layout':12s} {'mesh':>9s} {'attention':>10s} {'weights/dev':>12s} {'KV/dev':>10s} {'AR/layer':>8s}  fits")
     for name in preset_names():
@@ -246,7 +249,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             print(f"{name:12s} {mesh:>9s}  unusable: {exc}")
             continue
         weights = plan.weight_bytes_per_device(cfg, itemsize) / 1e6
-        kv = plan.kv_bytes_per_device(cfg, args.num_slots, args.max_seq_len, itemsize) / 1e6
+        kv = plan.kv_bytes_per_device(cfg, args.num_slots, args.max_seq_len, kv_itemsize) / 1e6
         fits = "yes" if layout.num_devices <= present else f"no (needs {layout.num_devices} devices)"
         print(
             f"{name:12s} {mesh:>9s} {plan.attention:>10s} {weights:>9.1f} MB {kv:>7.1f} MB {plan.all_reduces_per_layer:>8d}  {fits}"
@@ -292,7 +295,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
             f"  source: {hw.source}\n"
             f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
             f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
-            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights and KV; context {args.context}, "
+            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights, {args.kv_dtype or dtype} KV; "
+            f"context {args.context}, "
             f"prompt {args.prompt} tokens"
         )
         rows = []
@@ -311,6 +315,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
                     context_len=args.context,
                     prompt_len=args.prompt,
                     dtype=dtype,
+                    kv_dtype=args.kv_dtype,
                     act_itemsize=args.act_bytes,
                     hop_latency_s=args.hop_latency_us * 1e-6,
                 )
@@ -416,7 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=int, help="prefill chunk, tokens")
     s.add_argument("--max-queue", type=int)
     s.add_argument("--default-max-tokens", type=int)
-    s.add_argument("--dtype", choices=["float32", "bfloat16"])
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
+    s.add_argument(
+        "--kv-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV-cache dtype; auto (default): the parameter dtype. bfloat16 halves the bytes every decode step's "
+        "attention reads (float32 weights keep float32 matmuls)",
+    )
     s.add_argument(
         "--layers",
         choices=["auto", "unrolled", "scan"],
@@ -489,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--num-slots", "--slots", dest="num_slots", type=int, default=8)
     ly.add_argument("--max-seq-len", type=int, default=2048)
     ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
     ly.set_defaults(func=cmd_layouts)
 
     rf = sub.add_parser("roofline", help="predict TTFT, TPOT and throughput from the roofline of a chip and layout")
@@ -498,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
     )
     rf.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
+    rf.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV-cache dtype (default: --dtype's)")
     rf.add_argument("--batch", nargs="+", type=int, default=[1], help="sequences per replica (%(default)s)")
     rf.add_argument("--context", type=int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
     rf.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (%(default)s)")

@@ -77,7 +77,9 @@ class ServerConfig:
         chunk_size: prefill chunk (largest prefill bucket), tokens.
         max_queue: most requests waiting for a slot before RESOURCE_EXHAUSTED.
         default_max_tokens: max_tokens when a request leaves it unset.
-        dtype: "float32" (CPU) or "bfloat16" (accelerators).
+        dtype: parameter dtype, "float32" (CPU) or "bfloat16" (accelerators).
+        kv_dtype: KV-cache dtype: "auto" (= ``dtype``), "float32" or "bfloat16" (half the
+            cache's bytes per token, read by every decode step; see ``EngineConfig.kv_dtype``).
         layers: "auto" (scan on CPU, unrolled on accelerators), "scan" (fast compile) or
             "unrolled" (faster steps; see EngineConfig).
         matmul: "auto", "xla" or "bf16x3" (the AMX bf16x3 precision, opt-in; see EngineConfig).
@@ -109,6 +111,7 @@ class ServerConfig:
     max_queue: int = 64
     default_max_tokens: int = 512
     dtype: str = "float32"
+    kv_dtype: str = "auto"
     layers: str = "auto"
     matmul: str = "auto"
     warmup_full: bool = False
@@ -226,7 +229,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         else:
             specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
             device_sets = [devices]
-        ecfg = EngineConfig(cfg.num_slots, cfg.max_seq_len, cfg.chunk_size, cfg.dtype, cfg.layers, matmul=cfg.matmul)
+        ecfg = EngineConfig(
+            cfg.num_slots,
+            cfg.max_seq_len,
+            cfg.chunk_size,
+            cfg.dtype,
+            kv_dtype=cfg.kv_dtype,
+            layers=cfg.layers,
+            matmul=cfg.matmul,
+        )
 
         clock = CompileClock()
         with clock:
@@ -282,11 +293,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         loaded = "restore" if kind == "checkpoint" else "load"
         log.info(
             "model %s (%s) ready in %.1f s: %s %.1f s, place+KV %.1f s, compile %.1f s, warm-up %.1f s; "
-            "pools: %s; %d slots x %d tokens each; %s layers",
+            "pools: %s; %d slots x %d tokens each; %s layers; %s weights, %s KV cache",
             path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
             clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
-            cfg.num_slots, cfg.max_seq_len, engines[0].ecfg.layers,
+            cfg.num_slots, cfg.max_seq_len, engines[0].ecfg.layers, cfg.dtype, engines[0].ecfg.kv_dtype,
         )  # fmt: skip
         self.startup_seconds = {
             loaded: t_load - c_load,

@@ -63,6 +63,7 @@ FIELDS = [
     "model",
     "attention",
     "layers",
+    "kv_dtype",
     "devices",
     "batch",
     "prompt_len",
@@ -104,7 +105,8 @@ class SweepConfig:
         prompt_lens: prompt lengths P (one prefill chunk each).
         steps: timed decode steps K per point (the TPOT is their median).
         warmup_steps: decode steps run before the timed ones, not counted.
-        dtype: parameter and KV-cache dtype.
+        dtype: parameter dtype.
+        kv_dtype: ``EngineConfig.kv_dtype``: "auto" (= ``dtype``), "float32" or "bfloat16".
         layers: ``EngineConfig.layers``: "auto", "scan" or "unrolled".
         seed: seeds the prompt ids.
         max_seq_len: KV-cache tokens per slot; None = just enough (P + warmup_steps + steps + 1).
@@ -116,6 +118,7 @@ class SweepConfig:
     steps: int = 16
     warmup_steps: int = 2
     dtype: str = "float32"
+    kv_dtype: str = "auto"
     layers: str = "auto"
     seed: int = 0
     max_seq_len: int | None = None
@@ -220,8 +223,8 @@ def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: in
 
 
 # ---- the roofline overlay ----------------------------------------------------------------------
-# (cfg, plan, batch, prompt_len, context_len, dtype, measured TPOT s, measured prefill s) -> fields
-Predictor = Callable[[Any, Any, int, int, int, str, float, float], dict[str, Any]]
+# (cfg, plan, batch, prompt_len, context_len, dtype, KV dtype, measured TPOT s, measured prefill s) -> fields
+Predictor = Callable[[Any, Any, int, int, int, str, str, float, float], dict[str, Any]]
 
 # Accelerator device kinds (``jax.devices()[0].device_kind``, lower case) -> hardware presets.
 DEVICE_KIND_PRESETS = (("h200", "h200"), ("h100", "h100-sxm"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
@@ -271,13 +274,22 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
     from sharding import roofline as rl
 
     def predict(
-        cfg: Any, plan: Any, batch: int, prompt_len: int, context_len: int, dtype: str, tpot_s: float, prefill_s: float
+        cfg: Any,
+        plan: Any,
+        batch: int,
+        prompt_len: int,
+        context_len: int,
+        dtype: str,
+        kv_dtype: str,
+        tpot_s: float,
+        prefill_s: float,
     ) -> dict[str, Any]:
         par = rl.Parallelism.from_plan(plan)
         B = batch // par.dp
-        r = rl.roofline(cfg, hw, par, rl.Workload(batch=B, context_len=context_len, prompt_len=prompt_len, dtype=dtype))
-        decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s)
-        prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s)
+        wl = rl.Workload(batch=B, context_len=context_len, prompt_len=prompt_len, dtype=dtype, kv_dtype=kv_dtype)
+        r = rl.roofline(cfg, hw, par, wl)
+        decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s, kv_dtype=kv_dtype)
+        prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s, kv_dtype=kv_dtype)
         return {
             "predicted_tpot_ms": _ms(r.tpot_s),
             "predicted_ttft_ms": _ms(r.ttft_s),
@@ -375,12 +387,18 @@ def run_sweep(
                     plan = make_plan(layout, cfg, B)
                     row["attention"] = plan.attention
                     ecfg = EngineConfig(
-                        num_slots=B, max_seq_len=scfg.seq_len(P), chunk_size=P, dtype=scfg.dtype, layers=scfg.layers
+                        num_slots=B,
+                        max_seq_len=scfg.seq_len(P),
+                        chunk_size=P,
+                        dtype=scfg.dtype,
+                        kv_dtype=scfg.kv_dtype,
+                        layers=scfg.layers,
                     )
                     t0 = time.perf_counter()
                     engine = Engine(cfg, graphdef, params, layout, ecfg)
                     row["setup_s"] = time.perf_counter() - t0
                     row["layers"] = engine.ecfg.layers  # "auto" resolved
+                    row["kv_dtype"] = engine.ecfg.kv_dtype  # "auto" resolved
                     row.update(measure_point(engine, prompts[:B], scfg.steps, scfg.warmup_steps))
                     row["status"] = "ok"
                 except LayoutError as exc:
@@ -394,7 +412,8 @@ def run_sweep(
                 if row["status"] == "ok" and predictor is not None:
                     try:
                         tpot_s, prefill_s = row["tpot_ms"] / 1e3, row["prefill_ms"] / 1e3
-                        row.update(predictor(cfg, plan, B, P, row["decode_window"], scfg.dtype, tpot_s, prefill_s))
+                        kv, window = row["kv_dtype"], row["decode_window"]
+                        row.update(predictor(cfg, plan, B, P, window, scfg.dtype, kv, tpot_s, prefill_s))
                         row["roofline_fraction"] = row["predicted_tpot_ms"] / row["tpot_ms"]
                     except Exception as exc:  # a prediction must never lose a measurement
                         log.warning("roofline prediction failed for %s B=%d P=%d: %s", name, B, P, exc)
@@ -522,7 +541,13 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per point (%(default)s)")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (%(default)s)")
     p.add_argument("--max-seq-len", type=int, help="KV tokens per slot (default: prompt + steps + 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameters (%(default)s)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="KV cache (%(default)s: --dtype's)",
+    )
     p.add_argument(
         "--layers",
         choices=["auto", "scan", "unrolled"],
@@ -571,6 +596,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             steps=args.steps,
             warmup_steps=args.warmup_steps,
             dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
             layers=args.layers,
             seed=args.seed,
             max_seq_len=args.max_seq_len,

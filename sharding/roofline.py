@@ -270,7 +270,8 @@ class Workload:
         batch: sequences decoding together in each replica (per-replica batch B).
         context_len: KV positions each sequence attends to in a decode step (S).
         prompt_len: prompt tokens of the request whose TTFT is predicted (T).
-        dtype: weights and KV cache dtype.
+        dtype: weights dtype (and the matmuls' peak).
+        kv_dtype: KV cache dtype; None = ``dtype``.
         act_itemsize: bytes per element of the all-reduced residual stream (4: meshserve keeps
             it in float32).
         hop_latency_s: fixed latency per ring hop of a collective (0 = bandwidth only; the scaling
@@ -281,14 +282,25 @@ class Workload:
     context_len: int = 2048
     prompt_len: int = 128
     dtype: str = "bfloat16"
+    kv_dtype: str | None = None
     act_itemsize: int = 4
     hop_latency_s: float = 0.0
 
     @property
     def itemsize(self) -> int:
-        if self.dtype not in ITEMSIZE:
-            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(ITEMSIZE)}")
-        return ITEMSIZE[self.dtype]
+        """Bytes per weight element."""
+        return _itemsize(self.dtype)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per KV cache element."""
+        return _itemsize(self.kv_dtype or self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(ITEMSIZE)}")
+    return ITEMSIZE[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,7 +477,7 @@ def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) 
     e, w, B, S = _elements(cfg, par), wl.itemsize, wl.batch, wl.context_len
     embed_rows = min(B, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
     weight_bytes = (e.matmul + e.norms + embed_rows) * w
-    kv_bytes = B * S * cfg.kv_bytes_per_token(w) / par.attn_split
+    kv_bytes = B * S * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 4 * B * S * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * B * e.matmul + attn_flops
     count, sent, comm_s = _collectives(cfg, par, B, hw, wl)
@@ -491,7 +503,7 @@ def prefill_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload)
     e, w, T = _elements(cfg, par), wl.itemsize, wl.prompt_len
     embed_rows = min(T, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
     weight_bytes = (e.matmul + e.norms + embed_rows) * w
-    kv_bytes = T * cfg.kv_bytes_per_token(w) / par.attn_split
+    kv_bytes = T * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 2 * T * (T + 1) * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * T * (e.attn + e.mlp) + 2 * e.lm_head + attn_flops
     count, sent, comm_s = _collectives(cfg, par, T, hw, wl)
@@ -524,7 +536,7 @@ def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> 
         ridge=ridge,
         critical_batch=ridge * wl.itemsize / 2,
         weights_stored_bytes=float(weight_bytes_per_device(cfg, par, wl.itemsize)),
-        kv_stored_bytes=wl.batch * wl.context_len * cfg.kv_bytes_per_token(wl.itemsize) / par.attn_split,
+        kv_stored_bytes=wl.batch * wl.context_len * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split,
     )
 
 
@@ -556,12 +568,19 @@ def _utilization(step: StepCost, hw: Hardware, dtype: str, measured_s: float) ->
 
 
 def decode_utilization(
-    cfg: LlamaConfig, hw: Hardware, par: Parallelism, batch: int, context_len: int, dtype: str, step_s: float
+    cfg: LlamaConfig,
+    hw: Hardware,
+    par: Parallelism,
+    batch: int,
+    context_len: int,
+    dtype: str,
+    step_s: float,
+    kv_dtype: str | None = None,
 ) -> Utilization:
     """Predicted TPOT, MBU and MFU of a measured decode step of ``step_s`` seconds.
 
-    ``batch`` sequences per replica at ``context_len`` KV positions each, weights and KV in
-    ``dtype``. The bytes (weights + B·S KV) and FLOPs (2·B·matmul weights + 4·B·S·L·N·H attention)
+    ``batch`` sequences per replica at ``context_len`` KV positions each, weights in ``dtype``,
+    the KV cache in ``kv_dtype`` (None: ``dtype``). The bytes (weights + B·S KV) and FLOPs (2·B·matmul weights + 4·B·S·L·N·H attention)
     are :func:`decode_step`'s, per device; on ``shared`` hardware each device gets 1/n of it, as
     in :func:`roofline`. MBU as in Pope et al. 2022 §2 / the scaling book's inference chapter
     ("How to Scale Your Model"); MFU as in Chowdhery et al. 2022 (PaLM) §4.1.
@@ -570,22 +589,29 @@ def decode_utilization(
         HardwareError: ``hw`` has no peak for ``dtype``.
     """
     hw = hw.per_device(par.num_devices)
-    step = decode_step(cfg, hw, par, Workload(batch=batch, context_len=context_len, dtype=dtype))
+    step = decode_step(cfg, hw, par, Workload(batch=batch, context_len=context_len, dtype=dtype, kv_dtype=kv_dtype))
     return _utilization(step, hw, dtype, step_s)
 
 
 def prefill_utilization(
-    cfg: LlamaConfig, hw: Hardware, par: Parallelism, prompt_len: int, dtype: str, step_s: float
+    cfg: LlamaConfig,
+    hw: Hardware,
+    par: Parallelism,
+    prompt_len: int,
+    dtype: str,
+    step_s: float,
+    kv_dtype: str | None = None,
 ) -> Utilization:
     """Predicted TTFT, MBU and MFU of a measured prefill of one ``prompt_len``-token prompt taking
-    ``step_s`` seconds (bytes and FLOPs of :func:`prefill_step`, per device). Prefill is
+    ``step_s`` seconds (bytes and FLOPs of :func:`prefill_step`, per device; the KV cache in
+    ``kv_dtype``, None: ``dtype``). Prefill is
     compute-bound at any useful prompt length, so its MFU is the figure that matters (PaLM §4.1).
 
     Raises:
         HardwareError: ``hw`` has no peak for ``dtype``.
     """
     hw = hw.per_device(par.num_devices)
-    step = prefill_step(cfg, hw, par, Workload(prompt_len=prompt_len, dtype=dtype))
+    step = prefill_step(cfg, hw, par, Workload(prompt_len=prompt_len, dtype=dtype, kv_dtype=kv_dtype))
     return _utilization(step, hw, dtype, step_s)
 
 

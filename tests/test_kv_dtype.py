@@ -1,0 +1,147 @@
+"""A bfloat16 KV cache under float32 weights (``EngineConfig.kv_dtype``): against Hugging Face
+transformers' float32 logits and greedy ids (``tests/fixtures/golden_logits.npz``, written by
+``scripts/make_golden.py``), in both layer forms; the roofline's KV bytes by hand; the
+configuration surfaces (engine, server flags, sweep, peers' MBU).
+
+A bfloat16 entry keeps 8 of float32's 24 significand bits (relative rounding error up to
+2^-9), so where attention reads rounded keys and values the logits move by a few hundredths;
+a first prefill chunk attends to its own unrounded keys and values, as the float32 cache does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_golden import FIXTURE, greedy_run
+
+from model.config import LlamaConfig
+from model.kv_cache import BlockedKVCache
+from model.loader import load_gguf_model
+from service.cli import _serve_config, build_parser, main
+from service.engine import Engine, EngineConfig, resolve_kv_dtype
+from sharding import roofline as rl
+from sharding.layouts import Layout
+
+# Measured with a float32 cache: under 1e-3 everywhere (test_golden.py). With a bfloat16 cache,
+# prompts of one chunk matched within 8e-5 (their attention never reads the cache) and the
+# 644-token prompt, whose second chunk reads 512 rounded positions, within 4.2e-2 (scan 3.8e-2).
+FIRST_CHUNK_BOUND = 1e-3
+CACHED_BOUND = 0.1
+
+
+@pytest.fixture(scope="module", params=["scan", "unrolled"])
+def engine(smollm2_gguf: Path, request: pytest.FixtureRequest) -> Engine:
+    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=request.param, kv_dtype="bfloat16")
+    return Engine(cfg, graphdef, params, Layout("single"), ecfg)
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, np.ndarray]:
+    with np.load(FIXTURE) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_the_cache_is_bfloat16_and_the_weights_stay_float32(engine: Engine) -> None:
+    leaves = jax.tree.leaves(engine.cache)
+    assert leaves and all(a.dtype == jnp.bfloat16 for a in leaves)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(engine.params))
+    assert engine.ecfg.kv_dtype == "bfloat16" and engine.ecfg.dtype == "float32"
+    if engine.ecfg.layers == "unrolled":  # the native decode kernel takes bfloat16 blocks
+        assert isinstance(engine.cache, BlockedKVCache) and engine.native_attention
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_logits_and_greedy_tokens_against_transformers(engine: Engine, golden: dict[str, np.ndarray], i: int) -> None:
+    prompt = golden[f"prompt_ids_{i}"].tolist()
+    ref_greedy = golden[f"greedy_{i}"].tolist()
+    logits, ids = greedy_run(engine, prompt, len(ref_greedy))
+    err = float(np.abs(logits - golden[f"last_logits_{i}"]).max())
+    bound = FIRST_CHUNK_BOUND if len(prompt) <= engine.ecfg.chunk_size else CACHED_BOUND
+    assert err < bound, f"prompt {i} ({len(prompt)} tokens): max |logit diff| {err:.2e}"
+    assert ids == ref_greedy  # 32 ids through the rounded cache, identical on these prompts
+
+
+def test_the_cache_holds_the_rounded_keys(engine: Engine, golden: dict[str, np.ndarray]) -> None:
+    """After a prefill, the slot's cached keys are bfloat16 values that are not all zero, and
+    another slot stays untouched."""
+    prompt = golden["prompt_ids_0"].tolist()
+    engine.prefill(1, prompt, 0).host()
+    k = np.asarray(engine.cache.k.astype(jnp.float32))  # [L, S, K, T, H]
+    assert np.abs(k[:, 1, :, : len(prompt)]).max() > 0
+    assert not np.any(k[:, 0, :, : len(prompt)])
+
+
+def test_config_is_checked_and_resolved() -> None:
+    assert EngineConfig().kv_dtype == "auto"
+    assert resolve_kv_dtype("auto", "float32") == "float32"
+    assert resolve_kv_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolve_kv_dtype("bfloat16", "float32") == "bfloat16"
+    with pytest.raises(ValueError, match="kv_dtype must be 'auto' or one of float32, bfloat16, got 'float16'"):
+        EngineConfig(kv_dtype="float16")
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float64'"):
+        EngineConfig(dtype="float64")
+
+
+def test_roofline_counts_the_kv_cache_in_its_own_dtype() -> None:
+    """Llama 3 8B's KV cache: 2 (K, V) x 32 layers x 8 heads x 128 = 65536 entries per token, so at
+    B = 8 and S = 1024 a decode step reads 8 x 1024 x 65536 x 2 bytes = 1 GiB in bfloat16 and 2 GiB
+    in float32, whatever the weights' dtype."""
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=8192)  # fmt: skip
+    hw = rl.Hardware(name="h", hbm_bytes_per_s=1e12, peak_flops={"float32": 1e14}, interconnect_bytes_per_s=1e11)
+    par = rl.Parallelism()
+    f32 = rl.decode_step(cfg, hw, par, rl.Workload(batch=8, context_len=1024, dtype="float32"))
+    bf16 = rl.decode_step(cfg, hw, par, rl.Workload(batch=8, context_len=1024, dtype="float32", kv_dtype="bfloat16"))
+    assert f32.kv_bytes == 2 * 2**30 and bf16.kv_bytes == 2**30
+    assert bf16.weight_bytes == f32.weight_bytes and bf16.flops == f32.flops
+    assert f32.memory_bytes - bf16.memory_bytes == 2**30
+    r = rl.roofline(cfg, hw, par, rl.Workload(batch=8, context_len=1024, dtype="float32", kv_dtype="bfloat16"))
+    assert r.kv_stored_bytes == 2**30
+    u = rl.decode_utilization(cfg, hw, par, 8, 1024, "float32", 1.0, kv_dtype="bfloat16")
+    assert u.mbu == pytest.approx(bf16.memory_bytes / 1e12)
+
+
+def test_serve_flag_reaches_the_server_config() -> None:
+    args = build_parser().parse_args(["serve", "--kv-dtype", "bfloat16"])
+    assert _serve_config(args).kv_dtype == "bfloat16"
+    assert _serve_config(build_parser().parse_args(["serve"])).kv_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-dtype", "int8"])
+
+
+def test_sweep_runs_with_a_bfloat16_cache(tmp_path: Path) -> None:
+    argv = ["sweep", "--tiny", "--layouts", "1x1", "--batches", "2", "--prompt-lens", "8", "--steps", "2"]
+    argv += ["--warmup-steps", "1", "--kv-dtype", "bfloat16", "--hardware", "cpu-peers-md", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["kv_dtype"] == "bfloat16" and row["mbu"] > 0
+
+
+def test_peers_count_each_engines_kv_bytes() -> None:
+    """peers.py's MBU reads the KV cache at each engine's own dtype: bfloat16 for meshserve's
+    bf16-KV rows, float16 for llama.cpp's (its default context), float32 for the rest."""
+    spec = importlib.util.spec_from_file_location("peers", Path(__file__).parent.parent / "benchmarks" / "peers.py")
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    tiny = LlamaConfig.tiny()  # matmul weights 90112, norms 320; KV 512 B/token in fp32
+    wl = {"prompt_len": 8, "new_tokens": 4, "batches": [1], "ttft_prompt": list(range(16))}
+    batches = {"1": {"tpot_ms": 1.0, "decode_tok_s": 1e3, "ttft_s": 0.01}}
+    results = {
+        label: {"status": "ok", "batches": json.loads(json.dumps(batches)), "ttft_long_s": 0.5}
+        for label in ("meshserve fp32", "meshserve fp32, bf16 KV", "llama.cpp F32")
+    }
+    peers.add_utilization(results, wl, {"read_bytes_per_s": 1e9, "float32_flops": 1e9}, tiny)
+    weights = (90112 + 320) * 4
+    mbu = {label: r["batches"]["1"]["mbu"] for label, r in results.items()}
+    assert mbu["meshserve fp32"] == pytest.approx((weights + 10 * 512) / 1e-3 / 1e9)  # context 8 + 4/2 = 10
+    assert mbu["meshserve fp32, bf16 KV"] == pytest.approx((weights + 10 * 256) / 1e-3 / 1e9)
+    assert mbu["llama.cpp F32"] == mbu["meshserve fp32, bf16 KV"]

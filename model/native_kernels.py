@@ -1,7 +1,7 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Five kernels, one shared library: the decode step's KV-cache write and attention and a first
-prefill chunk's causal attention (``model.cpu_attention``), the weight matmuls over packed
+Six kernels, one shared library: the decode step's KV-cache write and attention, a prefill
+chunk's KV-cache write and a first prefill chunk's causal attention (``model.cpu_attention``), the weight matmuls over packed
 weights (``model.cpu_matmul``): float32 panels, and bf16x3 on AMX tiles where the CPU has AMX
 (``amx_available``), and greedy decoding's argmax (``model.cpu_argmax``). The library is
 compiled on first use with the machine's C++ compiler
@@ -39,12 +39,14 @@ PANEL_MATMUL = "meshserve_panel_matmul"
 AMX_MATMUL = "meshserve_amx_matmul"
 CAUSAL_ATTENTION = "meshserve_causal_attention"
 FIRST_ARGMAX = "meshserve_first_argmax"
+CACHE_WRITE = "meshserve_cache_write"
 TARGETS = {  # -> exported symbol
     DECODE_ATTENTION: "MeshserveDecodeAttention",
     CAUSAL_ATTENTION: "MeshserveCausalAttention",
     PANEL_MATMUL: "MeshservePanelMatmul",
     AMX_MATMUL: "MeshserveAmxMatmul",
     FIRST_ARGMAX: "MeshserveFirstArgmax",
+    CACHE_WRITE: "MeshserveCacheWrite",
 }
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 

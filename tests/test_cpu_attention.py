@@ -1,5 +1,5 @@
-"""The native CPU attention kernels (``model.cpu_attention``): decode write + attention and a
-first prefill chunk's causal attention, against softmax attention in numpy float64 and XLA's
+"""The native CPU attention kernels (``model.cpu_attention``): decode write + attention, a
+prefill chunk's cache write and a first prefill chunk's causal attention, against softmax attention in numpy float64 and XLA's
 path, and the engine's choice of them."""
 
 from __future__ import annotations
@@ -169,6 +169,42 @@ def test_causal_kernel_rejects_a_head_dim_it_does_not_take() -> None:
     kv = jnp.zeros((1, 4, 1, 24), jnp.float32)
     with pytest.raises(Exception, match="head_dim must be a multiple of 16"):
         jax.block_until_ready(jax.jit(cpu_attention.causal)(q, kv, kv))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    ("slot", "start", "T"),
+    [
+        (1, 0, 64),  # a first chunk inside block 0
+        (0, 100, 64),  # straddles blocks 0 and 1
+        (2, 150, 64),  # runs past the window's end (176): the tail is dropped
+        (3, 0, 176),  # the whole window
+        (4, 0, 8),  # a slot out of range: nothing written
+    ],
+)
+def test_chunk_write_matches_xla_scatters(slot: int, start: int, T: int, dtype: jnp.dtype) -> None:
+    """cpu_attention.write_chunk leaves the cache exactly as XLA's scatters (with mode="drop")
+    do, entries rounded to the cache dtype as XLA's convert rounds them; the blocks are written
+    in place when donated."""
+    S, K, H, lengths = 4, 3, 16, [128, 48]
+    rng = np.random.default_rng(start + T)
+    keys = rng.standard_normal((S, K, sum(lengths), H)).astype(np.float32)
+    values = rng.standard_normal((S, K, sum(lengths), H)).astype(np.float32)
+    k = jnp.asarray(rng.standard_normal((T, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((T, K, H)), jnp.float32)
+    kb, vb = blocks_of(keys, values, lengths, dtype)
+    want_k, want_v = unblocked(kb, vb)
+    W = sum(lengths)
+    if slot < S:
+        n = min(T, W - start)
+        want_k[slot, :, start : start + n] = np.asarray(k[:n].astype(dtype).astype(jnp.float32)).transpose(1, 0, 2)
+        want_v[slot, :, start : start + n] = np.asarray(v[:n].astype(dtype).astype(jnp.float32)).transpose(1, 0, 2)
+    write = jax.jit(cpu_attention.write_chunk, donate_argnums=(4, 5))
+    kb, vb = write(jnp.int32(slot), jnp.int32(start), k, v, kb, vb)
+    assert all(b.dtype == dtype for b in kb + vb)
+    got_k, got_v = unblocked(kb, vb)
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
 
 
 def test_first_prefill_chunk_with_the_causal_kernel_matches_xla() -> None:

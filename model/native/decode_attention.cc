@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel_for.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,24 +31,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float to_f32(float x) { return x; }
-inline void from_f32(float x, float* out) { *out = x; }
-inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as XLA's convert does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
-inline float to_f32(uint16_t x) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using meshserve::from_f32;
+using meshserve::to_f32;
 
 struct Problem {
   int64_t S, K, G, H, width;

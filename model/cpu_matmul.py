@@ -10,7 +10,10 @@ held against a panel in vector registers (the micro-kernel of Goto & van de Geij
 section 4). On a [M, 576] x [576, 3072] loop over 30 layers, both in one process (scratch
 timings, min of 7): 19 against 8 GB/s at 8 rows, 146 against 78-92 GFLOP/s at 32, 165-171
 against 118-140 at 64, 175-193 against 126-141 at 512; at 1 row XLA's matrix-vector product
-is 10-20 % faster.
+was 10-20 % faster there (an Intel core pair, an earlier form of the kernel), but a whole
+one-slot SmolLM2-135M decode step on an AMD EPYC core pair took 20.0-21.5 ms through the
+kernel against 24.5-25.8 ms through XLA's (min-median of 6 rounds of 10 steps, one process),
+so the engine uses it at one slot too.
 
 The packed weights are a second copy: the engine keeps the input-major ones, which the
 sharded layouts, relayout and checkpoints use (about 540 MB more for SmolLM2-135M).

@@ -154,7 +154,10 @@ class EngineConfig:
             at 64 slots at positions 128-160 (native kernels): attention 24.1 -> 15.6 ms of a
             112 -> 103 ms step (an AMD EPYC core pair, XLA trace). Greedy tokens can differ
             from a float32 cache's where two logits are closer than the rounding moves them
-            (tests/test_kv_dtype.py measures the logit error against Hugging Face).
+            (tests/test_kv_dtype.py measures the logit error against Hugging Face). On CPU it
+            pays only where the native kernels read and write the cache (layers="unrolled", one
+            device): XLA:CPU emulates bfloat16, and a scanned engine's decode steps took 4.6x as
+            long as with a float32 cache (the engine logs a warning).
         layers: how the steps run the decoder blocks: "scan" (stacked weights, ``lax.scan``,
             a ``KVCache``: one block compiled, the fast start-up), "unrolled" (weights kept
             per layer, an unrolled loop, a ``BlockedKVCache``: on XLA:CPU the faster steps,
@@ -176,8 +179,10 @@ class EngineConfig:
             ``model.cpu_matmul`` over a second, panel-packed copy of the layer and LM-head
             weights, where it applies: CPU, one device, float32 weights whose output widths are
             multiples of 32, the kernel built; prefill then uses it for the layers, decode for
-            the layers and the LM head with 2 or more slots, where one slot's matrix-vector
-            products are as fast on XLA; else XLA's dots), "xla", or "bf16x3": where "auto"
+            the layers and the LM head, one slot's matrix-vector products included: at one
+            slot the SmolLM2-135M decode step took 20.0-21.5 ms through it against 24.5-25.8 ms
+            through XLA's (an AMD EPYC core pair, one process); else XLA's dots), "xla", or
+            "bf16x3": where "auto"
             would use the float32 kernel, the AMX kernel instead, over the weights split into
             bfloat16 halves (three bf16 products per float32 product, JAX's Precision.HIGH:
             relative error per product about 2^-16 instead of 2^-24; 1.3-1.6x the float32
@@ -296,23 +301,32 @@ class Engine:
             and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.kv_dtype)
             and cpu_attention.available()
         )
+        if self.kv_dtype == jnp.bfloat16 and not self.native_attention and self.mesh.devices.flat[0].platform == "cpu":
+            log.warning(
+                "a bfloat16 KV cache on XLA:CPU without the native kernels (they need layers='unrolled' on one "
+                "CPU device): XLA emulates bfloat16 there, about 4.6x slower decode steps (SmolLM2-135M, 4 "
+                "slots, scan: 208 against 45 ms); use layers='unrolled' or kv_dtype='float32'"
+            )
         # Greedy ids (and the Gumbel-max draw) by the native argmax where the other kernels run.
         self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
         # The matmul weights packed for a native kernel (a second copy), or None.
         self.panels: dict[str, Any] | None = None
+        self._decode_panels: dict[str, Any] | None = None  # the ones decode steps read
         if engine_cfg.matmul == "bf16x3":
             if not (one_cpu and cpu_matmul.amx_available()):
                 raise ValueError(
                     "matmul='bf16x3' needs one CPU device with AMX-BF16 (Sapphire Rapids or later, "
                     "Linux >= 5.16) and the native kernels built; use matmul='auto'"
                 )
+            # Decode with one slot stays on XLA's matrix-vector products (not timed on AMX at M = 1).
             self.panels = panel_weights(nnx.merge(graphdef, self.params), lm_head=S >= 2, format="bf16x3")
+            self._decode_panels = self.panels if S >= 2 else None
         elif one_cpu and engine_cfg.matmul == "auto" and cpu_matmul.available():
-            try:  # only decode with 2+ slots reads the packed LM head
-                self.panels = panel_weights(nnx.merge(graphdef, self.params), lm_head=S >= 2)
+            try:  # decode reads the packed LM head too
+                self.panels = panel_weights(nnx.merge(graphdef, self.params))
             except ValueError as e:
                 log.info("matmuls stay XLA's: %s", e)
-        self._decode_panels = self.panels if S >= 2 else None
+            self._decode_panels = self.panels
         if engine_cfg.layers == "unrolled":
             kernel = "AMX bf16x3" if engine_cfg.matmul == "bf16x3" else "float32"
             log.info(

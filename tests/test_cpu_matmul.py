@@ -149,9 +149,9 @@ def test_prefill_with_panels_matches_xla(start: int) -> None:
 
 
 def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
-    """One CPU device, unrolled layers: "auto" packs the weights (prefill uses them; decode
-    with 2+ slots); greedy ids and logits match an all-XLA engine. "xla", the scan form and a
-    2-device mesh keep XLA's matmuls."""
+    """One CPU device, unrolled layers: "auto" packs the weights (prefill and decode use them,
+    a one-slot engine's decode too); greedy ids and logits match an all-XLA engine. "xla", the
+    scan form and a 2-device mesh keep XLA's matmuls."""
     cfg = LlamaConfig.tiny()
     graphdef, params = random_llama(cfg, seed=7)
     ecfg = EngineConfig(num_slots=3, max_seq_len=256, chunk_size=64, layers="unrolled")
@@ -163,8 +163,8 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
     assert xla.panels is None and xla.panel_bytes() == 0
     assert native._decode_panels is native.panels
     single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)
-    assert single.panels is not None and single._decode_panels is None  # one slot decodes on XLA
-    assert "lm_head" not in single.panels and "lm_head" in native.panels
+    assert single.panels is not None and single._decode_panels is single.panels  # M = 1 rows too
+    assert "lm_head" in single.panels and "lm_head" in native.panels
     scan = dataclasses.replace(ecfg, layers="scan")
     assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
     assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None
@@ -183,6 +183,20 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
         runs.append((ids, np.stack(logits)))
     assert runs[0][0] == runs[1][0]
     np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+
+    # One slot: the kernel's one-row products against XLA's matrix-vector ones.
+    single_xla = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(plain, num_slots=1), devices=one)
+    singles = []
+    for engine in (single, single_xla):
+        engine.set_sampling(0, SamplingOptions(temperature=0.0))
+        ids, logits = [int(engine.prefill(0, prompt, 0).host().ids[0])], []
+        for i in range(12):
+            out = engine.decode(np.array([ids[-1]], np.int32), np.array([len(prompt) + i], np.int32))
+            ids.append(int(out.host().ids[0]))
+            logits.append(np.asarray(out.logits)[0])
+        singles.append((ids, np.stack(logits)))
+    assert singles[0][0] == singles[1][0] == runs[0][0]
+    np.testing.assert_allclose(singles[0][1], singles[1][1], rtol=1e-4, atol=1e-4)
 
 
 def test_engine_rejects_unknown_matmul() -> None:

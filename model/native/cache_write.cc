@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "cache_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -47,52 +48,24 @@ ffi::Error CacheWrite(ffi::Buffer<ffi::S32> slot_buf, ffi::Buffer<ffi::S32> star
   if (slot_buf.element_count() != 1 || start_buf.element_count() != 1)
     return ffi::Error::InvalidArgument("slot and start must be scalars");
   const int64_t T = kd[0], K = kd[1], H = kd[2];
-  if (blocks.size() == 0 || blocks.size() % 2 != 0 || blocks_out.size() != blocks.size())
-    return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks, in and out");
-  const size_t nb = blocks.size() / 2;
-  std::vector<void*> out(2 * nb);
-  std::vector<int64_t> len(nb);
-  int64_t S = 0;
-  bool bf16 = false;
-  for (size_t j = 0; j < 2 * nb; ++j) {
-    auto b = blocks.get<ffi::AnyBuffer>(j);
-    if (b.has_error()) return b.error();
-    auto r = blocks_out.get<ffi::AnyBuffer>(j);
-    if (r.has_error()) return r.error();
-    const bool is_bf16 = b->element_type() == ffi::DataType::BF16;
-    if (!is_bf16 && b->element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("cache blocks must be float32 or bfloat16");
-    if (j == 0) bf16 = is_bf16;
-    if (is_bf16 != bf16) return ffi::Error::InvalidArgument("all cache blocks must share one dtype");
-    if ((*r)->element_type() != b->element_type() || (*r)->size_bytes() != b->size_bytes())
-      return ffi::Error::InvalidArgument("each result block must match its operand block");
-    auto d = b->dimensions();
-    if (d.size() != 4 || d[1] != K) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
-    if (j == 0) S = d[0];
-    if (d[0] != S) return ffi::Error::InvalidArgument("all cache blocks must have the same slots");
-    if (j < nb) {
-      if (d[2] != H) return ffi::Error::InvalidArgument("key block must be [S, K, H, n]");
-      len[j] = d[3];
-    } else if (d[3] != H || d[2] != len[j - nb]) {
-      return ffi::Error::InvalidArgument("value block j must be [S, K, n_j, H] with key block j's n_j");
-    }
-    out[j] = (*r)->untyped_data();
-    if (out[j] != b->untyped_data()) std::memcpy(out[j], b->untyped_data(), b->size_bytes());
-  }
+  meshserve::CacheBlocks cb;
+  if (auto e = meshserve::BindCacheBlocks(blocks, blocks_out, K, H, &cb); e.failure()) return e;
+  const size_t nb = cb.len.size();
+  const int64_t S = cb.slots;
   const int64_t slot = slot_buf.typed_data()[0], start = start_buf.typed_data()[0];
   if (slot < 0 || slot >= S) return ffi::Error::Success();  // nothing to write, as a dropped scatter
   int64_t b0 = 0;
-  for (size_t j = 0; j < nb; b0 += len[j], ++j) {
-    const int64_t n = len[j];
+  for (size_t j = 0; j < nb; b0 += cb.len[j], ++j) {
+    const int64_t n = cb.len[j];
     const int64_t t0 = std::clamp<int64_t>(b0 - start, 0, T), t1 = std::clamp<int64_t>(b0 + n - start, 0, T);
     if (t0 >= t1) continue;
     const size_t item = static_cast<size_t>(slot * K * H * n);
-    if (bf16)
-      write_block(k.typed_data(), v.typed_data(), K, H, start, t0, t1, b0, n, static_cast<uint16_t*>(out[j]) + item,
-                  static_cast<uint16_t*>(out[nb + j]) + item);
+    if (cb.bf16)
+      write_block(k.typed_data(), v.typed_data(), K, H, start, t0, t1, b0, n, static_cast<uint16_t*>(cb.k[j]) + item,
+                  static_cast<uint16_t*>(cb.v[j]) + item);
     else
-      write_block(k.typed_data(), v.typed_data(), K, H, start, t0, t1, b0, n, static_cast<float*>(out[j]) + item,
-                  static_cast<float*>(out[nb + j]) + item);
+      write_block(k.typed_data(), v.typed_data(), K, H, start, t0, t1, b0, n, static_cast<float*>(cb.k[j]) + item,
+                  static_cast<float*>(cb.v[j]) + item);
   }
   return ffi::Error::Success();
 }

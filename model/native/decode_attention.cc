@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "cache_blocks.h"
 #include "parallel_for.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -219,8 +220,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd[2] < 1 || qd[2] > kMaxGroup)
     return ffi::Error::InvalidArgument("query heads per KV head must be between 1 and 8");
   if (qd[3] % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
-  if (blocks.size() == 0 || blocks.size() % 2 != 0 || blocks_out.size() != blocks.size())
-    return ffi::Error::InvalidArgument("expected the same number (>= 1) of key and value blocks, in and out");
   Problem p;
   p.S = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
   if (positions.element_count() != static_cast<size_t>(p.S))
@@ -233,37 +232,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   p.k_new = k_new.typed_data();
   p.v_new = v_new.typed_data();
   p.out = out->typed_data();
-  const size_t nb = blocks.size() / 2;
-  p.width = 0;
-  for (size_t j = 0; j < 2 * nb; ++j) {
-    auto b = blocks.get<ffi::AnyBuffer>(j);
-    if (b.has_error()) return b.error();
-    auto r = blocks_out.get<ffi::AnyBuffer>(j);
-    if (r.has_error()) return r.error();
-    const bool bf16 = b->element_type() == ffi::DataType::BF16;
-    if (!bf16 && b->element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("cache blocks must be float32 or bfloat16");
-    auto d = b->dimensions();
-    if (d.size() != 4 || d[0] != p.S || d[1] != p.K) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
-    if ((*r)->element_type() != b->element_type() || (*r)->size_bytes() != b->size_bytes())
-      return ffi::Error::InvalidArgument("each result block must match its operand block");
-    if (j == 0) p.bf16 = bf16;
-    if (bf16 != p.bf16) return ffi::Error::InvalidArgument("all cache blocks must share one dtype");
-    // The result block is normally the operand's own buffer (input_output_aliases); else the
-    // operand is copied into it first.
-    void* dst = (*r)->untyped_data();
-    if (dst != b->untyped_data()) std::memcpy(dst, b->untyped_data(), b->size_bytes());
-    if (j < nb) {  // key block [S, K, H, n]
-      if (d[2] != p.H) return ffi::Error::InvalidArgument("key block must be [S, K, H, n]");
-      p.k_blocks.push_back(dst);
-      p.block_len.push_back(d[3]);
-      p.width += d[3];
-    } else {  // value block [S, K, n, H]
-      if (d[3] != p.H || d[2] != p.block_len[j - nb])
-        return ffi::Error::InvalidArgument("value block j must be [S, K, n_j, H] with key block j's n_j");
-      p.v_blocks.push_back(dst);
-    }
-  }
+  meshserve::CacheBlocks cb;
+  if (auto e = meshserve::BindCacheBlocks(blocks, blocks_out, p.K, p.H, &cb); e.failure()) return e;
+  if (cb.slots != p.S) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
+  p.k_blocks = cb.k;
+  p.v_blocks = cb.v;
+  p.block_len = cb.len;
+  p.width = cb.width;
+  p.bf16 = cb.bf16;
   meshserve::ParallelFor(pool, p.S * p.K, [&p](int64_t item) {  // one item per (slot, KV head)
     thread_local std::vector<float> scores;
     if (p.bf16)

@@ -64,23 +64,6 @@ class KVCache:
         return int(self.k.size * self.k.dtype.itemsize * 2)
 
 
-def write_entries(buf: jax.Array, index: tuple[Any, ...], values: jax.Array) -> jax.Array:
-    """``buf.at[index].set(values.astype(buf.dtype), mode="drop")``: a cache write (indices out
-    of range are dropped, never clamped). A bfloat16 cache is written as its uint16 bits: XLA:CPU
-    has no bfloat16 scatter, and its float normalisation turned each one into a convert of the
-    whole buffer to float32 and back (a 128-token prefill at 64 slots of SmolLM2-135M: 120
-    converts, 281 of 435 ms of op time); the bits scatter in place like a float32 cache's.
-
-    Shapes: buf any cache array; values broadcastable to ``buf[index]``, any float dtype
-    (rounded to nearest even into bfloat16). Returns an array like ``buf``.
-    """
-    if buf.dtype != jnp.bfloat16:
-        return buf.at[index].set(values.astype(buf.dtype), mode="drop")
-    bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
-    new = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
-    return jax.lax.bitcast_convert_type(bits.at[index].set(new, mode="drop"), jnp.bfloat16)
-
-
 # ---- the blocked form (per-layer weights, unrolled layers) ----------------------------------
 BLOCK_LEN = 128  # cache positions per block; decode windows are whole blocks (or all of T)
 

@@ -31,7 +31,7 @@ from flax import nnx
 
 from model import cpu_attention, cpu_matmul
 from model.config import LlamaConfig, RopeScaling
-from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block, write_entries
+from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 
 Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 # (q, new k, new v, key blocks, value blocks) -> (attention, written key blocks, value blocks)
@@ -659,8 +659,8 @@ def prefill(
             for j, (b0, n) in enumerate(blocks):
                 idx = index_in_block(pos, b0, n)
                 # kb[j][slot, :, :, idx] and vb[j][slot, :, idx, :] have shape [T, K, H].
-                out_k[j] = write_entries(kb[j], (slot, slice(None), slice(None), idx), k[0])
-                out_v[j] = write_entries(vb[j], (slot, slice(None), idx, slice(None)), v[0])
+                out_k[j] = kb[j].at[slot, :, :, idx].set(k[0].astype(kb[j].dtype), mode="drop")
+                out_v[j] = vb[j].at[slot, :, idx, :].set(v[0].astype(vb[j].dtype), mode="drop")
             return tuple(out_k), tuple(out_v)
 
         if kv_len > 0:
@@ -703,8 +703,8 @@ def prefill(
     k_vals = new_k[:, 0].transpose(1, 0, 2, 3)
     v_vals = new_v[:, 0].transpose(1, 0, 2, 3)
     cache = KVCache(
-        k=write_entries(cache.k, (slice(None), slot, slice(None), pos, slice(None)), k_vals),
-        v=write_entries(cache.v, (slice(None), slot, slice(None), pos, slice(None)), v_vals),
+        k=cache.k.at[:, slot, :, pos, :].set(k_vals.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slot, :, pos, :].set(v_vals.astype(cache.v.dtype), mode="drop"),
     )
     return logits, cache
 
@@ -760,8 +760,8 @@ def decode_step(
             for j, (b0, n) in enumerate(blocks):
                 idx = index_in_block(positions, b0, n)[:, None]  # idle slots (T_max) are dropped
                 # kb[j][slots, heads, :, idx] and vb[j][slots, heads, idx, :] have shape [S, K, H].
-                out_k[j] = write_entries(kb[j], (slots, heads, slice(None), idx), k[:, 0])
-                out_v[j] = write_entries(vb[j], (slots, heads, idx, slice(None)), v[:, 0])
+                out_k[j] = kb[j].at[slots, heads, :, idx].set(k[:, 0].astype(kb[j].dtype), mode="drop")
+                out_v[j] = vb[j].at[slots, heads, idx, :].set(v[:, 0].astype(vb[j].dtype), mode="drop")
             return tuple(out_k), tuple(out_v)
 
         mask = (jnp.arange(width)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, width]
@@ -792,7 +792,7 @@ def decode_step(
     k_vals = new_k[:, :, 0].transpose(1, 0, 2, 3)
     v_vals = new_v[:, :, 0].transpose(1, 0, 2, 3)
     cache = KVCache(
-        k=write_entries(cache.k, (slice(None), slots, slice(None), positions, slice(None)), k_vals),
-        v=write_entries(cache.v, (slice(None), slots, slice(None), positions, slice(None)), v_vals),
+        k=cache.k.at[:, slots, :, positions, :].set(k_vals.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slots, :, positions, :].set(v_vals.astype(cache.v.dtype), mode="drop"),
     )
     return logits, cache

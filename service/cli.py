@@ -226,12 +226,13 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 
     from model.fetch import resolve_model
     from model.loader import read_model_config
+    from service.engine import resolve_kv_dtype
     from sharding.layouts import LayoutError, load_layout, preset_names
     from sharding.plan import make_plan
 
     cfg = read_model_config(resolve_model(args.model, args.cache_dir))
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
     kv_itemsize = 2 if kv_dtype == "bfloat16" else 4
     present = len(jax.devices())
     print(

@@ -117,6 +117,20 @@ def test_serve_flag_reaches_the_server_config() -> None:
         build_parser().parse_args(["serve", "--kv-dtype", "int8"])
 
 
+def test_layouts_command_gives_the_kv_bytes_in_the_cache_dtype(
+    smollm2_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SmolLM2-135M on one device, 8 slots x 2048 tokens: 2 x 30 x 3 x 64 entries per token, so
+    8 x 2048 x 11520 x 4 bytes = 754.97 MB in float32 and 377.5 MB in bfloat16."""
+    kv_mb = {}
+    for kv in ("auto", "bfloat16"):
+        assert main(["layouts", "--model", str(smollm2_gguf), "--kv-dtype", kv]) == 0
+        out = capsys.readouterr().out
+        line = next(x for x in out.splitlines() if x.startswith("single "))
+        kv_mb[kv] = float(line.split("MB")[1].split()[-1])
+    assert kv_mb == {"auto": pytest.approx(755.0, abs=0.1), "bfloat16": pytest.approx(377.5, abs=0.1)}
+
+
 def test_sweep_runs_with_a_bfloat16_cache(tmp_path: Path) -> None:
     argv = ["sweep", "--tiny", "--layouts", "1x1", "--batches", "2", "--prompt-lens", "8", "--steps", "2"]
     argv += ["--warmup-steps", "1", "--kv-dtype", "bfloat16", "--hardware", "cpu-peers-md", "--out", str(tmp_path)]

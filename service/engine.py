@@ -156,7 +156,7 @@ class EngineConfig:
             from a float32 cache's where two logits are closer than the rounding moves them
             (tests/test_kv_dtype.py measures the logit error against Hugging Face). On CPU it
             pays only where the native kernels read and write the cache (layers="unrolled", one
-            device): XLA:CPU emulates bfloat16, and a scanned engine's decode steps took 4.6x as
+            device): XLA:CPU emulates bfloat16, and a scanned engine's decode steps took 3-5x as
             long as with a float32 cache (the engine logs a warning).
         layers: how the steps run the decoder blocks: "scan" (stacked weights, ``lax.scan``,
             a ``KVCache``: one block compiled, the fast start-up), "unrolled" (weights kept
@@ -304,8 +304,8 @@ class Engine:
         if self.kv_dtype == jnp.bfloat16 and not self.native_attention and self.mesh.devices.flat[0].platform == "cpu":
             log.warning(
                 "a bfloat16 KV cache on XLA:CPU without the native kernels (they need layers='unrolled' on one "
-                "CPU device): XLA emulates bfloat16 there, about 4.6x slower decode steps (SmolLM2-135M, 4 "
-                "slots, scan: 208 against 45 ms); use layers='unrolled' or kv_dtype='float32'"
+                "CPU device): XLA emulates bfloat16 there, 3-5x slower decode steps (SmolLM2-135M, 4 slots, "
+                "scan: 171-208 against 43-63 ms); use layers='unrolled' or kv_dtype='float32'"
             )
         # Greedy ids (and the Gumbel-max draw) by the native argmax where the other kernels run.
         self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax

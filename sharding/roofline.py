@@ -580,7 +580,8 @@ def decode_utilization(
     """Predicted TPOT, MBU and MFU of a measured decode step of ``step_s`` seconds.
 
     ``batch`` sequences per replica at ``context_len`` KV positions each, weights in ``dtype``,
-    the KV cache in ``kv_dtype`` (None: ``dtype``). The bytes (weights + B·S KV) and FLOPs (2·B·matmul weights + 4·B·S·L·N·H attention)
+    the KV cache in ``kv_dtype`` (None: ``dtype``). The bytes (weights + B·S KV) and FLOPs
+    (2·B·matmul weights + 4·B·S·L·N·H attention)
     are :func:`decode_step`'s, per device; on ``shared`` hardware each device gets 1/n of it, as
     in :func:`roofline`. MBU as in Pope et al. 2022 §2 / the scaling book's inference chapter
     ("How to Scale Your Model"); MFU as in Chowdhery et al. 2022 (PaLM) §4.1.

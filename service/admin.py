@@ -23,6 +23,7 @@ from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 from sharding.plan import make_plan
+from sharding.roofline import ITEMSIZE
 
 if TYPE_CHECKING:
     from service.pools import Pool
@@ -36,8 +37,7 @@ def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = 
     cfg, ecfg = service.model_cfg, service.cfg
     assert cfg is not None, "admin calls are served only after the model is loaded"
     plan = make_plan(layout, cfg, ecfg.num_slots)
-    itemsize = 2 if ecfg.dtype == "bfloat16" else 4
-    kv_itemsize = 2 if resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype) == "bfloat16" else 4
+    itemsize, kv_itemsize = ITEMSIZE[ecfg.dtype], ITEMSIZE[resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)]
     info = apb.LayoutInfo(
         name=layout.name,
         data=layout.data,

@@ -229,11 +229,11 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     from service.engine import resolve_kv_dtype
     from sharding.layouts import LayoutError, load_layout, preset_names
     from sharding.plan import make_plan
+    from sharding.roofline import ITEMSIZE
 
     cfg = read_model_config(resolve_model(args.model, args.cache_dir))
-    itemsize = 2 if args.dtype == "bfloat16" else 4
     kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
-    kv_itemsize = 2 if kv_dtype == "bfloat16" else 4
+    itemsize, kv_itemsize = ITEMSIZE[args.dtype], ITEMSIZE[kv_dtype]
     present = len(jax.devices())
     print(
         f"model: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads; "
@@ -275,7 +275,15 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     from model.loader import read_model_config
     from sharding.layouts import LayoutError, load_layout
     from sharding.plan import make_plan
-    from sharding.roofline import HardwareError, Parallelism, Workload, format_table, load_hardware, roofline
+    from sharding.roofline import (
+        ITEMSIZE,
+        HardwareError,
+        Parallelism,
+        Workload,
+        format_table,
+        load_hardware,
+        roofline,
+    )
 
     path = resolve_model(args.model, args.cache_dir)
     cfg = read_model_config(path)
@@ -284,7 +292,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         try:
             hw = load_hardware(hw_name)
             dtype = args.dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
-            peak, itemsize = hw.peak(dtype), 2 if dtype == "bfloat16" else 4
+            peak, itemsize = hw.peak(dtype), ITEMSIZE[dtype]
         except HardwareError as exc:
             raise SystemExit(f"meshserve roofline: {exc}") from None
         ridge = peak / hw.hbm_bytes_per_s

@@ -271,7 +271,8 @@ class Engine:
         self.dtype = jnp.dtype(engine_cfg.dtype)
         self.plan = make_plan(layout, cfg, engine_cfg.num_slots)
         self.mesh = make_mesh(layout, devices)
-        layers = resolve_layers(engine_cfg.layers, self.mesh.devices.flat[0].platform)
+        platform = self.mesh.devices.flat[0].platform
+        layers = resolve_layers(engine_cfg.layers, platform)
         kv_dtype = resolve_kv_dtype(engine_cfg.kv_dtype, engine_cfg.dtype)
         engine_cfg = dataclasses.replace(engine_cfg, layers=layers, kv_dtype=kv_dtype)
         self.ecfg = engine_cfg
@@ -290,18 +291,14 @@ class Engine:
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
         self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.kv_dtype), out_shardings=cache_sh)()
-        one_cpu = (
-            engine_cfg.layers == "unrolled"
-            and self.mesh.devices.size == 1
-            and self.mesh.devices.flat[0].platform == "cpu"
-        )
+        one_cpu = engine_cfg.layers == "unrolled" and self.mesh.devices.size == 1 and platform == "cpu"
         self.native_attention = (
             one_cpu
             and engine_cfg.decode_attention == "auto"
             and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.kv_dtype)
             and cpu_attention.available()
         )
-        if self.kv_dtype == jnp.bfloat16 and not self.native_attention and self.mesh.devices.flat[0].platform == "cpu":
+        if self.kv_dtype == jnp.bfloat16 and not self.native_attention and platform == "cpu":
             log.warning(
                 "a bfloat16 KV cache on XLA:CPU without the native kernels (they need layers='unrolled' on one "
                 "CPU device): XLA emulates bfloat16 there, 3-5x slower decode steps (SmolLM2-135M, 4 slots, "

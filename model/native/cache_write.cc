@@ -14,8 +14,6 @@
 // they are not). Built and registered by model/native_kernels.py.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <vector>
 
 #include "bf16.h"
 #include "cache_blocks.h"

@@ -10,7 +10,7 @@ QUESTION ?= What is the capital of France?
 $(BIN)/meshserve: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,hf]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,bench]'
 	touch $@
 
 venv: $(BIN)/meshserve

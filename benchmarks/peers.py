@@ -99,6 +99,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/peers.py` from a checkout
 
+from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
+
 PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16")
 DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
@@ -143,6 +145,8 @@ def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     text = Path(args.text).read_text() if args.text else english_text()
     ids = Tokenizer.from_gguf(model).backend.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise ValueError(f"--text {args.text}: no tokens in it")
     P, B = args.prompt_len, max(args.batches)
     need = max(P + B, args.ttft_prompt_len)
     while len(ids) < need:  # a short --text: repeat it
@@ -816,12 +820,14 @@ def main(argv: list[str] | None = None) -> int:
         help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
         "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache)",
     )
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
-    p.add_argument("--prompt-len", type=int, default=128, help="tokens per row (%(default)s)")
-    p.add_argument("--new-tokens", type=int, default=128, help="generated tokens per row (%(default)s)")
-    p.add_argument("--ttft-prompt-len", type=int, default=512, help="the single TTFT prompt (%(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians (%(default)s)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="per engine (%(default)s: the cores)")
+    p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")
+    p.add_argument("--new-tokens", type=at_least(2), default=128, help="generated tokens per row (%(default)s)")
+    p.add_argument("--ttft-prompt-len", type=positive_int, default=512, help="the single TTFT prompt (%(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per figure; medians (%(default)s)")
+    p.add_argument(
+        "--threads", type=positive_int, default=os.cpu_count() or 1, help="per engine (%(default)s: the cores)"
+    )
     p.add_argument("--text", help="English text file for the prompts (default: standard-library docstrings)")
     p.add_argument(
         "--python",
@@ -840,12 +846,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=3600,
         help="seconds an engine may take to load or to answer one command (%(default)s)",
     )
     p.add_argument(
-        "--settle", type=float, default=0.5, help="seconds of pause between two engines' timings (%(default)s)"
+        "--settle",
+        type=nonnegative_float,
+        default=0.5,
+        help="seconds of pause between two engines' timings (%(default)s)",
     )
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "peers.json"), help="results (%(default)s)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -853,14 +862,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.workload)
-    if args.new_tokens < 2 or min(args.batches) < 1 or args.repeats < 1:
-        p.error("--new-tokens must be >= 2, batches >= 1, --repeats >= 1")
-
     from model.config import LlamaConfig
-    from model.fetch import resolve_model
+    from model.fetch import FetchError, resolve_model
 
-    model = resolve_model(args.model)
-    wl = make_workload(model, args)
+    try:
+        model = resolve_model(args.model)
+    except (OSError, ValueError, FetchError) as exc:  # a missing or unreadable model
+        p.error(f"{args.model or 'the default model'}: {exc}")
+    try:
+        wl = make_workload(model, args)
+    except (OSError, ValueError) as exc:  # not a GGUF; a missing, unreadable or empty --text
+        p.error(str(exc))
     print(f"peers: measuring the machine ({os.cpu_count()} cores)", file=sys.stderr)
     machine = measure_machine()
     results: dict[str, dict[str, Any]] = {}

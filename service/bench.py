@@ -65,6 +65,7 @@ class RequestRecord:
         itl_s: inter-token latencies, ``output_tokens - 1`` of them.
         finish_reason: e.g. ``"FINISH_REASON_LENGTH"``; "" on error.
         error: the gRPC status code name, or None.
+        error_detail: the server's message with that status ("" when none).
     """
 
     index: int
@@ -77,6 +78,7 @@ class RequestRecord:
     itl_s: list[float]
     finish_reason: str = ""
     error: str | None = None
+    error_detail: str = ""
 
     @property
     def ok(self) -> bool:
@@ -97,6 +99,7 @@ def record_from_chunks(
     max_tokens: int,
     finish_reason: str = "",
     error: str | None = None,
+    error_detail: str = "",
 ) -> RequestRecord:
     """Build a record from the arrival of each chunk.
 
@@ -130,6 +133,7 @@ def record_from_chunks(
         itl_s=itl,
         finish_reason=finish_reason,
         error=error,
+        error_detail=error_detail,
     )
 
 
@@ -154,10 +158,14 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float]:
 
 
 def meets_slo(record: RequestRecord, ttft_ms: float | None, tpot_ms: float | None) -> bool:
-    """Whether a completed request met TTFT <= ``ttft_ms`` and TPOT <= ``tpot_ms`` (None = no bound)."""
-    if not record.ok or record.ttft_s is None:
+    """Whether a completed request met TTFT <= ``ttft_ms`` and TPOT <= ``tpot_ms`` (None = no bound).
+
+    A completed request that streamed no token (it ended at once, e.g. on EOS) is held to the TTFT
+    bound by its end-to-end time, when its empty answer was known; it has no TPOT."""
+    if not record.ok:
         return False
-    if ttft_ms is not None and record.ttft_s * 1e3 > ttft_ms:
+    ttft_s = record.ttft_s if record.ttft_s is not None else record.e2e_s
+    if ttft_ms is not None and ttft_s * 1e3 > ttft_ms:
         return False
     tpot = record.tpot_s
     return not (tpot_ms is not None and tpot is not None and tpot * 1e3 > tpot_ms)
@@ -178,6 +186,15 @@ def goodput(
     }
 
 
+def first_error_details(records: Iterable[RequestRecord]) -> dict[str, str]:
+    """Status code of the failed requests -> the server's message with the first of them."""
+    details: dict[str, str] = {}
+    for r in records:
+        if r.error and r.error not in details:
+            details[r.error] = r.error_detail
+    return details
+
+
 def summarize_run(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -195,6 +212,7 @@ def summarize_run(
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": dict(Counter(r.error for r in records if r.error)),
+        "error_details": first_error_details(records),
         "finish_reasons": dict(Counter(r.finish_reason for r in ok)),
         "duration_s": duration_s,
         "prompt_tokens": prompt,
@@ -232,6 +250,8 @@ def format_report(report: dict[str, Any]) -> str:
         + (f" {report['errors']}" if report["errors"] else "")
         + f"; {report['duration_s']:.2f} s"
     )
+    for code, detail in report.get("error_details", {}).items():
+        lines.append(f"  {code}: {detail or '(no message)'}")
     lines.append(
         f"requests/s {report['requests_per_s']:.2f}   output tokens/s {report['output_tokens_per_s']:.1f}   "
         f"total tokens/s {report['total_tokens_per_s']:.1f}"
@@ -367,11 +387,13 @@ def roofline_report(
 # ---- requests -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
-    """One request to send: ``token_ids`` or ``prompt`` (raw text), and ``max_tokens``."""
+    """One request to send: ``token_ids``, ``prompt`` (raw text) or ``chat`` ((role, content)
+    turns), and ``max_tokens``."""
 
     max_tokens: int
     token_ids: tuple[int, ...] | None = None
     prompt: str | None = None
+    chat: tuple[tuple[str, str], ...] | None = None
 
     @property
     def sent_prompt_tokens(self) -> int:
@@ -413,30 +435,63 @@ def synthetic_specs(
     return specs
 
 
+PROMPT_KEYS = ("prompt", "messages", "token_ids")  # a JSONL request's prompt, exactly one of these
+
+
+def _spec_from_object(obj: Any, default_output_len: tuple[int, int], rng: np.random.Generator) -> RequestSpec:
+    """One JSONL line's request; raises ValueError saying what is wrong with it."""
+    if not isinstance(obj, dict) or sum(k in obj for k in PROMPT_KEYS) != 1:
+        raise ValueError('needs exactly one of "prompt" (raw text), "messages" (chat) or "token_ids"')
+    if "max_tokens" in obj:
+        max_tokens = obj["max_tokens"]
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    else:
+        max_tokens = int(rng.integers(default_output_len[0], default_output_len[1] + 1))
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise ValueError(f"prompt must be a non-empty string, got {obj['prompt']!r}")
+        return RequestSpec(max_tokens=max_tokens, prompt=obj["prompt"])
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        )
+        if not ok:
+            raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
+        return RequestSpec(max_tokens=max_tokens, chat=tuple((m["role"], m["content"]) for m in msgs))
+    ids = obj["token_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"token_ids must be a non-empty list of integers, got {ids!r}")
+    return RequestSpec(max_tokens=max_tokens, token_ids=tuple(ids))
+
+
 def load_jsonl(path: str | Path, default_output_len: tuple[int, int], rng: np.random.Generator) -> list[RequestSpec]:
-    """Requests from a JSONL file, one object per line: ``"prompt"`` (raw text) or ``"token_ids"``,
-    and optionally ``"max_tokens"`` (else drawn from ``default_output_len``). Blank lines are skipped.
+    """Requests from a JSONL file, one object per line: exactly one of ``"prompt"`` (raw text,
+    sent as is: no chat template), ``"messages"`` (chat turns ``[{"role": ..., "content": ...}]``,
+    rendered by the server with the model's chat template) or ``"token_ids"``; and optionally
+    ``"max_tokens"`` (else drawn from ``default_output_len``). Blank lines are skipped.
 
     Raises:
-        ValueError: a line is not such an object (the message gives the line number).
+        ValueError: the file cannot be read, or a line is not such an object (the message gives
+            the line number).
     """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
     specs = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict) or ("prompt" in obj) == ("token_ids" in obj):
-                raise ValueError('needs exactly one of "prompt" or "token_ids"')
-            if "max_tokens" in obj:
-                max_tokens = int(obj["max_tokens"])
-            else:
-                max_tokens = int(rng.integers(default_output_len[0], default_output_len[1] + 1))
-            if max_tokens < 1:
-                raise ValueError("max_tokens must be >= 1")
-            ids = tuple(int(i) for i in obj["token_ids"]) if "token_ids" in obj else None
-            specs.append(RequestSpec(max_tokens=max_tokens, token_ids=ids, prompt=obj.get("prompt")))
-        except (ValueError, TypeError) as exc:
+            specs.append(_spec_from_object(json.loads(line), default_output_len, rng))
+        except ValueError as exc:  # json.JSONDecodeError is one
             raise ValueError(f"{path}:{lineno}: {exc}") from None
     if not specs:
         raise ValueError(f"{path}: no requests")
@@ -492,12 +547,18 @@ class BenchConfig:
             raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not self.timeout_s > 0 or self.temperature < 0:
+            raise ValueError(f"timeout must be > 0 s and temperature >= 0, got {self.timeout_s}, {self.temperature}")
+        for name, bound in (("slo_ttft_ms", self.slo_ttft_ms), ("slo_tpot_ms", self.slo_tpot_ms)):
+            if bound is not None and not bound > 0:
+                raise ValueError(f"{name} must be > 0 ms, got {bound}")
 
 
 def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: BenchConfig) -> RequestRecord:
     """Send one request and time its chunks (never raises for a gRPC error: it is recorded)."""
     request = make_request(
         prompt=spec.prompt,
+        chat=spec.chat,
         token_ids=spec.token_ids,
         max_tokens=spec.max_tokens,
         temperature=cfg.temperature,
@@ -505,7 +566,7 @@ def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: Benc
         request_id=f"bench-{index}",
     )
     chunks: list[tuple[float, int]] = []
-    finish, prompt_tokens, error = "", spec.sent_prompt_tokens, None
+    finish, prompt_tokens, error, detail = "", spec.sent_prompt_tokens, None, ""
     t0 = time.perf_counter()
     try:
         for resp in client.stream(request, cfg.timeout_s):
@@ -513,9 +574,9 @@ def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: Benc
             if resp.finish_reason:
                 finish, prompt_tokens = pb.FinishReason.Name(resp.finish_reason), resp.usage.prompt_tokens
     except grpc.RpcError as exc:
-        error = exc.code().name
+        error, detail = exc.code().name, exc.details() or ""
     end = time.perf_counter() - t0
-    return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error)
+    return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error, detail)
 
 
 def poisson_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from service.arg_types import nonnegative_float, nonnegative_int, positive_float, positive_int
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
@@ -271,7 +273,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     """Predict TTFT, TPOT, throughput and the regime from the roofline (sharding/roofline.py)."""
     import json
 
-    from model.fetch import resolve_model
+    from model.fetch import FetchError, resolve_model
     from model.loader import read_model_config
     from sharding.layouts import LayoutError, load_layout
     from sharding.plan import make_plan
@@ -285,9 +287,21 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         roofline,
     )
 
-    path = resolve_model(args.model, args.cache_dir)
-    cfg = read_model_config(path)
+    if args.json:
+        _check_writable_file(args.json, "meshserve roofline")
+    try:
+        path = resolve_model(args.model, args.cache_dir)
+        cfg = read_model_config(path)
+    except (OSError, ValueError, FetchError) as exc:  # missing file, not a GGUF / model directory
+        raise SystemExit(f"meshserve roofline: {args.model or 'the default model'}: {exc}") from None
+    if args.context > cfg.max_position_embeddings:
+        print(
+            f"meshserve roofline: warning: --context {args.context} is past the model's "
+            f"{cfg.max_position_embeddings} positions",
+            file=sys.stderr,
+        )
     results: list[dict[str, Any]] = []
+    unusable: list[str] = []
     for hw_name in args.hardware:
         try:
             hw = load_hardware(hw_name)
@@ -317,6 +331,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
                 plan = make_plan(layout, cfg)
             except LayoutError as exc:
                 print(f"  {name}: unusable: {exc}")
+                unusable.append(name)
                 continue
             for batch in args.batch:
                 workload = Workload(
@@ -341,7 +356,20 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(f"meshserve: wrote {args.json}", file=sys.stderr)
+    if not results:
+        print(f"meshserve roofline: no usable layout among {', '.join(dict.fromkeys(unusable))}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_writable_file(path: str, prog: str) -> None:
+    """Before a long run: exit with a clear message if ``path`` cannot be a file to write (its
+    folder is missing, or it is a directory)."""
+    target = Path(path)
+    if target.is_dir():
+        raise SystemExit(f"{prog}: {path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise SystemExit(f"{prog}: cannot write {path}: no folder {target.parent}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -351,12 +379,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from service.bench import BenchConfig, format_report, parse_range, run_bench, write_report
     from service.client import Client
 
+    if args.out:
+        _check_writable_file(args.out, "meshserve bench")
+    if args.hardware not in ("auto", "none", ""):
+        from sharding.roofline import hardware_names
+
+        if args.hardware not in hardware_names():
+            raise SystemExit(f"meshserve bench: unknown --hardware {args.hardware!r}; presets: "
+                             f"{', '.join(hardware_names())}, or auto, none")  # fmt: skip
     try:
         cfg = BenchConfig(
             address=args.address,
             num_requests=args.num_requests,
             warmup=args.warmup,
-            concurrency=args.concurrency if args.concurrency or args.rate else 1,
+            concurrency=args.concurrency if args.concurrency is not None or args.rate else 1,
             rate=args.rate,
             seed=args.seed,
             prompt_len=parse_range(args.prompt_len),
@@ -387,6 +423,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         write_report(report, args.out)
         print(f"meshserve: wrote {args.out}", file=sys.stderr)
+    if not report["completed"]:
+        print(f"meshserve bench: every request failed {report['errors']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -520,31 +559,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rf.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
     rf.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV-cache dtype (default: --dtype's)")
-    rf.add_argument("--batch", nargs="+", type=int, default=[1], help="sequences per replica (%(default)s)")
-    rf.add_argument("--context", type=int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
-    rf.add_argument("--prompt", type=int, default=128, help="prompt tokens for TTFT (%(default)s)")
+    rf.add_argument("--batch", nargs="+", type=positive_int, default=[1], help="sequences per replica (%(default)s)")
+    rf.add_argument("--context", type=positive_int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
+    rf.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens for TTFT (%(default)s)")
     rf.add_argument("--layout", nargs="+", default=["single"], help="presets or DxM, e.g. 1x1 1x8 8x1 (%(default)s)")
     rf.add_argument("--attention", choices=["auto", "heads", "replicated"], help="override the layouts' attention")
-    rf.add_argument("--act-bytes", type=int, default=4, help="bytes per all-reduced element (4: float32 residual)")
-    rf.add_argument("--hop-latency-us", type=float, default=0.0, help="latency per ring hop of a collective, µs")
+    rf.add_argument(
+        "--act-bytes", type=positive_int, default=4, help="bytes per all-reduced element (4: float32 residual)"
+    )
+    rf.add_argument(
+        "--hop-latency-us", type=nonnegative_float, default=0.0, help="latency per ring hop of a collective, µs"
+    )
     rf.add_argument("--json", help="also write every prediction to this JSON file")
     rf.set_defaults(func=cmd_roofline)
 
     bn = sub.add_parser("bench", help="load-test a running server: TTFT/TPOT/ITL/E2E percentiles, tokens/s, goodput")
     bn.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
-    bn.add_argument("-n", "--num-requests", type=int, default=100, help="measured requests (%(default)s)")
-    bn.add_argument("--warmup", type=int, default=2, help="requests sent first, not counted (%(default)s)")
-    bn.add_argument("--concurrency", type=int, help="closed-loop clients (default 1); with --rate, the in-flight cap")
-    bn.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: closed loop)")
+    bn.add_argument("-n", "--num-requests", type=positive_int, default=100, help="measured requests (%(default)s)")
+    bn.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first, not counted (%(default)s)")
+    bn.add_argument(
+        "--concurrency", type=positive_int, help="closed-loop clients (default 1); with --rate, the in-flight cap"
+    )
+    bn.add_argument("--rate", type=positive_float, help="Poisson arrivals, requests/s (default: closed loop)")
     bn.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (%(default)s)")
     bn.add_argument("--prompt-len", default="128", help="synthetic prompt tokens: N or LO:HI uniform (%(default)s)")
     bn.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI uniform (%(default)s)")
     bn.add_argument("--dataset", help='JSONL of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
-    bn.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (%(default)s)")
+    bn.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (%(default)s)")
     bn.add_argument("--layout", help="engine pool (or its layout name) to send to")
-    bn.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, s (%(default)s)")
-    bn.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound, ms")
-    bn.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT bound, ms")
+    bn.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline, s (%(default)s)")
+    bn.add_argument("--slo-ttft-ms", type=positive_float, help="goodput: TTFT bound, ms")
+    bn.add_argument("--slo-tpot-ms", type=positive_float, help="goodput: TPOT bound, ms")
     bn.add_argument(
         "--hardware",
         default="auto",
@@ -552,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
         "measured now (a remote CPU server: pass its preset), or the server's accelerator; 'none' (%(default)s)",
     )
     bn.add_argument("--out", help="write the full report (and every request) as JSON here")
-    bn.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for SERVING")
+    bn.add_argument("--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for SERVING")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar")
     bn.set_defaults(func=cmd_bench)
 

@@ -41,6 +41,7 @@ import argparse
 import csv
 import dataclasses
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -53,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from service.arg_types import nonnegative_int, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -536,11 +539,11 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random", action="store_true", help="random weights at the model's shapes (speed is the same)")
     p.add_argument("--tiny", action="store_true", help="random weights at LlamaConfig.tiny()'s shapes (smoke tests)")
     p.add_argument("--layouts", nargs="+", help="presets or DxM (default: 1x1, 1xN and Nx1 over the N devices)")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64], help="(%(default)s)")
-    p.add_argument("--prompt-lens", nargs="+", type=int, default=[128], help="prompt tokens (%(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per point (%(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (%(default)s)")
-    p.add_argument("--max-seq-len", type=int, help="KV tokens per slot (default: prompt + steps + 1)")
+    p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 2, 4, 8, 16, 32, 64], help="(%(default)s)")
+    p.add_argument("--prompt-lens", nargs="+", type=positive_int, default=[128], help="prompt tokens (%(default)s)")
+    p.add_argument("--steps", type=positive_int, default=16, help="timed decode steps per point (%(default)s)")
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=2, help="untimed decode steps first (%(default)s)")
+    p.add_argument("--max-seq-len", type=positive_int, help="KV tokens per slot (default: prompt + steps + 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameters (%(default)s)")
     p.add_argument(
         "--kv-dtype",
@@ -561,7 +564,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
         help="roofline preset for the overlay (configs/hardware.yaml), 'auto' (this CPU, or the accelerator's "
         "kind) or 'none' (%(default)s)",
     )
-    p.add_argument("--cpu-devices", type=int, help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--cpu-devices", type=positive_int, help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--out", default="sweep-results", help="directory for CSV, JSON and plots (%(default)s)")
 
 
@@ -579,7 +582,15 @@ def _set_cpu_devices(n: int) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``meshserve sweep``: print a line per point, write the results, say where."""
+    """Run ``meshserve sweep``: print a line per point, write the results, say where.
+
+    Returns 0 when every point was measured or skipped (with its reason) and at least one was
+    measured; 1 otherwise. Exits with a message, before measuring, on contradictory flags or an
+    ``--out`` that is not a directory."""
+    if args.tiny and args.model:
+        raise SystemExit("meshserve sweep: --tiny times LlamaConfig.tiny(); drop --model or --tiny")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise SystemExit(f"meshserve sweep: --out {args.out} is a file; give a directory")
     if args.cpu_devices:
         _set_cpu_devices(args.cpu_devices)
     import jax
@@ -628,6 +639,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     rows = run_sweep(scfg, cfg, graphdef, params, predictor, progress=lambda r: print(format_row(r), flush=True))
     paths = write_results(rows, meta, args.out)
     print(f"meshserve sweep: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
-    if not any(p.suffix == ".png" for p in paths):
+    measured = [r for r in rows if r["status"] == "ok"]
+    if not measured:
+        print("meshserve sweep: no point was measured (every one skipped or failed: see the rows)", file=sys.stderr)
+        return 1
+    if importlib.util.find_spec("matplotlib") is None:
         print("meshserve sweep: no plots (matplotlib missing: pip install -e '.[bench]')", file=sys.stderr)
     return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in rows) else 1

@@ -87,6 +87,27 @@ def test_summarize_run_on_the_trace() -> None:
     assert "goodput (TTFT <= 150 ms and TPOT <= 60 ms): 1.00 req/s" in format_report(report)
 
 
+def test_a_request_without_tokens_is_held_to_the_ttft_bound_by_its_end() -> None:
+    """Completed at once (EOS first) after 30 ms: no TTFT, no TPOT; it counts as good with no SLO
+    and under a TTFT bound it meets by its end-to-end time, and not under one it misses."""
+    empty = record_from_chunks(0, 0.0, [(0.030, 0)], 0.030, 9, 4, "FINISH_REASON_EOS")
+    assert empty.ok and empty.ttft_s is None and empty.tpot_s is None
+    assert goodput([empty], 1.0, None, None)["requests"] == 1
+    assert goodput([empty], 1.0, 50, 10)["requests"] == 1
+    assert goodput([empty], 1.0, 20, None)["requests"] == 0
+
+
+def test_error_details_keep_the_servers_message() -> None:
+    bad = [
+        record_from_chunks(i, 0.0, [], 0.01, 3, 4, error="INVALID_ARGUMENT", error_detail=f"temperature {i} < 0")
+        for i in range(2)
+    ]
+    report = summarize_run([*bad, trace()[0]], duration_s=1.0)
+    assert report["errors"] == {"INVALID_ARGUMENT": 2}
+    assert report["error_details"] == {"INVALID_ARGUMENT": "temperature 0 < 0"}
+    assert "  INVALID_ARGUMENT: temperature 0 < 0" in format_report(report)
+
+
 def test_mean_decoding_streams_is_littles_law() -> None:
     # a decodes 0.10 -> 0.25 s, b 0.20 -> 0.40 s, c has one token, d failed: 0.35 s over 2 s.
     assert mean_decoding_streams(trace(), 2.0) == pytest.approx(0.175)
@@ -150,6 +171,12 @@ def test_parse_range_and_config_checks() -> None:
         BenchConfig(concurrency=None, rate=0.0)
     with pytest.raises(ValueError, match="concurrency"):
         BenchConfig(concurrency=None, rate=None)
+    with pytest.raises(ValueError, match="concurrency"):
+        BenchConfig(concurrency=0)
+    with pytest.raises(ValueError, match="slo_ttft_ms"):
+        BenchConfig(slo_ttft_ms=-1.0)
+    with pytest.raises(ValueError, match="timeout"):
+        BenchConfig(timeout_s=0.0)
 
 
 def test_poisson_offsets_are_seeded() -> None:
@@ -178,6 +205,34 @@ def test_load_jsonl(tmp_path: Path) -> None:
     path.write_text('{"prompt": "hi"}\n{"text": "x"}\n')
     with pytest.raises(ValueError, match=":2:"):
         load_jsonl(path, (7, 7), np.random.default_rng(0))
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}\n')
+    (chat,) = load_jsonl(path, (7, 7), np.random.default_rng(0))
+    assert chat.chat == (("user", "hi"),) and chat.prompt is None and chat.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": 5}', "prompt must be a non-empty string"),
+        ('{"prompt": ""}', "prompt must be a non-empty string"),
+        ('{"prompt": "a", "token_ids": [1]}', "exactly one of"),
+        ('{"token_ids": [1, "x"]}', "token_ids must be a non-empty list of integers"),
+        ('{"token_ids": []}', "token_ids must be a non-empty list of integers"),
+        ('{"messages": [{"role": "user"}]}', "messages must be a non-empty list"),
+        ('{"prompt": "a", "max_tokens": "5"}', "max_tokens must be an integer >= 1"),
+        ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be an integer >= 1"),
+        ("[1, 2]", "exactly one of"),
+        ("{not json", ":1:"),
+    ],
+)
+def test_load_jsonl_rejects_malformed_lines(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=message) as exc:
+        load_jsonl(path, (7, 7), np.random.default_rng(0))
+    assert str(exc.value).startswith(f"{path}:1:")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_jsonl(tmp_path / "missing.jsonl", (7, 7), np.random.default_rng(0))
 
 
 # ---- against a real server on a tiny random model ------------------------------------------------------
@@ -240,6 +295,41 @@ def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.Captu
     text = capsys.readouterr().out
     assert "TTFT" in text and "goodput (TTFT <= 60000 ms)" in text
     assert "hardware 'cpu-peers-md'" in text and "MBU" in text and "MFU" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "0"], "must be >= 1"),
+        (["--slo-ttft-ms", "-1"], "must be > 0"),
+        (["--hardware", "nosuch"], "unknown --hardware 'nosuch'"),
+        (["--out", "/nonexistent-dir/x.json"], "no folder /nonexistent-dir"),
+    ],
+)
+def test_bench_cli_rejects_bad_flags_before_sending(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # no server at this address: nothing may be sent first
+        main(["bench", "--address", "127.0.0.1:9", "-n", "1", *extra])
+    assert message in str(exc.value.code) + capsys.readouterr().err
+
+
+def test_bench_cli_exits_1_when_every_request_fails(  # type: ignore[no-untyped-def]
+    tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"token_ids": [5] * 100, "max_tokens": 100}) + "\n")  # past max_seq_len 128
+    out = tmp_path / "r.json"
+    argv = ["bench", "--address", tiny_server.address, "-n", "2", "--warmup", "0", "--dataset", str(data)]
+    assert main([*argv, "--no-progress", "--hardware", "none", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["completed"] == 0 and report["errors"] == {"INVALID_ARGUMENT": 2}
+    assert "128" in report["error_details"]["INVALID_ARGUMENT"]  # the server's reason, with the limit
+    assert "every request failed" in capsys.readouterr().err
 
 
 def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -184,3 +184,29 @@ def test_worker_pipe_round_trip_timeout_and_exit() -> None:
         w({"op": "nap"})
     w.close()
     assert w.proc.returncode is not None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt-len", "0"], "--prompt-len: must be >= 1, got 0"),
+        (["--new-tokens", "1"], "--new-tokens: must be >= 2, got 1"),
+        (["--batches", "8", "-1"], "--batches: must be >= 1"),
+        (["--model", "/nonexistent/model.gguf"], "not found"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        peers.main([*argv, "--peers", "meshserve"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_text_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiny_gguf import write_tiny_llama_gguf
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exc:  # it looped forever doubling an empty token list
+        peers.main(["--model", str(model), "--text", str(empty), "--peers", "meshserve"])
+    assert exc.value.code == 2 and "no tokens in it" in capsys.readouterr().err

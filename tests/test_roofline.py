@@ -253,3 +253,46 @@ def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (h, tp, b) for h in ("h200", "tpu-v5e") for tp in (1, 8) for b in (1, 64)
     }
     assert all(r["tpot_s"] > 0 and r["regime"] in ("memory", "compute") for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch", "-4"], "must be >= 1, got -4"),
+        (["--batch", "0"], "must be >= 1, got 0"),
+        (["--context", "-5"], "must be >= 1"),
+        (["--act-bytes", "-1"], "must be >= 1"),
+        (["--hop-latency-us", "-3"], "must be >= 0"),
+        (["--batch", "x"], "expected an integer"),
+    ],
+)
+def test_cli_rejects_nonsense_numbers(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["roofline", "--hardware", "h200", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_errors_on_bad_model_json_path_and_no_usable_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from service.cli import main
+
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("hello")
+    for model in (tmp_path / "missing.gguf", not_gguf):
+        with pytest.raises(SystemExit, match="meshserve roofline: .*" + model.name):
+            main(["roofline", "--hardware", "h200", "--model", str(model)])
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(SystemExit, match="no folder"):
+        main(["roofline", "--hardware", "h200", "--model", str(model), "--json", str(tmp_path / "no" / "r.json")])
+    # The tiny model has 4 heads and 2 KV heads: heads-sharded attention over 3 devices cannot split them.
+    args = ["roofline", "--hardware", "h200", "--model", str(model), "--attention", "heads", "--layout", "1x3", "foo"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "1x3: unusable" in captured.out and "no usable layout among 1x3, foo" in captured.err
+    assert main(["roofline", "--hardware", "h200", "--model", str(model), "--context", "100000"]) == 0
+    assert "past the model's" in capsys.readouterr().err

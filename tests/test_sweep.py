@@ -102,13 +102,38 @@ def test_plots_when_matplotlib_is_installed(results: Path) -> None:
         assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_skipped_points_are_rows_not_failures(tmp_path: Path) -> None:
-    """A layout whose data axis does not divide the batch, or that needs more devices than exist."""
+def test_skipped_points_are_rows_with_reasons(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A layout whose data axis does not divide the batch, or that needs more devices than exist:
+    rows with the reason; with nothing measured at all, the exit status is 1 and says so."""
     argv = ["sweep", "--tiny", "--layouts", "2x1", "1x16", "--batches", "1", "--prompt-lens", "4"]
-    assert main([*argv, "--steps", "1", "--warmup-steps", "0", "--hardware", "none", "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--steps", "1", "--warmup-steps", "0", "--hardware", "none", "--out", str(tmp_path)]) == 1
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert [r["status"].split(":")[0] for r in rows] == ["skipped", "skipped"]
     assert "data axis" in rows[0]["status"] and "16" in rows[1]["status"]
+    err = capsys.readouterr().err
+    assert "no point was measured" in err and "matplotlib missing" not in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tiny", "--model", "x.gguf"], "drop --model or --tiny"),
+        (["--tiny", "--out", "FILE"], "is a file"),
+    ],
+)
+def test_contradictory_flags_exit_before_measuring(tmp_path: Path, extra: list[str], message: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    extra = [str(afile) if a == "FILE" else a for a in extra]
+    with pytest.raises(SystemExit, match=message):
+        main(["sweep", *extra, "--batches", "1", "--prompt-lens", "4"])
+
+
+@pytest.mark.parametrize("flag", [["--cpu-devices", "0"], ["--batches", "-1"], ["--steps", "0"]])
+def test_nonpositive_counts_are_usage_errors(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["sweep", "--tiny", *flag])
+    assert exc.value.code == 2 and "must be >= " in capsys.readouterr().err
 
 
 def test_helpers() -> None:

@@ -27,7 +27,6 @@ def at_least(minimum: float, kind: type[int] | type[float] = int, strict: bool =
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
 
-    parse.__name__ = f"{kind.__name__} {bound}"  # argparse's fallback message names the type
     return parse
 
 

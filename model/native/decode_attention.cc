@@ -36,15 +36,13 @@ using meshserve::from_f32;
 using meshserve::to_f32;
 
 struct Problem {
-  int64_t S, K, G, H, width;
+  int64_t S, K, G, H;
   const float* q;
   const int32_t* positions;
   const float* k_new;  // [S, K, H]: each slot's new key, written at its position first
   const float* v_new;  // [S, K, H]
-  std::vector<void*> k_blocks, v_blocks;  // the result buffers (aliased to the operands)
-  std::vector<int64_t> block_len;
+  meshserve::CacheBlocks cache;  // the result blocks (aliased to the operands), their lengths
   float* out;
-  bool bf16;
 };
 
 constexpr int64_t kMaxGroup = 8;  // attend_item's largest G
@@ -138,7 +136,7 @@ void block_values(const float* probs, const T* vb, int64_t H, int64_t m, float* 
 // One (slot, KV head) pair: scores over its first len positions, softmax, weighted values.
 template <int G, typename T>
 void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
-  const int64_t s = item / p.K, H = p.H, W = p.width;
+  const int64_t s = item / p.K, H = p.H, W = p.cache.width;
   const int64_t pos = p.positions[s];
   float* out = p.out + item * G * H;
   if (pos < 0 || pos >= W) {  // an idle slot
@@ -157,19 +155,19 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
   T* k_column = nullptr;  // the new key's place: H entries n_column apart
   int64_t n_column = 0;
   int64_t b0 = 0;
-  for (size_t j = 0; j < p.k_blocks.size(); b0 += p.block_len[j], ++j) {
-    const int64_t n = p.block_len[j];
+  for (size_t j = 0; j < p.cache.k.size(); b0 += p.cache.len[j], ++j) {
+    const int64_t n = p.cache.len[j];
     if (pos < b0 || pos >= b0 + n) continue;
-    k_column = static_cast<T*>(p.k_blocks[j]) + item * H * n + (pos - b0);
+    k_column = static_cast<T*>(p.cache.k[j]) + item * H * n + (pos - b0);
     n_column = n;
-    T* vb = static_cast<T*>(p.v_blocks[j]) + item * n * H + (pos - b0) * H;
+    T* vb = static_cast<T*>(p.cache.v[j]) + item * n * H + (pos - b0) * H;
     for (int64_t h = 0; h < H; ++h) from_f32(p.v_new[item * H + h], vb + h);
   }
 
   b0 = 0;  // the cached positions [0, pos)
-  for (size_t j = 0; j < p.k_blocks.size() && b0 < pos; ++j) {
-    const int64_t n = p.block_len[j];
-    const T* kb = static_cast<const T*>(p.k_blocks[j]) + item * H * n;
+  for (size_t j = 0; j < p.cache.k.size() && b0 < pos; ++j) {
+    const int64_t n = p.cache.len[j];
+    const T* kb = static_cast<const T*>(p.cache.k[j]) + item * H * n;
     block_scores<G, T>(q, kb, H, n, std::min(n, pos - b0), scores.data() + b0, W);
     b0 += n;
   }
@@ -192,9 +190,9 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
 
   std::fill(out, out + G * H, 0.0f);
   b0 = 0;
-  for (size_t j = 0; j < p.v_blocks.size() && b0 < len; ++j) {
-    const int64_t n = p.block_len[j];
-    const T* vb = static_cast<const T*>(p.v_blocks[j]) + item * n * H;
+  for (size_t j = 0; j < p.cache.v.size() && b0 < len; ++j) {
+    const int64_t n = p.cache.len[j];
+    const T* vb = static_cast<const T*>(p.cache.v[j]) + item * n * H;
     block_values<G, T>(scores.data() + b0, vb, H, std::min(n, len - b0), out, W);
     b0 += n;
   }
@@ -236,17 +234,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   p.k_new = k_new.typed_data();
   p.v_new = v_new.typed_data();
   p.out = out->typed_data();
-  meshserve::CacheBlocks cb;
-  if (auto e = meshserve::BindCacheBlocks(blocks, blocks_out, p.K, p.H, &cb); e.failure()) return e;
-  if (cb.slots != p.S) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
-  p.k_blocks = cb.k;
-  p.v_blocks = cb.v;
-  p.block_len = cb.len;
-  p.width = cb.width;
-  p.bf16 = cb.bf16;
+  if (auto e = meshserve::BindCacheBlocks(blocks, blocks_out, p.K, p.H, &p.cache); e.failure()) return e;
+  if (p.cache.slots != p.S) return ffi::Error::InvalidArgument("cache blocks must be [S, K, ...]");
   meshserve::ParallelFor(pool, p.S * p.K, [&p](int64_t item) {  // one item per (slot, KV head)
     thread_local std::vector<float> scores;
-    if (p.bf16)
+    if (p.cache.bf16)
       attend_item<uint16_t>(p, item, scores);
     else
       attend_item<float>(p, item, scores);

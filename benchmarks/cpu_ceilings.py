@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/cpu_ceilings.py` from a checkout
 
-from sharding.roofline import measure_cpu  # noqa: E402
+from benchmarks.roofline import measure_cpu  # noqa: E402
 
 CHAINS, LANES = 24, 16  # independent vectors per thread, floats per vector
 PROBE = r"""

@@ -46,7 +46,7 @@ round. The machine's read bandwidth and float32 matmul rate are measured first (
 the table's header and the JSON.
 
 Against those two figures the table also gives, per engine, the MBU and MFU of decode at each B
-(``sharding.roofline.decode_utilization``: the bytes of the fp32 weights plus the KV cache of B rows
+(``benchmarks.roofline.decode_utilization``: the bytes of the fp32 weights plus the KV cache of B rows
 at the mean context P + N/2, and the step's FLOPs, over the measured TPOT) and the MFU of the long
 prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column with the
 roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
@@ -169,7 +169,7 @@ def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 def measure_machine() -> dict[str, float]:
     """Read bandwidth (numpy sgemv over a 576-column matrix) and float32 matmul rate (numpy sgemm 2048³) of this machine."""
     try:
-        from sharding.roofline import measure_cpu
+        from benchmarks.roofline import measure_cpu
 
         bandwidth, flops = measure_cpu()
     except ImportError:  # the same measurement, inline
@@ -713,11 +713,11 @@ def add_utilization(
     ``ttft_long_mfu`` to its result (in place), against ``machine``'s read bandwidth and float32
     matmul rate; return the roofline's own figures on that machine, shaped like a result.
 
-    Decode at B: B rows at context P + N/2 (``sharding.roofline.decode_utilization``, fp32 weights,
+    Decode at B: B rows at context P + N/2 (``benchmarks.roofline.decode_utilization``, fp32 weights,
     the KV cache in the engine's dtype (``KV_DTYPE``, else fp32), one device) over the measured TPOT. The roofline's own TTFT_B is B prefills of P tokens one after
     another; its MBU and MFU are those of its own step time (the ceiling of either).
     """
-    from sharding import roofline as rl
+    from benchmarks import roofline as rl
 
     hw = rl.Hardware("this machine", machine["read_bytes_per_s"], {"float32": machine["float32_flops"]},
                      machine["read_bytes_per_s"])  # fmt: skip

@@ -11,6 +11,19 @@ import gguf
 from model.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# Bytes per element of each dtype name the server, the layouts' byte counts and the roofline use.
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the dtype called ``dtype`` ("float32" -> 4, "bfloat16" -> 2).
+
+    Raises:
+        ValueError: ``dtype`` is not a key of ``ITEMSIZE`` (the message lists them).
+    """
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(ITEMSIZE)}")
+    return ITEMSIZE[dtype]
 
 
 @dataclasses.dataclass(frozen=True)

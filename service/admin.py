@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from model.config import ITEMSIZE
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 from sharding.plan import make_plan
-from sharding.roofline import ITEMSIZE
 
 if TYPE_CHECKING:
     from service.pools import Pool

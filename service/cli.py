@@ -14,8 +14,6 @@ from typing import Any
 
 import yaml
 
-from service.arg_types import nonnegative_float, nonnegative_int, positive_float, positive_int
-
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
@@ -226,12 +224,12 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     """Print every preset with its resolved attention mode and predicted bytes per device."""
     import jax
 
+    from model.config import ITEMSIZE
     from model.fetch import resolve_model
     from model.loader import read_model_config
     from service.engine import resolve_kv_dtype
     from sharding.layouts import LayoutError, load_layout, preset_names
     from sharding.plan import make_plan
-    from sharding.roofline import ITEMSIZE
 
     cfg = read_model_config(resolve_model(args.model, args.cache_dir))
     kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
@@ -261,177 +259,23 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _si(value: float, unit: str) -> str:
-    """1.23e12, "B/s" -> "1.23 TB/s"."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
 def cmd_roofline(args: argparse.Namespace) -> int:
-    """Predict TTFT, TPOT, throughput and the regime from the roofline (sharding/roofline.py)."""
-    import json
+    """Predict TTFT, TPOT, throughput and the regime from the roofline; see benchmarks/roofline.py."""
+    from benchmarks.roofline import run_from_args
 
-    from model.fetch import FetchError, resolve_model
-    from model.loader import read_model_config
-    from sharding.layouts import LayoutError, load_layout
-    from sharding.plan import make_plan
-    from sharding.roofline import (
-        ITEMSIZE,
-        HardwareError,
-        Parallelism,
-        Workload,
-        format_table,
-        load_hardware,
-        roofline,
-    )
-
-    if args.json:
-        _check_writable_file(args.json, "meshserve roofline")
-    try:
-        path = resolve_model(args.model, args.cache_dir)
-        cfg = read_model_config(path)
-    except (OSError, ValueError, FetchError) as exc:  # missing file, not a GGUF / model directory
-        raise SystemExit(f"meshserve roofline: {args.model or 'the default model'}: {exc}") from None
-    if args.context > cfg.max_position_embeddings:
-        print(
-            f"meshserve roofline: warning: --context {args.context} is past the model's "
-            f"{cfg.max_position_embeddings} positions",
-            file=sys.stderr,
-        )
-    results: list[dict[str, Any]] = []
-    unusable: list[str] = []
-    for hw_name in args.hardware:
-        try:
-            hw = load_hardware(hw_name)
-            dtype = args.dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
-            peak, itemsize = hw.peak(dtype), ITEMSIZE[dtype]
-        except HardwareError as exc:
-            raise SystemExit(f"meshserve roofline: {exc}") from None
-        ridge = peak / hw.hbm_bytes_per_s
-        memory = f", {_si(hw.memory_bytes, 'B')}" if hw.memory_bytes else ""
-        print(
-            f"hardware {hw.name}: {hw.description}: {_si(hw.hbm_bytes_per_s, 'B/s')} memory, "
-            f"{_si(peak, 'FLOP/s')} {dtype}, {_si(hw.interconnect_bytes_per_s, 'B/s')} interconnect{memory}"
-            f"{' in all, shared by the mesh devices (each of n gets 1/n)' if hw.shared else ''}\n"
-            f"  source: {hw.source}\n"
-            f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
-            f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
-            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights, {args.kv_dtype or dtype} KV; "
-            f"context {args.context}, "
-            f"prompt {args.prompt} tokens"
-        )
-        rows = []
-        for name in args.layout:
-            try:
-                layout = load_layout(name)
-                if args.attention:
-                    layout = dataclasses.replace(layout, attention=args.attention)
-                plan = make_plan(layout, cfg)
-            except LayoutError as exc:
-                print(f"  {name}: unusable: {exc}")
-                unusable.append(name)
-                continue
-            for batch in args.batch:
-                workload = Workload(
-                    batch=batch,
-                    context_len=args.context,
-                    prompt_len=args.prompt,
-                    dtype=dtype,
-                    kv_dtype=args.kv_dtype,
-                    act_itemsize=args.act_bytes,
-                    hop_latency_s=args.hop_latency_us * 1e-6,
-                )
-                r = roofline(cfg, hw, Parallelism.from_plan(plan), workload)
-                rows.append((layout.name, r))
-                results.append({"layout": layout.name, "model": str(path), **r.as_dict()})
-        print(format_table(rows) + "\n")
-    print(
-        "per decode step and device: weights, KV = bytes read; coll = bytes sent into TP all-reduces; t_mem = bytes / "
-        "bandwidth; t_flop = FLOPs / peak; t_comm = ring all-reduces; TPOT = max(t_mem, t_flop) + t_comm; "
-        "tok/s = DP x B / TPOT (B = sequences per replica); MBU@roof = t_mem / TPOT, the most a real run can "
-        "reach; TTFT = prefill of one prompt. Collectives cost bandwidth only unless --hop-latency-us is given."
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-        print(f"meshserve: wrote {args.json}", file=sys.stderr)
-    if not results:
-        print(f"meshserve roofline: no usable layout among {', '.join(dict.fromkeys(unusable))}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _check_writable_file(path: str, prog: str) -> None:
-    """Before a long run: exit with a clear message if ``path`` cannot be a file to write (its
-    folder is missing, or it is a directory)."""
-    target = Path(path)
-    if target.is_dir():
-        raise SystemExit(f"{prog}: {path} is a directory; give a file name")
-    if not target.parent.is_dir():
-        raise SystemExit(f"{prog}: cannot write {path}: no folder {target.parent}")
+    return run_from_args(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Load-test a running server over gRPC; print latency percentiles, throughput and goodput."""
-    import grpc
+    """Load-test a running server over gRPC; see benchmarks/bench.py."""
+    from benchmarks.bench import run_from_args
 
-    from service.bench import BenchConfig, format_report, parse_range, run_bench, write_report
-    from service.client import Client
-
-    if args.out:
-        _check_writable_file(args.out, "meshserve bench")
-    if args.hardware not in ("auto", "none", ""):
-        from sharding.roofline import hardware_names
-
-        if args.hardware not in hardware_names():
-            raise SystemExit(f"meshserve bench: unknown --hardware {args.hardware!r}; presets: "
-                             f"{', '.join(hardware_names())}, or auto, none")  # fmt: skip
-    try:
-        cfg = BenchConfig(
-            address=args.address,
-            num_requests=args.num_requests,
-            warmup=args.warmup,
-            concurrency=args.concurrency if args.concurrency is not None or args.rate else 1,
-            rate=args.rate,
-            seed=args.seed,
-            prompt_len=parse_range(args.prompt_len),
-            output_len=parse_range(args.output_len),
-            dataset=args.dataset,
-            temperature=args.temperature,
-            layout=args.layout,
-            timeout_s=args.timeout,
-            slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms,
-            hardware=args.hardware,
-            progress=not args.no_progress,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"meshserve bench: {exc}") from None
-    client = Client(cfg.address)
-    try:
-        if args.wait:
-            client.wait_serving(args.wait)
-        report = run_bench(cfg, client)
-    except (ValueError, TimeoutError, OSError) as exc:
-        raise SystemExit(f"meshserve bench: {exc}") from None
-    except grpc.RpcError as exc:
-        raise SystemExit(f"meshserve bench: {exc.code().name}: {exc.details()}") from None
-    finally:
-        client.close()
-    print(format_report(report))
-    if args.out:
-        write_report(report, args.out)
-        print(f"meshserve: wrote {args.out}", file=sys.stderr)
-    if not report["completed"]:
-        print(f"meshserve bench: every request failed {report['errors']}", file=sys.stderr)
-        return 1
-    return 0
+    return run_from_args(args)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    """Time prefill and decode of the engine itself (no gRPC) over a grid; see service/sweep.py."""
-    from service.sweep import run_from_args
+    """Time prefill and decode of the engine itself (no gRPC) over a grid; see benchmarks/sweep.py."""
+    from benchmarks.sweep import run_from_args
 
     return run_from_args(args)
 
@@ -551,62 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
     ly.set_defaults(func=cmd_layouts)
 
+    # The measurement tools (benchmarks/) bring their own flags; their modules import no JAX.
+    from benchmarks import bench, roofline, sweep
+
     rf = sub.add_parser("roofline", help="predict TTFT, TPOT and throughput from the roofline of a chip and layout")
-    rf.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
-    rf.add_argument("--cache-dir")
-    rf.add_argument(
-        "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
-    )
-    rf.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
-    rf.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV-cache dtype (default: --dtype's)")
-    rf.add_argument("--batch", nargs="+", type=positive_int, default=[1], help="sequences per replica (%(default)s)")
-    rf.add_argument("--context", type=positive_int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
-    rf.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens for TTFT (%(default)s)")
-    rf.add_argument("--layout", nargs="+", default=["single"], help="presets or DxM, e.g. 1x1 1x8 8x1 (%(default)s)")
-    rf.add_argument("--attention", choices=["auto", "heads", "replicated"], help="override the layouts' attention")
-    rf.add_argument(
-        "--act-bytes", type=positive_int, default=4, help="bytes per all-reduced element (4: float32 residual)"
-    )
-    rf.add_argument(
-        "--hop-latency-us", type=nonnegative_float, default=0.0, help="latency per ring hop of a collective, µs"
-    )
-    rf.add_argument("--json", help="also write every prediction to this JSON file")
+    roofline.add_roofline_arguments(rf)
     rf.set_defaults(func=cmd_roofline)
 
     bn = sub.add_parser("bench", help="load-test a running server: TTFT/TPOT/ITL/E2E percentiles, tokens/s, goodput")
-    bn.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
-    bn.add_argument("-n", "--num-requests", type=positive_int, default=100, help="measured requests (%(default)s)")
-    bn.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first, not counted (%(default)s)")
-    bn.add_argument(
-        "--concurrency", type=positive_int, help="closed-loop clients (default 1); with --rate, the in-flight cap"
-    )
-    bn.add_argument("--rate", type=positive_float, help="Poisson arrivals, requests/s (default: closed loop)")
-    bn.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (%(default)s)")
-    bn.add_argument("--prompt-len", default="128", help="synthetic prompt tokens: N or LO:HI uniform (%(default)s)")
-    bn.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI uniform (%(default)s)")
-    bn.add_argument("--dataset", help='JSONL of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
-    bn.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (%(default)s)")
-    bn.add_argument("--layout", help="engine pool (or its layout name) to send to")
-    bn.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline, s (%(default)s)")
-    bn.add_argument("--slo-ttft-ms", type=positive_float, help="goodput: TTFT bound, ms")
-    bn.add_argument("--slo-tpot-ms", type=positive_float, help="goodput: TPOT bound, ms")
-    bn.add_argument(
-        "--hardware",
-        default="auto",
-        help="roofline preset (configs/hardware.yaml) for the predicted TTFT/TPOT, MBU and MFU; 'auto': this CPU "
-        "measured now (a remote CPU server: pass its preset), or the server's accelerator; 'none' (%(default)s)",
-    )
-    bn.add_argument("--out", help="write the full report (and every request) as JSON here")
-    bn.add_argument("--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for SERVING")
-    bn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_bench_arguments(bn)
     bn.set_defaults(func=cmd_bench)
-
-    from service.sweep import add_sweep_arguments  # imports no JAX
 
     sw = sub.add_parser(
         "sweep", help="time the engine directly over layouts x batch sizes x prompt lengths: CSV, JSON and plots"
     )
-    add_sweep_arguments(sw)
+    sweep.add_sweep_arguments(sw)
     sw.set_defaults(func=cmd_sweep)
     return parser
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.bench import (
+from benchmarks.bench import (
     BenchConfig,
     format_report,
     goodput,
@@ -127,7 +127,7 @@ def _smollm2_info(**overrides: object) -> object:
 def test_roofline_report_by_hand() -> None:
     """SmolLM2-135M fp32 on the peers.md CPU (25 GB/s, 148 GFLOP/s): the trace's prompts average
     (10 + 20 + 5) / 3 and outputs (4 + 2 + 1) / 3 tokens; TPOT p50 75 ms, TTFT p50 100 ms."""
-    from sharding import roofline as rl
+    from benchmarks import roofline as rl
 
     hw = rl.load_hardware("cpu-peers-md")
     records = trace()
@@ -333,8 +333,8 @@ def test_bench_cli_exits_1_when_every_request_fails(  # type: ignore[no-untyped-
 
 
 def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from service.bench import run_bench
-    from sharding import roofline as rl
+    from benchmarks import roofline as rl
+    from benchmarks.bench import run_bench
 
     monkeypatch.setattr(rl, "measure_cpu", lambda: (20e9, 100e9))  # "auto" on a CPU server: no measuring here
 

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from test_golden import FIXTURE, greedy_run
 
+from benchmarks import roofline as rl
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
 from model.loader import load_gguf_model
 from service.cli import _serve_config, build_parser, main
 from service.engine import Engine, EngineConfig, resolve_kv_dtype
-from sharding import roofline as rl
 from sharding.layouts import Layout
 
 # Measured with a float32 cache: under 1e-3 everywhere (test_golden.py). With a bfloat16 cache,

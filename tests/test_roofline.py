@@ -1,4 +1,4 @@
-"""The roofline model (sharding/roofline.py) against hand-computed cases."""
+"""The roofline model (benchmarks/roofline.py) against hand-computed cases."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import roofline as rl
+from benchmarks.roofline import Hardware, HardwareError, Parallelism, Workload, mbu, mfu, ring_all_reduce_s, roofline
 from model.config import LlamaConfig
-from sharding import roofline as rl
-from sharding.roofline import Hardware, HardwareError, Parallelism, Workload, mbu, mfu, ring_all_reduce_s, roofline
 
 # SmolLM2-135M from peers.md: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
 # vocabulary 49152, tied embeddings; 134.5 M parameters.

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sweep import FIELDS, SweepConfig, make_prompts, pareto_front
 from service.cli import main
-from service.sweep import FIELDS, SweepConfig, make_prompts, pareto_front
 
 LAYOUTS = ["1x1", "1x2"]
 BATCHES = [1, 2]
@@ -79,8 +79,8 @@ def test_json_rows_and_meta(results: Path) -> None:
 def test_mbu_and_mfu_against_the_roofline(results: Path) -> None:
     """mbu/mfu are the roofline's per-device bytes and FLOPs of the step over the measured time, over
     the cpu-peers-md figures (25 GB/s, 148 GFLOP/s, shared by the layout's devices)."""
+    from benchmarks import roofline as rl
     from model.config import LlamaConfig
-    from sharding import roofline as rl
 
     hw = rl.load_hardware("cpu-peers-md")
     for r in json.loads((results / "sweep.json").read_text())["rows"]:

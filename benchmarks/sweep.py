@@ -19,13 +19,13 @@ devices present (fake CPU devices included: ``--cpu-devices 8`` or
 Compile times are the first calls' times less one steady-state run of the same program.
 
 Weights' values do not change the speed, so ``--random`` times random weights at the model's
-shapes (no GGUF read). When ``sharding/roofline.py`` is importable, each point also gets the
+shapes (no GGUF read). When ``benchmarks/roofline.py`` is importable, each point also gets the
 roofline's predicted TPOT, TTFT and throughput for the same layout, batch and decode window, on a
 hardware preset (``--hardware``; ``auto`` measures this CPU or matches the accelerator's kind), and
 the plots overlay them. The measured figures are also set against that hardware: ``mbu`` and
 ``mfu`` of the decode step (the roofline's bytes and FLOPs per device of a step at the decode
 window, over the measured TPOT, over the bandwidth and peak) and ``prefill_mfu`` of one prompt's
-prefill (``sharding.roofline.decode_utilization`` and ``prefill_utilization``).
+prefill (``benchmarks.roofline.decode_utilization`` and ``prefill_utilization``).
 
 Outputs in ``--out``: ``sweep.csv`` and ``sweep.json`` (rows plus the run's metadata), and with
 matplotlib (``pip install -e '.[bench]'``) ``pareto.png`` (decode throughput vs TPOT per layout)
@@ -234,7 +234,7 @@ DEVICE_KIND_PRESETS = (("h200", "h200"), ("h100", "h100-sxm"), ("v5 lite", "tpu-
 
 
 def pick_hardware(hardware: str | None, platform_name: str, device_kind: str) -> tuple[Any, str]:
-    """The ``sharding.roofline.Hardware`` to predict with, and a line saying which or why there is none.
+    """The ``benchmarks.roofline.Hardware`` to predict with, and a line saying which or why there is none.
 
     ``hardware``: a preset of ``configs/hardware.yaml``; None or "auto" = ``cpu-this-machine``
     (measured now by ``roofline.measure_cpu``) on the "cpu" platform, else the preset matching
@@ -243,9 +243,9 @@ def pick_hardware(hardware: str | None, platform_name: str, device_kind: str) ->
     if hardware in ("none", ""):
         return None, "roofline overlay off (--hardware none)"
     try:
-        from sharding import roofline as rl
+        from benchmarks import roofline as rl
     except ImportError as exc:
-        return None, f"no roofline overlay: sharding/roofline.py is not importable ({exc})"
+        return None, f"no roofline overlay: benchmarks/roofline.py is not importable ({exc})"
     name = hardware
     if name in (None, "auto"):
         if platform_name == "cpu":
@@ -269,11 +269,11 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
 
     The predictor returns the roofline's TPOT, TTFT, throughput and regime, the measured decode
     step's ``mbu`` and ``mfu`` and the measured prefill's ``prefill_mfu``
-    (``sharding.roofline.decode_utilization`` / ``prefill_utilization``)."""
+    (``benchmarks.roofline.decode_utilization`` / ``prefill_utilization``)."""
     hw, line = pick_hardware(hardware, platform_name, device_kind)
     if hw is None:
         return None, line
-    from sharding import roofline as rl
+    from benchmarks import roofline as rl
 
     def predict(
         cfg: Any,

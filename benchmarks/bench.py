@@ -19,7 +19,7 @@ the SLO (TTFT <= X ms and TPOT <= Y ms; a request with one token has no TPOT and
 the metric of DistServe (Zhong et al. 2024, §2).
 
 Next to the measured TTFT and TPOT the report puts the roofline's prediction
-(``sharding/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
+(``benchmarks/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
 a hardware preset (``hardware``; "auto": this machine's CPU measured now, or the preset of the
 server's accelerator, as ``meshserve sweep`` picks it), and the measured MBU and MFU: the
 roofline's bytes and FLOPs of one decode step over the p50 TPOT, and of one prefill over the p50
@@ -30,9 +30,11 @@ the mean prompt plus half the mean output; the report says which values it used.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -44,7 +46,10 @@ import grpc
 import numpy as np
 
 from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.arg_types import nonnegative_float, nonnegative_int, positive_float, positive_int
 from service.client import Client, make_request
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 PERCENTILES = (50, 90, 99)
 
@@ -337,7 +342,7 @@ def roofline_report(
 
     Args:
         info: the server's ``ModelInfo`` (model dims and the pool's layout).
-        hardware: a ``sharding.roofline.Hardware``, or None.
+        hardware: a ``benchmarks.roofline.Hardware``, or None.
         summary: the :func:`summarize_run` report (its p50 TTFT and TPOT are the measured steps).
         fallback_batch: the batch to assume when no request decoded (the configured concurrency).
     """
@@ -345,7 +350,7 @@ def roofline_report(
     if hardware is None:
         return out
     try:
-        from sharding import roofline as rl
+        from benchmarks import roofline as rl
 
         cfg, par = model_config(info), rl.Parallelism(info.layout_data, info.layout_model, info.attention)
         ok = [r for r in records if r.ok]
@@ -633,7 +638,7 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         client = Client(cfg.address)
     try:
         info = client.stub.GetModelInfo(pb.GetModelInfoRequest(layout=cfg.layout or ""), timeout=10)
-        from service.sweep import pick_hardware  # before the load: "auto" on a CPU measures it
+        from benchmarks.sweep import pick_hardware  # before the load: "auto" on a CPU measures it
 
         hardware, hardware_line = pick_hardware(cfg.hardware, info.platform, info.device_kind)
         rng = np.random.default_rng(cfg.seed)
@@ -692,3 +697,92 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
         return x
 
     Path(path).write_text(json.dumps(clean(report), indent=1) + "\n", encoding="utf-8")
+
+
+# ---- ``meshserve bench`` ------------------------------------------------------------------------------
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``meshserve bench`` (``service/cli.py`` makes the subcommand)."""
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
+    p.add_argument("-n", "--num-requests", type=positive_int, default=100, help="measured requests (%(default)s)")
+    p.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first, not counted (%(default)s)")
+    p.add_argument(
+        "--concurrency", type=positive_int, help="closed-loop clients (default 1); with --rate, the in-flight cap"
+    )
+    p.add_argument("--rate", type=positive_float, help="Poisson arrivals, requests/s (default: closed loop)")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals (%(default)s)")
+    p.add_argument("--prompt-len", default="128", help="synthetic prompt tokens: N or LO:HI uniform (%(default)s)")
+    p.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI uniform (%(default)s)")
+    p.add_argument("--dataset", help='JSONL of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (%(default)s)")
+    p.add_argument("--layout", help="engine pool (or its layout name) to send to")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline, s (%(default)s)")
+    p.add_argument("--slo-ttft-ms", type=positive_float, help="goodput: TTFT bound, ms")
+    p.add_argument("--slo-tpot-ms", type=positive_float, help="goodput: TPOT bound, ms")
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        help="roofline preset (configs/hardware.yaml) for the predicted TTFT/TPOT, MBU and MFU; 'auto': this CPU "
+        "measured now (a remote CPU server: pass its preset), or the server's accelerator; 'none' (%(default)s)",
+    )
+    p.add_argument("--out", help="write the full report (and every request) as JSON here")
+    p.add_argument("--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for SERVING")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run ``meshserve bench``: load-test the server at ``--address``, print the report, and with
+    ``--out`` write it as JSON.
+
+    Returns 0, or 1 when every measured request failed. Exits with a message on bad flags, an
+    unknown ``--hardware`` preset, an unwritable ``--out``, or a server that is not reachable.
+    """
+    from benchmarks import check_writable_file
+
+    if args.out:
+        check_writable_file(args.out, "meshserve bench")
+    if args.hardware not in ("auto", "none", ""):
+        from benchmarks.roofline import hardware_names  # numpy and YAML only
+
+        if args.hardware not in hardware_names():
+            raise SystemExit(f"meshserve bench: unknown --hardware {args.hardware!r}; presets: "
+                             f"{', '.join(hardware_names())}, or auto, none")  # fmt: skip
+    try:
+        cfg = BenchConfig(
+            address=args.address,
+            num_requests=args.num_requests,
+            warmup=args.warmup,
+            concurrency=args.concurrency if args.concurrency is not None or args.rate else 1,
+            rate=args.rate,
+            seed=args.seed,
+            prompt_len=parse_range(args.prompt_len),
+            output_len=parse_range(args.output_len),
+            dataset=args.dataset,
+            temperature=args.temperature,
+            layout=args.layout,
+            timeout_s=args.timeout,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            hardware=args.hardware,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"meshserve bench: {exc}") from None
+    client = Client(cfg.address)
+    try:
+        if args.wait:
+            client.wait_serving(args.wait)
+        report = run_bench(cfg, client)
+    except (ValueError, TimeoutError, OSError) as exc:
+        raise SystemExit(f"meshserve bench: {exc}") from None
+    except grpc.RpcError as exc:
+        raise SystemExit(f"meshserve bench: {exc.code().name}: {exc.details()}") from None
+    finally:
+        client.close()
+    print(format_report(report))
+    if args.out:
+        write_report(report, args.out)
+        print(f"meshserve: wrote {args.out}", file=sys.stderr)
+    if not report["completed"]:
+        print(f"meshserve bench: every request failed {report['errors']}", file=sys.stderr)
+        return 1
+    return 0

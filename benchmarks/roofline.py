@@ -36,10 +36,13 @@ not counted, a decode step reading exactly ``context_len`` KV positions per sequ
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,10 @@ import numpy as np
 import yaml
 
 from model.config import LlamaConfig
+from model.config import itemsize as _itemsize
+from service.arg_types import nonnegative_float, positive_int
 
 HARDWARE_FILE = Path(__file__).resolve().parent.parent / "configs" / "hardware.yaml"
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 ATTENTION_MODES = ("heads", "replicated")
 
 
@@ -295,12 +299,6 @@ class Workload:
     def kv_itemsize(self) -> int:
         """Bytes per KV cache element."""
         return _itemsize(self.kv_dtype or self.dtype)
-
-
-def _itemsize(dtype: str) -> int:
-    if dtype not in ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(ITEMSIZE)}")
-    return ITEMSIZE[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -652,3 +650,123 @@ def format_table(rows: list[tuple[str, Roofline]]) -> str:
             f"{mbu(d.memory_bytes, r.tpot_s, r.hardware.hbm_bytes_per_s):8.0%} {_fmt_s(r.ttft_s):>9s} {fits:>4s}"
         )
     return "\n".join(lines)
+
+
+# ---- ``meshserve roofline`` -----------------------------------------------------------------------
+def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``meshserve roofline`` (``service/cli.py`` makes the subcommand)."""
+    p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--cache-dir")
+    p.add_argument(
+        "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
+    )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV-cache dtype (default: --dtype's)")
+    p.add_argument("--batch", nargs="+", type=positive_int, default=[1], help="sequences per replica (%(default)s)")
+    p.add_argument("--context", type=positive_int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
+    p.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens for TTFT (%(default)s)")
+    p.add_argument("--layout", nargs="+", default=["single"], help="presets or DxM, e.g. 1x1 1x8 8x1 (%(default)s)")
+    p.add_argument("--attention", choices=["auto", "heads", "replicated"], help="override the layouts' attention")
+    p.add_argument(
+        "--act-bytes", type=positive_int, default=4, help="bytes per all-reduced element (4: float32 residual)"
+    )
+    p.add_argument(
+        "--hop-latency-us", type=nonnegative_float, default=0.0, help="latency per ring hop of a collective, µs"
+    )
+    p.add_argument("--json", help="also write every prediction to this JSON file")
+
+
+def _si(value: float, unit: str) -> str:
+    """1.23e12, "B/s" -> "1.23 TB/s"."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run ``meshserve roofline``: print the predicted TTFT, TPOT, throughput and regime per hardware
+    preset, layout and batch; with ``--json``, write them too.
+
+    Returns 0, or 1 when no layout was usable. Exits with a message on an unreadable model, an
+    unknown hardware preset or dtype, or a ``--json`` path that cannot be written.
+    """
+    from benchmarks import check_writable_file
+    from model.fetch import FetchError, resolve_model
+    from model.loader import read_model_config
+    from sharding.layouts import LayoutError, load_layout
+    from sharding.plan import make_plan
+
+    if args.json:
+        check_writable_file(args.json, "meshserve roofline")
+    try:
+        path = resolve_model(args.model, args.cache_dir)
+        cfg = read_model_config(path)
+    except (OSError, ValueError, FetchError) as exc:  # missing file, not a GGUF / model directory
+        raise SystemExit(f"meshserve roofline: {args.model or 'the default model'}: {exc}") from None
+    if args.context > cfg.max_position_embeddings:
+        print(
+            f"meshserve roofline: warning: --context {args.context} is past the model's "
+            f"{cfg.max_position_embeddings} positions",
+            file=sys.stderr,
+        )
+    results: list[dict[str, Any]] = []
+    unusable: list[str] = []
+    for hw_name in args.hardware:
+        try:
+            hw = load_hardware(hw_name)
+            dtype = args.dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
+            peak, itemsize = hw.peak(dtype), _itemsize(dtype)
+        except HardwareError as exc:
+            raise SystemExit(f"meshserve roofline: {exc}") from None
+        ridge = peak / hw.hbm_bytes_per_s
+        memory = f", {_si(hw.memory_bytes, 'B')}" if hw.memory_bytes else ""
+        print(
+            f"hardware {hw.name}: {hw.description}: {_si(hw.hbm_bytes_per_s, 'B/s')} memory, "
+            f"{_si(peak, 'FLOP/s')} {dtype}, {_si(hw.interconnect_bytes_per_s, 'B/s')} interconnect{memory}"
+            f"{' in all, shared by the mesh devices (each of n gets 1/n)' if hw.shared else ''}\n"
+            f"  source: {hw.source}\n"
+            f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
+            f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
+            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights, {args.kv_dtype or dtype} KV; "
+            f"context {args.context}, "
+            f"prompt {args.prompt} tokens"
+        )
+        rows = []
+        for name in args.layout:
+            try:
+                layout = load_layout(name)
+                if args.attention:
+                    layout = dataclasses.replace(layout, attention=args.attention)
+                plan = make_plan(layout, cfg)
+            except LayoutError as exc:
+                print(f"  {name}: unusable: {exc}")
+                unusable.append(name)
+                continue
+            for batch in args.batch:
+                workload = Workload(
+                    batch=batch,
+                    context_len=args.context,
+                    prompt_len=args.prompt,
+                    dtype=dtype,
+                    kv_dtype=args.kv_dtype,
+                    act_itemsize=args.act_bytes,
+                    hop_latency_s=args.hop_latency_us * 1e-6,
+                )
+                r = roofline(cfg, hw, Parallelism.from_plan(plan), workload)
+                rows.append((layout.name, r))
+                results.append({"layout": layout.name, "model": str(path), **r.as_dict()})
+        print(format_table(rows) + "\n")
+    print(
+        "per decode step and device: weights, KV = bytes read; coll = bytes sent into TP all-reduces; t_mem = bytes / "
+        "bandwidth; t_flop = FLOPs / peak; t_comm = ring all-reduces; TPOT = max(t_mem, t_flop) + t_comm; "
+        "tok/s = DP x B / TPOT (B = sequences per replica); MBU@roof = t_mem / TPOT, the most a real run can "
+        "reach; TTFT = prefill of one prompt. Collectives cost bandwidth only unless --hop-latency-us is given."
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"meshserve: wrote {args.json}", file=sys.stderr)
+    if not results:
+        print(f"meshserve roofline: no usable layout among {', '.join(dict.fromkeys(unusable))}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,27 @@
+"""meshserve's measurement tools, kept apart from the serving code (which imports none of them).
+
+* ``benchmarks.bench``: ``meshserve bench``, a gRPC load generator against a running server.
+* ``benchmarks.sweep``: ``meshserve sweep``, the engine timed directly (no gRPC) over a grid.
+* ``benchmarks.roofline``: ``meshserve roofline``, the analytic roofline model.
+* ``benchmarks.peers``, ``benchmarks.cpu_ceilings``, ``benchmarks.native_decode``: scripts run
+  as ``python benchmarks/NAME.py`` (peer servers, the CPU's measured ceilings, native kernels).
+
+The imports point one way: benchmarks -> service -> sharding -> model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def check_writable_file(path: str, prog: str) -> None:
+    """Before a long run: exit with a clear message if ``path`` cannot be a file to write.
+
+    Raises:
+        SystemExit: "PROG: PATH is a directory; ..." or "PROG: cannot write PATH: no folder ...".
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise SystemExit(f"{prog}: {path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise SystemExit(f"{prog}: cannot write {path}: no folder {target.parent}")

@@ -40,8 +40,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from model.build import abstract_llama
 from model.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
-from model.loader import abstract_llama
 from model.tokenizer import TOKENIZER_META_FILE, Tokenizer
 
 FORMAT = "meshserve-checkpoint"

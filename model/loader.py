@@ -1,43 +1,87 @@
-"""Build the Llama module's graph and a host copy of its parameters from a GGUF file or a
-Hugging Face directory, and tell which kind of model a path holds.
+"""One way to load a model: ``load_model`` tells a GGUF file, a Hugging Face directory and a
+checkpoint written by ``meshserve convert`` apart (``model_format``) and loads any of them.
 
-Converted checkpoints (``model/checkpoint.py``) are restored straight onto devices instead: the
-caller builds the target shardings from ``abstract_llama`` and calls ``restore_checkpoint``.
+The format readers are ``model/gguf_weights.py`` (GGUF), ``model/hf_weights.py`` (Hugging Face
+``config.json`` + ``*.safetensors``) and ``model/checkpoint.py`` (converted checkpoints); the
+model is built from what they return by ``model/build.py``. This module imports the readers, and
+none of them imports it.
+
+A GGUF file or Hugging Face directory is read into host memory (numpy) and placed afterwards: by
+``load_model`` when given ``shardings``, else by the caller (``service.engine.Engine`` places
+host weights itself). A checkpoint is restored by orbax straight into the target shardings, each
+device reading only its own shard, so no host copy of the full weights is made.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from model.build import abstract_llama, llama_from_params, random_llama
 from model.config import LlamaConfig
 from model.gguf_weights import load_gguf_params
-from model.llama import Llama
+from model.tokenizer import Tokenizer
+
+__all__ = [
+    "FORMATS",
+    "LoadedModel",
+    "ShardingsFn",
+    "abstract_llama",
+    "load_gguf_model",
+    "load_hf_model",
+    "load_model",
+    "load_tokenizer",
+    "model_format",
+    "num_tensors",
+    "random_llama",
+    "read_model_config",
+]
+
+FORMATS = ("gguf", "hf", "checkpoint")
+# (config, abstract state of Llama(config)) -> a tree of jax.sharding.Sharding with the state's
+# structure, e.g. ``sharding.rules.param_shardings(state, mesh, plan.rules)``.
+ShardingsFn = Callable[[LlamaConfig, nnx.State], Any]
 
 
-def abstract_llama(cfg: LlamaConfig, dtype: Any = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph definition and an abstract state (ShapeDtypeStruct leaves inside
-    ``nnx.Param`` variables that keep their ``logical_axes``); allocates no weights."""
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    return nnx.split(model)
+@dataclasses.dataclass
+class LoadedModel:
+    """What ``load_model`` returns.
 
+    Attributes:
+        path: the model file or directory.
+        kind: "gguf", "hf" or "checkpoint" (``model_format``).
+        cfg: the model's hyperparameters.
+        graphdef: ``nnx.split``'s graph definition of ``Llama(cfg)``.
+        state: the parameters as an ``nnx.State``: host numpy arrays for a GGUF file or Hugging
+            Face directory loaded without ``shardings``, else ``jax.Array`` in the shardings.
+        dtype: the parameters' dtype name ("float32", "bfloat16", ...).
+        tokenizer: the model's tokenizer, or None when not asked for.
+    """
 
-def random_llama(cfg: LlamaConfig, seed: int = 0, dtype: Any = jnp.float32) -> tuple[nnx.GraphDef, nnx.State]:
-    """A randomly initialised model (normal(0, 0.02) weights), for tests and speed benchmarks."""
-    return nnx.split(Llama(cfg, rngs=nnx.Rngs(seed), dtype=dtype))
+    path: Path
+    kind: str
+    cfg: LlamaConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    dtype: str
+    tokenizer: Tokenizer | None = None
 
 
 def model_format(path: str | Path) -> str:
-    """Which loader ``path`` needs: "gguf" (a file), "checkpoint" (a directory written by
+    """Which reader ``path`` needs: "gguf" (a file), "checkpoint" (a directory written by
     ``meshserve convert``) or "hf" (a Hugging Face model directory with ``config.json``).
 
     Raises:
         FileNotFoundError: the path does not exist, or is a directory of neither kind.
     """
-    from model.checkpoint import is_checkpoint
+    from model.checkpoint import is_checkpoint  # imports orbax
 
     p = Path(path)
     if p.is_file():
@@ -54,7 +98,12 @@ def model_format(path: str | Path) -> str:
 
 
 def read_model_config(path: str | Path) -> LlamaConfig:
-    """The config of a GGUF file, converted checkpoint or Hugging Face directory (reads no weights)."""
+    """The config of a GGUF file, converted checkpoint or Hugging Face directory (reads no weights).
+
+    Raises:
+        FileNotFoundError: see ``model_format``. GGUFMetadataError, CheckpointError,
+            HFConfigError (all ValueError): the config is unreadable or not a supported Llama.
+    """
     kind = model_format(path)
     if kind == "gguf":
         return LlamaConfig.from_gguf(path)
@@ -67,8 +116,130 @@ def read_model_config(path: str | Path) -> LlamaConfig:
     return config_from_hf(read_hf_config(path))
 
 
+def num_tensors(path: str | Path, cfg: LlamaConfig | None = None) -> int:
+    """How many times ``load_model(path, progress=...)`` calls ``progress`` (tensors read from a
+    GGUF file or Hugging Face directory; 0 for a checkpoint, restored in one piece). ``cfg``: the
+    model's config if already read."""
+    kind = model_format(path)
+    if kind == "checkpoint":
+        return 0
+    cfg = cfg or read_model_config(path)
+    if kind == "gguf":
+        from model.gguf_weights import num_tensors as gguf_count
+
+        return gguf_count(cfg)
+    from model.hf_weights import num_tensors as hf_count
+
+    return hf_count(cfg)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a GGUF file, Hugging Face directory (``tokenizer.json``) or checkpoint.
+
+    Raises:
+        FileNotFoundError: see ``model_format``. ValueError (CheckpointError for a checkpoint):
+            the tokenizer files are missing or malformed.
+    """
+    kind = model_format(path)
+    if kind == "gguf":
+        return Tokenizer.from_gguf(path)
+    if kind == "hf":
+        return Tokenizer.from_hf_dir(path)
+    from model.checkpoint import checkpoint_tokenizer
+
+    return checkpoint_tokenizer(path)
+
+
+def load_model(
+    path: str | Path,
+    dtype: Any = None,
+    shardings: ShardingsFn | None = None,
+    tokenizer: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    """Load a GGUF file, Hugging Face Llama directory or converted checkpoint (told apart by
+    ``model_format``): its config, parameters and, when asked, its tokenizer.
+
+    Args:
+        path: the model file or directory.
+        dtype: the parameters' dtype (a name such as "bfloat16", or a numpy/JAX dtype); None
+            keeps the stored one (a GGUF's tensors are dequantized to float32; a Hugging Face
+            directory's first weight's dtype; a checkpoint's ``config.json`` ``dtype``).
+        shardings: a function of (config, abstract state) returning the target shardings (a tree
+            with the state's structure, e.g. of ``sharding.rules.param_shardings``). A checkpoint
+            is restored straight into them; GGUF/HF weights are read on the host, then placed with
+            ``jax.device_put``. None: GGUF/HF weights stay host numpy arrays, and a checkpoint is
+            restored onto the first device (``jax.devices()[0]``).
+        tokenizer: also load the tokenizer (``LoadedModel.tokenizer``; else None).
+        progress: called with each tensor's name after it is read (GGUF/HF only: a progress bar's
+            hook; ``num_tensors`` tells how many calls to expect).
+
+    Returns:
+        A ``LoadedModel``; put ``graphdef`` and ``state`` together with ``nnx.merge``.
+
+    Raises:
+        FileNotFoundError: the path does not exist or holds no model.
+        GGUFMetadataError, WeightError: an unreadable or unsupported GGUF (``model.gguf_weights``).
+        HFConfigError, WeightError: an unreadable or unsupported Hugging Face directory.
+        CheckpointError: an incomplete, corrupt or unsupported checkpoint, or ``shardings`` that
+            do not match it. All of these are ValueError.
+    """
+    p = Path(path)
+    kind = model_format(p)
+    if kind == "checkpoint":
+        cfg, graphdef, state, name = _restore(p, dtype, shardings)
+    else:
+        read = _read_gguf if kind == "gguf" else _read_hf
+        cfg, graphdef, state, name = read(p, dtype, progress)
+        if shardings is not None:
+            state = jax.device_put(state, shardings(cfg, state))
+    return LoadedModel(
+        path=p,
+        kind=kind,
+        cfg=cfg,
+        graphdef=graphdef,
+        state=state,
+        dtype=name,
+        tokenizer=load_tokenizer(p) if tokenizer else None,
+    )
+
+
+def _read_gguf(
+    p: Path, dtype: Any, progress: Callable[[str], None] | None
+) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
+    cfg = LlamaConfig.from_gguf(p)
+    name = jnp.dtype(dtype if dtype is not None else jnp.float32).name
+    params = load_gguf_params(p, cfg, np.dtype(name), progress)
+    return (cfg, *llama_from_params(cfg, params, name), name)
+
+
+def _read_hf(
+    p: Path, dtype: Any, progress: Callable[[str], None] | None
+) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
+    from model.hf_weights import load_hf_llama
+
+    cfg, params = load_hf_llama(p, None if dtype is None else np.dtype(jnp.dtype(dtype)), progress)
+    name = np.dtype(params["embed"].dtype).name
+    return (cfg, *llama_from_params(cfg, params, name), name)
+
+
+def _restore(p: Path, dtype: Any, shardings: ShardingsFn | None) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
+    from model.checkpoint import read_checkpoint_config, restore_checkpoint  # imports orbax
+
+    cfg, meta = read_checkpoint_config(p)
+    name = jnp.dtype(dtype if dtype is not None else meta.get("dtype", "float32")).name
+    graphdef, state = abstract_llama(cfg, name)
+    if shardings is not None:
+        target = shardings(cfg, state)
+    else:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda _: one, nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, restore_checkpoint(p, target, name))
+    return cfg, graphdef, state, name
+
+
 def load_hf_model(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
-    """Read config and weights of a Hugging Face Llama directory into (config, graphdef, host state).
+    """A Hugging Face Llama directory as (config, graphdef, host state), as ``load_model`` reads it.
 
     The state's leaves are host numpy arrays of ``dtype`` (None: as stored, e.g. bfloat16); the
     engine casts them to its own dtype when it places them.
@@ -76,16 +247,11 @@ def load_hf_model(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig, nnx
     Raises:
         HFConfigError, WeightError: see ``model.hf_weights``.
     """
-    from model.hf_weights import load_hf_llama
-
-    cfg, params = load_hf_llama(path, dtype)
-    graphdef, state = abstract_llama(cfg, jnp.float32 if dtype is None else dtype)
-    nnx.replace_by_pure_dict(state, params)
-    return cfg, graphdef, state
+    return _read_hf(Path(path), dtype, None)[:3]
 
 
 def load_gguf_model(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
-    """Read config and weights of a Llama GGUF into (config, graphdef, host state).
+    """A Llama GGUF as (config, graphdef, host state), as ``load_model`` reads it.
 
     The state's leaves are host numpy arrays of ``dtype``; place them with
     ``jax.device_put(state, sharding.rules.param_shardings(...))``.
@@ -93,7 +259,4 @@ def load_gguf_model(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaCo
     Raises:
         FileNotFoundError, GGUFMetadataError, WeightError: see ``model.gguf_weights``.
     """
-    cfg = LlamaConfig.from_gguf(path)
-    graphdef, state = abstract_llama(cfg, dtype)
-    nnx.replace_by_pure_dict(state, load_gguf_params(path, cfg, jnp.dtype(dtype)))
-    return cfg, graphdef, state
+    return _read_gguf(Path(path), dtype, None)[:3]

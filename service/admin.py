@@ -34,7 +34,7 @@ log = logging.getLogger("meshserve.admin")
 
 def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = None) -> apb.LayoutInfo:
     """Predictions for ``layout`` on the served model (raises LayoutError if it cannot work)."""
-    cfg, ecfg = service.model_cfg, service.cfg
+    cfg, ecfg = service.model_cfg, service.cfg.engine
     assert cfg is not None, "admin calls are served only after the model is loaded"
     plan = make_plan(layout, cfg, ecfg.num_slots)
     itemsize, kv_itemsize = ITEMSIZE[ecfg.dtype], ITEMSIZE[resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)]
@@ -107,7 +107,7 @@ class AdminService(apb_grpc.AdminServicer):
         try:
             layout = load_layout(request.layout)
             assert self.service.model_cfg is not None
-            make_plan(layout, self.service.model_cfg, self.service.cfg.num_slots)
+            make_plan(layout, self.service.model_cfg, self.service.cfg.engine.num_slots)
             if layout.num_devices > len(pool.devices):
                 raise LayoutError(
                     f"layout {layout.name!r} needs {layout.num_devices} devices; pool {pool.name!r} owns {len(pool.devices)}"

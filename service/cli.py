@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -12,36 +11,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def _serve_config(args: argparse.Namespace) -> Any:
-    from service.server import ServerConfig
+    """The ``ServerConfig`` of ``meshserve serve``: the ``--config`` YAML file's keys (see
+    ``configs/serve.yaml``), then the flags given, which win.
 
-    values: dict[str, Any] = {}
-    if args.config:
-        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
-        known = {f.name for f in dataclasses.fields(ServerConfig)}
-        unknown = set(loaded) - known
-        if unknown:
-            raise SystemExit(f"meshserve: unknown keys in {args.config}: {sorted(unknown)}; known: {sorted(known)}")
-        values.update(loaded)
+    Raises:
+        SystemExit: one line, "meshserve serve: error: ...", when the file is missing, unreadable
+            or not YAML, or a key or value does not fit (``service.server.ConfigError``).
+    """
+    from service.server import ConfigError, read_server_config, server_config
+
+    flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
                 "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "metrics_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
-            values[key] = value
+            flags[key] = value
     if args.pool:
-        values["pools"] = list(args.pool)
+        flags["pools"] = list(args.pool)
     token = args.admin_token or os.environ.get("MESHSERVE_ADMIN_TOKEN")
     if token:
-        values["admin_token"] = token
+        flags["admin_token"] = token
     if args.warmup_full:
-        values["warmup_full"] = True
-    return ServerConfig(**values)
+        flags["warmup_full"] = True
+    try:
+        values = read_server_config(args.config) if args.config else {}
+        return server_config(values, flags, where=args.config or "meshserve serve")
+    except ConfigError as exc:
+        raise SystemExit(f"meshserve serve: error: {exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -298,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start the gRPC server")
-    s.add_argument("--config", help="YAML file of ServerConfig keys (flags override it)")
+    s.add_argument(
+        "--config",
+        help="YAML file of ServerConfig keys, engine settings under 'engine:' (configs/serve.yaml); flags override it",
+    )
     s.add_argument(
         "--model",
         help="GGUF file, checkpoint directory from 'meshserve convert', or Hugging Face Llama directory "

@@ -36,7 +36,7 @@ from prometheus_client import start_http_server
 
 from model.config import LlamaConfig
 from model.fetch import resolve_model
-from model.loader import abstract_llama, load_gguf_model, load_hf_model, model_format
+from model.loader import ShardingsFn, load_model, model_format
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
@@ -64,7 +64,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "meshse
 
 @dataclasses.dataclass
 class ServerConfig:
-    """Everything ``meshserve serve`` can set (config file keys = these field names).
+    """Everything ``meshserve serve`` can set (``read_server_config``: a YAML file of these field
+    names, ``engine`` a mapping of ``EngineConfig``'s).
 
     Attributes:
         model: a GGUF file, a checkpoint directory written by ``meshserve convert``, a Hugging
@@ -73,16 +74,11 @@ class ServerConfig:
             ``~/.cache/meshserve``).
         host, port: listen address (port 0 picks a free port).
         layout: layout preset name or YAML path.
-        num_slots: decode slots. max_seq_len: tokens per slot (prompt + generated).
-        chunk_size: prefill chunk (largest prefill bucket), tokens.
+        engine: every pool's engine sizes and forms (``service.engine.EngineConfig``): decode
+            slots, tokens per slot, prefill chunk, parameter and KV-cache dtypes, layer form,
+            decode attention and matmul kernels.
         max_queue: most requests waiting for a slot before RESOURCE_EXHAUSTED.
         default_max_tokens: max_tokens when a request leaves it unset.
-        dtype: parameter dtype, "float32" (CPU) or "bfloat16" (accelerators).
-        kv_dtype: KV-cache dtype: "auto" (= ``dtype``), "float32" or "bfloat16" (half the
-            cache's bytes per token, read by every decode step; see ``EngineConfig.kv_dtype``).
-        layers: "auto" (scan on CPU, unrolled on accelerators), "scan" (fast compile) or
-            "unrolled" (faster steps; see EngineConfig).
-        matmul: "auto", "xla" or "bf16x3" (the AMX bf16x3 precision, opt-in; see EngineConfig).
         warmup_full: compile every shape variant before reporting SERVING (else only the
             smallest; others compile on first use and land in the persistent cache).
         stall_timeout_s: health turns NOT_SERVING when a busy engine loop makes no progress
@@ -105,15 +101,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     layout: str = "single"
-    num_slots: int = 4
-    max_seq_len: int = 2048
-    chunk_size: int = 512
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     max_queue: int = 64
     default_max_tokens: int = 512
-    dtype: str = "float32"
-    kv_dtype: str = "auto"
-    layers: str = "auto"
-    matmul: str = "auto"
     warmup_full: bool = False
     stall_timeout_s: float = 120.0
     watchdog_interval_s: float = 0.5
@@ -123,6 +113,127 @@ class ServerConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
     metrics_port: int = 9400
+
+
+class ConfigError(ValueError):
+    """A serve config file is missing, unreadable or not YAML, or a key or value does not fit
+    ``ServerConfig`` (the one-line message names the file and the key)."""
+
+
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
+# The type each key of a config file must have (YAML's int is a float too; a bool is no number).
+_KEY_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str, type(None)),
+    "cache_dir": (str, type(None)),
+    "host": (str,),
+    "port": (int,),
+    "layout": (str,),
+    "max_queue": (int,),
+    "default_max_tokens": (int,),
+    "warmup_full": (bool,),
+    "stall_timeout_s": (int, float),
+    "watchdog_interval_s": (int, float),
+    "grace_period_s": (int, float),
+    "pools": (list,),
+    "admin_token": (str, type(None)),
+    "admin_host": (str,),
+    "admin_port": (int,),
+    "metrics_port": (int,),
+    "num_slots": (int,),
+    "max_seq_len": (int,),
+    "chunk_size": (int,),
+    "dtype": (str,),
+    "kv_dtype": (str,),
+    "layers": (str,),
+    "decode_attention": (str,),
+    "matmul": (str,),
+}
+
+
+def _checked(key: str, value: Any, where: str) -> Any:
+    kinds = _KEY_TYPES[key]
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if key == "pools" and ok:
+        ok = all(isinstance(p, str) for p in value)
+    if not ok:
+        want = " or ".join(
+            "null" if k is type(None) else "a list of strings" if k is list else k.__name__ for k in kinds
+        )
+        raise ConfigError(f"{where}: {key} must be {want}, got {value!r}")
+    return float(value) if float in kinds else value
+
+
+def server_config(
+    values: dict[str, Any], overrides: dict[str, Any] | None = None, where: str = "config"
+) -> ServerConfig:
+    """A ``ServerConfig`` from a mapping of its field names (what a config file holds), with
+    ``overrides`` (the command line's flags, flat) taking precedence.
+
+    The engine's settings are an ``engine`` mapping of ``EngineConfig`` field names; they may
+    also be given flat, at the top level (``num_slots: 8``), but not both ways for one key.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, a key given twice, or values that
+            ``EngineConfig`` refuses (e.g. ``num_slots: 0``); the message starts with ``where``.
+    """
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    top: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    nested = values.get("engine", {})
+    if not isinstance(nested, dict):
+        raise ConfigError(f"{where}: engine must be a mapping of {', '.join(ENGINE_KEYS)}, got {nested!r}")
+    for key, value in nested.items():
+        if key not in ENGINE_KEYS:
+            raise ConfigError(f"{where}: unknown key engine.{key}; known: {', '.join(ENGINE_KEYS)}")
+        engine[key] = _checked(key, value, where)
+    for key, value in values.items():
+        if key == "engine":
+            continue
+        if key in ENGINE_KEYS:
+            if key in engine:
+                raise ConfigError(f"{where}: {key} is given twice, at the top level and under engine")
+            engine[key] = _checked(key, value, where)
+        elif key in fields:
+            top[key] = _checked(key, value, where)
+        else:
+            known = sorted((fields - {"engine"}) | {f"engine.{k}" for k in ENGINE_KEYS})
+            raise ConfigError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
+    for key, value in (overrides or {}).items():
+        (engine if key in ENGINE_KEYS else top)[key] = value
+    try:
+        return ServerConfig(**top, engine=EngineConfig(**engine))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def read_server_config(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds (an empty file is an empty mapping); give it to
+    ``server_config``. ``configs/serve.yaml`` is an example with every key.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not valid YAML, or is not a mapping
+            with string keys (the message is one line: the file, and the line of a YAML error).
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"{path}: not valid YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{path}: expected a mapping of ServerConfig keys, got {type(data).__name__}")
+    return data
 
 
 class CompileClock:
@@ -200,7 +311,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def load(self) -> None:
         """Blocking: fetch/read the model, build the pools, start their loops, wait for warm-up.
 
-        ``cfg.model`` picks the loader by what the path is (``model.loader.model_format``): a GGUF
+        ``model.loader.load_model`` reads ``cfg.model`` by what the path is (``model_format``): a GGUF
         file is read and dequantized on the host, then placed; a Hugging Face directory is read
         with ``safetensors``, then placed; a converted checkpoint is restored by orbax directly
         into each pool's shardings (no host copy of the full weights). The startup log splits the
@@ -229,38 +340,27 @@ class GenerationService(pb_grpc.GenerationServicer):
         else:
             specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
             device_sets = [devices]
-        ecfg = EngineConfig(
-            cfg.num_slots,
-            cfg.max_seq_len,
-            cfg.chunk_size,
-            cfg.dtype,
-            kv_dtype=cfg.kv_dtype,
-            layers=cfg.layers,
-            matmul=cfg.matmul,
-        )
+        ecfg = cfg.engine
 
         clock = CompileClock()
         with clock:
             t0 = time.perf_counter()
             if kind == "checkpoint":
-                from model.checkpoint import checkpoint_tokenizer, read_checkpoint_config  # imports orbax
-
-                model_cfg = read_checkpoint_config(path)[0]
-                self.tokenizer = checkpoint_tokenizer(path)
-                self.checkpoint_path = path  # layout switches restore from it
-                graphdef, _ = abstract_llama(model_cfg, cfg.dtype)
-                params_per_pool = [
-                    self._restore_for_pool(path, model_cfg, s.layout, ds)
-                    for s, ds in zip(specs, device_sets, strict=True)
+                # Restored straight into each pool's shardings; layout switches restore from it.
+                self.checkpoint_path = path
+                models = [
+                    load_model(path, ecfg.dtype, shardings=self._pool_shardings(s.layout, ds), tokenizer=i == 0)
+                    for i, (s, ds) in enumerate(zip(specs, device_sets, strict=True))
                 ]
             else:
-                if kind == "hf":
-                    model_cfg, graphdef, params = load_hf_model(path)
-                    self.tokenizer = Tokenizer.from_hf_dir(path)
-                else:
-                    model_cfg, graphdef, params = load_gguf_model(path)
-                    self.tokenizer = Tokenizer.from_gguf(path)
-                params_per_pool = [params] * len(specs)
+                # One host copy (float32 from a GGUF, as stored from a Hugging Face directory);
+                # each pool's Engine casts and places it.
+                models = [load_model(path, tokenizer=True)] * len(specs)
+            model_cfg, graphdef, tokenizer = models[0].cfg, models[0].graphdef, models[0].tokenizer
+            assert tokenizer is not None  # asked for
+            self.tokenizer = tokenizer
+            params_per_pool = [m.state for m in models]
+            del models
             t_load = time.perf_counter() - t0
             c_load = clock.seconds()
 
@@ -277,7 +377,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
                 loop = EngineLoop(
                     engine,
-                    Scheduler(cfg.num_slots, cfg.max_queue, cfg.chunk_size),
+                    Scheduler(ecfg.num_slots, cfg.max_queue, ecfg.chunk_size),
                     on_step=self._step_observer(spec.name),
                 )
                 pool = Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0)
@@ -297,7 +397,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
             clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
-            cfg.num_slots, cfg.max_seq_len, engines[0].ecfg.layers, cfg.dtype, engines[0].ecfg.kv_dtype,
+            ecfg.num_slots, ecfg.max_seq_len, engines[0].ecfg.layers, ecfg.dtype, engines[0].ecfg.kv_dtype,
         )  # fmt: skip
         self.startup_seconds = {
             loaded: t_load - c_load,
@@ -317,10 +417,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             context_length=model_cfg.max_position_embeddings,
-            max_seq_len=cfg.max_seq_len,
-            num_slots=cfg.num_slots,
+            max_seq_len=ecfg.max_seq_len,
+            num_slots=ecfg.num_slots,
             eos_token_ids=sorted(self.tokenizer.eos_ids),
-            dtype=cfg.dtype,
+            dtype=ecfg.dtype,
             num_parameters=model_cfg.param_count(),
             layout=self.pools[0].layout.name,
             model_path=str(path),
@@ -330,20 +430,22 @@ class GenerationService(pb_grpc.GenerationServicer):
         """When serving a converted checkpoint: its params restored straight into ``layout``'s
         shardings on ``devices`` (a layout switch then reads the checkpoint instead of moving the
         live arrays); None otherwise."""
-        if self.checkpoint_path is None or self.model_cfg is None:
+        if self.checkpoint_path is None:
             return None
-        return self._restore_for_pool(self.checkpoint_path, self.model_cfg, layout, devices)
+        shardings = self._pool_shardings(layout, devices)
+        return load_model(self.checkpoint_path, self.cfg.engine.dtype, shardings=shardings).state
 
-    def _restore_for_pool(self, path: Path, model_cfg: LlamaConfig, layout: Layout, devices: list) -> nnx.State:
-        """A checkpoint's params restored straight into the shardings ``layout`` gives them on
-        ``devices`` (the ones ``Engine`` computes, so it places nothing again)."""
-        from model.checkpoint import restore_checkpoint
+    def _pool_shardings(self, layout: Layout, devices: list) -> ShardingsFn:
+        """The param shardings ``layout`` gives a model on ``devices`` (the ones ``Engine``
+        computes, so a checkpoint restored into them is placed nothing again), as ``load_model``
+        takes them."""
+        num_slots = self.cfg.engine.num_slots
 
-        _, state = abstract_llama(model_cfg, self.cfg.dtype)
-        plan = make_plan(layout, model_cfg, self.cfg.num_slots)
-        shardings = param_shardings(state, make_mesh(layout, devices), plan.rules)
-        nnx.replace_by_pure_dict(state, restore_checkpoint(path, shardings, self.cfg.dtype))
-        return state
+        def shardings(model_cfg: LlamaConfig, state: nnx.State) -> Any:
+            plan = make_plan(layout, model_cfg, num_slots)
+            return param_shardings(state, make_mesh(layout, devices), plan.rules)
+
+        return shardings
 
     def find_pool(self, name: str) -> Pool:
         """The pool called ``name`` (or whose current layout is called ``name``); "" = default.
@@ -497,7 +599,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if problem is not None:
             await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}")
         try:
-            v = validate(request, tok, self.cfg.max_seq_len, self.cfg.default_max_tokens)
+            v = validate(request, tok, self.cfg.engine.max_seq_len, self.cfg.default_max_tokens)
         except InvalidRequest as exc:
             await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         chunks: asyncio.Queue = asyncio.Queue()

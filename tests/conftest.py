@@ -41,10 +41,15 @@ def tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
     """A real gRPC server on the default model (4 slots x 1024 tokens), shared by a session."""
+    from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
 
     cfg = ServerConfig(
-        model=str(smollm2_gguf), port=0, num_slots=4, max_seq_len=1024, max_queue=64, metrics_port=free_port()
+        model=str(smollm2_gguf),
+        port=0,
+        engine=EngineConfig(num_slots=4, max_seq_len=1024),
+        max_queue=64,
+        metrics_port=free_port(),
     )
     srv = ServerThread(cfg).start()
     yield srv

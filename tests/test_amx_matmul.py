@@ -132,7 +132,7 @@ def test_serve_flag_reaches_the_server_config() -> None:
 
     args = build_parser().parse_args(["serve", "--layers", "unrolled", "--matmul", "bf16x3"])
     cfg = _serve_config(args)
-    assert (cfg.layers, cfg.matmul) == ("unrolled", "bf16x3")
-    assert _serve_config(build_parser().parse_args(["serve"])).matmul == "auto"
+    assert (cfg.engine.layers, cfg.engine.matmul) == ("unrolled", "bf16x3")
+    assert _serve_config(build_parser().parse_args(["serve"])).engine.matmul == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--matmul", "bf16"])

@@ -240,10 +240,13 @@ def test_load_jsonl_rejects_malformed_lines(tmp_path: Path, line: str, message: 
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:  # type: ignore[type-arg]
     from tiny_gguf import write_tiny_llama_gguf
 
+    from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
 
     model = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-    cfg = ServerConfig(model=str(model), port=0, metrics_port=0, num_slots=2, max_seq_len=128, chunk_size=32)
+    cfg = ServerConfig(
+        model=str(model), port=0, metrics_port=0, engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32)
+    )
     srv = ServerThread(cfg).start()
     yield srv
     srv.stop()

@@ -99,9 +99,7 @@ def test_service_serves_a_checkpoint(converted: Path, gguf_model, smollm2_gguf: 
             model=str(converted),
             cache_dir=str(smollm2_gguf.parent),
             layout="1x4",
-            num_slots=ECFG.num_slots,
-            max_seq_len=ECFG.max_seq_len,
-            chunk_size=ECFG.chunk_size,
+            engine=ECFG,
             metrics_port=0,
         )
     )
@@ -265,9 +263,7 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model,
             model=str(converted),
             cache_dir=str(smollm2_gguf.parent),
             layout="1x1",
-            num_slots=ECFG.num_slots,
-            max_seq_len=ECFG.max_seq_len,
-            chunk_size=ECFG.chunk_size,
+            engine=ECFG,
             metrics_port=0,
         )
     )

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import Client, make_request
+from service.engine import EngineConfig
 from service.scheduler import StepPlan
 from service.server import SERVICE_NAME, GenerationService, ServerConfig, ServerThread
 
@@ -40,8 +41,7 @@ def small_config(model: Path, **overrides: object) -> ServerConfig:
     values: dict = dict(
         model=str(model),
         port=0,
-        num_slots=2,
-        max_seq_len=256,
+        engine=EngineConfig(num_slots=2, max_seq_len=256),
         max_queue=8,
         stall_timeout_s=STALL_S,
         watchdog_interval_s=INTERVAL_S,

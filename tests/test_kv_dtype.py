@@ -111,8 +111,8 @@ def test_roofline_counts_the_kv_cache_in_its_own_dtype() -> None:
 
 def test_serve_flag_reaches_the_server_config() -> None:
     args = build_parser().parse_args(["serve", "--kv-dtype", "bfloat16"])
-    assert _serve_config(args).kv_dtype == "bfloat16"
-    assert _serve_config(build_parser().parse_args(["serve"])).kv_dtype == "auto"
+    assert _serve_config(args).engine.kv_dtype == "bfloat16"
+    assert _serve_config(build_parser().parse_args(["serve"])).engine.kv_dtype == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-dtype", "int8"])
 

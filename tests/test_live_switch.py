@@ -17,6 +17,7 @@ import pytest
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.client import Client, make_request
+from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
 TOKEN = "test-admin-token"
@@ -29,9 +30,7 @@ def pool_server(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
     cfg = ServerConfig(
         model=str(smollm2_gguf),
         port=0,
-        num_slots=4,
-        max_seq_len=256,
-        chunk_size=64,
+        engine=EngineConfig(num_slots=4, max_seq_len=256, chunk_size=64),
         pools=["fast=1x4", "bulk=4x1"],
         admin_token=TOKEN,
         admin_port=0,

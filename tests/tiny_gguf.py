@@ -2,10 +2,11 @@
 
 For tests that need a real server without the 93 MB SmolLM2 download or its compile time::
 
+    from service.engine import EngineConfig
     from tiny_gguf import write_tiny_llama_gguf  # tests/ is on sys.path under pytest
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
-    srv = ServerThread(ServerConfig(model=str(path), port=0, metrics_port=0, num_slots=2,
-                                    max_seq_len=128, chunk_size=32)).start()
+    engine = EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32)
+    srv = ServerThread(ServerConfig(model=str(path), port=0, metrics_port=0, engine=engine)).start()
 
 The file has the ``llama.*`` keys ``LlamaConfig.from_gguf`` reads, the ``tokenizer.ggml.*`` keys
 ``Tokenizer.from_gguf`` needs (a byte-level BPE vocabulary: 3 control tokens, the 256 byte

@@ -306,20 +306,23 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
 
 
 # ---- loading -------------------------------------------------------------------------------------
-def load_model(
+def model_to_time(
     model: str | None, cache_dir: str | None, random: bool, tiny: bool, seed: int = 0, dtype: str = "float32"
 ) -> tuple[Any, Any, Any, str]:
-    """(cfg, graphdef, params, description) of the model to time; random weights are made in ``dtype``
-    (the engine casts only host weights).
+    """(cfg, graphdef, params, description) of the model to time; weights in ``dtype``.
 
     ``tiny``: random weights at ``LlamaConfig.tiny()``'s shapes; ``random``: random weights at the
     model's shapes (reads only its config); else the model's own weights (GGUF, Hugging Face
-    directory, or converted checkpoint).
+    directory, or converted checkpoint, by ``model.loader.load_model``: a checkpoint restored
+    onto the first device, the others read on the host for the engine to place).
+
+    Raises:
+        FileNotFoundError, ValueError: see ``model.loader.load_model``.
     """
     import jax.numpy as jnp
 
     from model.config import LlamaConfig
-    from model.loader import load_gguf_model, load_hf_model, model_format, random_llama, read_model_config
+    from model.loader import load_model, random_llama, read_model_config
 
     if tiny:
         cfg = LlamaConfig.tiny()
@@ -330,28 +333,8 @@ def load_model(
     if random:
         cfg = read_model_config(path)
         return (cfg, *random_llama(cfg, seed, jnp.dtype(dtype)), f"random weights at the shapes of {path}")
-    kind = model_format(path)
-    if kind == "gguf":
-        cfg, graphdef, params = load_gguf_model(path, jnp.float32)
-    elif kind == "hf":
-        cfg, graphdef, params = load_hf_model(path)
-    else:
-        import jax
-        from flax import nnx
-
-        from model.checkpoint import read_checkpoint_config, restore_checkpoint
-        from model.loader import abstract_llama
-        from sharding.layouts import Layout
-        from sharding.mesh import make_mesh
-        from sharding.plan import make_plan
-        from sharding.rules import param_shardings
-
-        cfg = read_checkpoint_config(path)[0]
-        one = Layout("1x1")
-        graphdef, params = abstract_llama(cfg, jnp.dtype(dtype))
-        shardings = param_shardings(params, make_mesh(one, jax.devices()[:1]), make_plan(one, cfg).rules)
-        nnx.replace_by_pure_dict(params, restore_checkpoint(path, shardings, dtype))
-    return cfg, graphdef, params, f"{path} ({kind})"
+    m = load_model(path, dtype)
+    return m.cfg, m.graphdef, m.state, f"{path} ({m.kind})"
 
 
 def default_layouts(num_devices: int) -> list[str]:
@@ -595,8 +578,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     import jax
 
     devices = jax.devices()
-    # The roofline's hardware first: "auto" measures this CPU (roofline.measure_cpu), which read
-    # 9.6 GB/s instead of 21 when it ran while XLA was still computing --random's weights.
+    # The roofline's hardware first: "auto" measures this CPU (roofline.measure_cpu), whose read
+    # rate comes out low while XLA is still computing --random's weights beside it.
     predictor, overlay = roofline_predictor(args.hardware, devices[0].platform, devices[0].device_kind)
     try:
         scfg = SweepConfig(
@@ -611,7 +594,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_seq_len=args.max_seq_len,
         )
-        cfg, graphdef, params, source = load_model(
+        cfg, graphdef, params, source = model_to_time(
             args.model, args.cache_dir, args.random, args.tiny, args.seed, args.dtype
         )
     except (ValueError, FileNotFoundError) as exc:

@@ -176,15 +176,13 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a GGUF file or Hugging Face Llama directory into a checkpoint directory."""
-    import jax.numpy as jnp
-    import numpy as np
+    from flax import nnx
     from tqdm import tqdm
 
     from model.checkpoint import save_checkpoint
-    from model.loader import model_format
+    from model.loader import load_model, model_format, num_tensors, read_model_config
 
     src, out = Path(args.src), Path(args.out)
-    np_dtype = np.dtype(jnp.dtype(args.dtype))
     t0 = time.perf_counter()
     try:
         kind = model_format(src)
@@ -192,22 +190,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise SystemExit(f"meshserve convert: {src} is already a converted checkpoint")
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise SystemExit(f"meshserve convert: {out} already exists and is not an empty directory")
-        if kind == "gguf":
-            from model.config import LlamaConfig
-            from model.gguf_weights import load_gguf_params, num_tensors
-
-            cfg = LlamaConfig.from_gguf(src)
-            with tqdm(total=num_tensors(cfg), unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
-                params = load_gguf_params(src, cfg, np_dtype, progress=lambda _name: bar.update())
-        else:
-            from model.hf_weights import config_from_hf, load_hf_params, num_tensors, read_hf_config
-
-            cfg = config_from_hf(read_hf_config(src))
-            with tqdm(total=num_tensors(cfg), unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
-                params = load_hf_params(src, cfg, np_dtype, progress=lambda _name: bar.update())
+        total = num_tensors(src, read_model_config(src))
+        with tqdm(total=total, unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
+            model = load_model(src, args.dtype, tokenizer=True, progress=lambda _name: bar.update())
+        cfg, params = model.cfg, nnx.to_pure_dict(model.state)
         t_read = time.perf_counter() - t0
         print(f"meshserve: writing {out} ({args.dtype})", file=sys.stderr)
-        save_checkpoint(out, cfg, params, src, args.dtype, source=str(src.resolve()))
+        assert model.tokenizer is not None  # asked for
+        save_checkpoint(out, cfg, params, model.tokenizer, args.dtype, source=str(src.resolve()))
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         # ValueError covers CheckpointError, HFConfigError, WeightError and GGUFMetadataError.
         raise SystemExit(f"meshserve convert: {exc}") from None

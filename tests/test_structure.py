@@ -1,0 +1,85 @@
+"""The imports point one way: benchmarks -> service -> sharding -> model (an AST scan of every
+import statement, so a lazy import inside a function counts too).
+
+The one exception: ``service/cli.py`` dispatches ``meshserve bench|sweep|roofline`` to
+``benchmarks`` from inside its functions, never at module level.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# package -> the top-level packages of this repository it must not import
+FORBIDDEN = {
+    "model": {"sharding", "service", "benchmarks"},
+    "sharding": {"service", "benchmarks"},
+    "service": {"benchmarks"},
+}
+LAZY_DISPATCH = {"service/cli.py": {"benchmarks"}}
+# The format readers and the module builder never import the loader that dispatches to them.
+READERS = ("model/build.py", "model/checkpoint.py", "model/gguf_weights.py", "model/hf_weights.py")
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for every absolute import in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    top_level = {id(node) for node in tree.body}
+    # A module-level `if TYPE_CHECKING:` / `try:` block still runs at import: count it as top level.
+    for node in tree.body:
+        if isinstance(node, ast.If | ast.Try):
+            top_level |= {id(n) for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, node.lineno, id(node) in top_level))
+    return found
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_the_scan_sees_lazy_and_module_level_imports(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nfrom benchmarks import roofline\n\ndef f():\n    from service.cli import main\n")
+    assert imports(probe) == [("os", 1, True), ("benchmarks", 2, True), ("service.cli", 5, False)]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_imports_nothing_above_it(package: str) -> None:
+    files = sources(package)
+    assert len(files) >= 5  # the scan found the package
+    wrong = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        for module, line, at_top in imports(path):
+            top = module.split(".")[0]
+            if top not in FORBIDDEN[package]:
+                continue
+            if top in LAZY_DISPATCH.get(rel, set()) and not at_top:
+                continue
+            wrong.append(f"{rel}:{line} imports {module}")
+    assert not wrong, "imports against the direction benchmarks -> service -> sharding -> model:\n" + "\n".join(wrong)
+
+
+def test_the_cli_dispatches_to_every_measurement_tool_lazily() -> None:
+    lazy = {m for m, _, at_top in imports(ROOT / "service/cli.py") if m.startswith("benchmarks") and not at_top}
+    assert {"benchmarks", "benchmarks.bench", "benchmarks.roofline", "benchmarks.sweep"} <= lazy
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_readers_do_not_import_the_loader(reader: str) -> None:
+    assert "model.loader" not in {m for m, _, _ in imports(ROOT / reader)}
+
+
+def test_the_measurement_tools_live_in_benchmarks() -> None:
+    for moved in ("service/bench.py", "service/sweep.py", "sharding/roofline.py"):
+        assert not (ROOT / moved).exists()
+    for tool in ("__init__.py", "bench.py", "sweep.py", "roofline.py", "peers.py"):
+        assert (ROOT / "benchmarks" / tool).is_file()

@@ -1,0 +1,111 @@
+"""``meshserve serve --config FILE``: YAML keys = ServerConfig fields (the engine's under
+``engine:``, or flat), flags override, and a bad file is a one-line error, not a traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.cli import _serve_config, build_parser, main
+from service.engine import EngineConfig
+from service.server import ConfigError, ServerConfig, read_server_config, server_config
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "configs" / "serve.yaml"
+
+
+def serve_config(*argv: str) -> ServerConfig:
+    return _serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    """The message ``meshserve serve --config`` exits with for a file holding ``text``."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(path)])
+    message = str(exc.value.code)
+    assert message.startswith(f"meshserve serve: error: {path}: ") and "\n" not in message
+    return message
+
+
+def test_the_example_file_holds_every_key_at_its_default() -> None:
+    data = read_server_config(EXAMPLE)
+    fields = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert set(data) == fields
+    assert set(data["engine"]) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert server_config(data, where=str(EXAMPLE)) == ServerConfig()
+    assert serve_config("--config", str(EXAMPLE)) == ServerConfig()
+
+
+def test_engine_mapping_flat_keys_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 6000\nmax_queue: 3\nstall_timeout_s: 30\nengine:\n  num_slots: 8\n  kv_dtype: bfloat16\n")
+    cfg = serve_config("--config", str(path))
+    assert (cfg.port, cfg.max_queue, cfg.stall_timeout_s) == (6000, 3, 30.0)
+    assert cfg.engine == EngineConfig(num_slots=8, kv_dtype="bfloat16")
+    path.write_text("num_slots: 2\nmax_seq_len: 128\nlayout: 1x2\n")  # flat engine keys
+    assert serve_config("--config", str(path)).engine == EngineConfig(num_slots=2, max_seq_len=128)
+    cfg = serve_config("--config", str(path), "--num-slots", "6", "--port", "7000", "--layers", "scan")
+    assert (cfg.port, cfg.layout) == (7000, "1x2")
+    assert cfg.engine == EngineConfig(num_slots=6, max_seq_len=128, layers="scan")
+    assert serve_config("--slots", "3").engine.num_slots == 3  # no file: the flags alone
+
+
+def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("# nothing set\n")
+    assert serve_config("--config", str(tmp_path / "empty.yaml")) == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port: [1\n", "not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
+        ("portt: 1\n", "unknown key 'portt'; known: admin_host, "),
+        ("engine:\n  slots: 2\n", "unknown key engine.slots; known: num_slots, max_seq_len, "),
+        ("port: abc\n", "port must be int, got 'abc'"),
+        ("port: true\n", "port must be int, got True"),
+        ("warmup_full: 1\n", "warmup_full must be bool, got 1"),
+        ("pools: fast=1x4\n", "pools must be a list of strings, got 'fast=1x4'"),
+        ("engine:\n  num_slots: 2.5\n", "num_slots must be int, got 2.5"),
+        ("engine: 4\n", "engine must be a mapping of num_slots, "),
+        ("engine:\n  num_slots: 0\n", "num_slots must be >= 1, got 0"),
+        ("engine:\n  dtype: float16\n", "dtype must be one of float32, bfloat16, got 'float16'"),
+        ("num_slots: 2\nengine:\n  num_slots: 4\n", "num_slots is given twice, at the top level and under engine"),
+        ("- port: 1\n", "expected a mapping of ServerConfig keys, got list"),
+    ],
+)
+def test_a_bad_file_is_a_one_line_error(tmp_path: Path, text: str, message: str) -> None:
+    assert message in error_of(tmp_path, text)
+
+
+def test_missing_or_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--config", str(tmp_path / "absent.yaml")])
+    assert exc.value.code == f"meshserve serve: error: {tmp_path / 'absent.yaml'}: no such config file"
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        read_server_config(tmp_path)  # a directory
+    (tmp_path / "latin1.yaml").write_bytes(b"model: caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        read_server_config(tmp_path / "latin1.yaml")
+
+
+def test_the_command_exits_1_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("port: abc\n")
+    for path in (tmp_path / "absent.yaml", tmp_path / "bad.yaml"):
+        run = subprocess.run(
+            [sys.executable, "-m", "service.cli", "serve", "--config", str(path)],
+            cwd=ROOT,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 1, run.stderr
+        assert run.stderr.count("\n") == 1 and run.stderr.startswith(f"meshserve serve: error: {path}: "), run.stderr
+        assert "Traceback" not in run.stderr

@@ -132,8 +132,8 @@ def measure_cpu(read_bytes: int = 512 * 2**20, matmul_n: int = 2048, repeats: in
 
     Read bandwidth: the best of ``repeats`` matrix-vector products over a ``read_bytes`` float32
     matrix of 576 columns (BLAS sgemv on all cores: a streaming read of a weight matrix, as a
-    batch-1 decode step does; a numpy sum runs on one core and read 5 GB/s where sgemv read 16
-    on the 2-core machine this was written on). Peak: the best of ``repeats`` ``matmul_n``³
+    batch-1 decode step does; a numpy sum runs on one core and reads a fraction of what sgemv
+    reads on several). Peak: the best of ``repeats`` ``matmul_n``³
     float32 matmuls (2·n³ FLOPs each; numpy's BLAS sgemm on all cores).
     """
     cols = 576

@@ -13,16 +13,16 @@ devices present (fake CPU devices included: ``--cpu-devices 8`` or
    copy as the engine loop's postprocess does: the median of the last ``steps`` is the TPOT, and
    B / TPOT the decode throughput. ``decode_call_ms`` is the median time of the ``Engine.decode``
    call alone, until it returns, before the step's host copy waits for the device: its arguments,
-   the dispatch, and whatever the runtime does before returning (on an H200 most of the step).
+   the dispatch, and whatever the runtime does before returning (on a GPU it can be most of the step).
    The engine loop overlaps that call with the step before; the sweep does not.
 
 Compile times are the first calls' times less one steady-state run of the same program.
 
 Weights' values do not change the speed, so ``--random`` times random weights at the model's
-shapes (no GGUF read). When ``benchmarks/roofline.py`` is importable, each point also gets the
-roofline's predicted TPOT, TTFT and throughput for the same layout, batch and decode window, on a
-hardware preset (``--hardware``; ``auto`` measures this CPU or matches the accelerator's kind), and
-the plots overlay them. The measured figures are also set against that hardware: ``mbu`` and
+shapes (no GGUF read). Each point also gets the roofline's (``benchmarks/roofline.py``)
+predicted TPOT, TTFT and throughput for the same layout, batch and decode window, on a hardware
+preset (``--hardware``; ``auto`` measures this CPU or matches the accelerator's kind), and the
+plots overlay them. The measured figures are also set against that hardware: ``mbu`` and
 ``mfu`` of the decode step (the roofline's bytes and FLOPs per device of a step at the decode
 window, over the measured TPOT, over the bandwidth and peak) and ``prefill_mfu`` of one prompt's
 prefill (``benchmarks.roofline.decode_utilization`` and ``prefill_utilization``).
@@ -242,10 +242,8 @@ def pick_hardware(hardware: str | None, platform_name: str, device_kind: str) ->
     """
     if hardware in ("none", ""):
         return None, "roofline overlay off (--hardware none)"
-    try:
-        from benchmarks import roofline as rl
-    except ImportError as exc:
-        return None, f"no roofline overlay: benchmarks/roofline.py is not importable ({exc})"
+    from benchmarks import roofline as rl
+
     name = hardware
     if name in (None, "auto"):
         if platform_name == "cpu":
@@ -257,7 +255,7 @@ def pick_hardware(hardware: str | None, platform_name: str, device_kind: str) ->
                 return None, f"no roofline overlay: no hardware preset for {device_kind!r} (pass --hardware)"
     try:
         hw = rl.load_hardware(name)
-    except Exception as exc:  # the roofline module is young: never let it sink a measurement
+    except Exception as exc:  # an unusable preset must never sink a measurement
         return None, f"no roofline overlay: {exc}"
     bandwidth = f"{hw.hbm_bytes_per_s / 1e9:.1f} GB/s"
     peak = ", ".join(f"{v / 1e9:.0f} GFLOP/s {k}" for k, v in hw.peak_flops.items())

@@ -142,3 +142,25 @@ def test_helpers() -> None:
     assert pareto_front([(1.0, 10.0), (2.0, 30.0), (3.0, 20.0), (4.0, 40.0)]) == [(1.0, 10.0), (2.0, 30.0), (4.0, 40.0)]
     with pytest.raises(ValueError, match="max_seq_len"):
         SweepConfig(prompt_lens=(128,), max_seq_len=64)
+
+
+def test_the_model_to_time_loads_through_load_model(tmp_path: Path) -> None:
+    """A GGUF path is read by model.loader.load_model (host float32 weights); --random reads only
+    its config; --tiny reads nothing."""
+    import numpy as np
+    from flax import nnx
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from benchmarks.sweep import model_to_time
+    from model.config import LlamaConfig
+    from model.gguf_weights import load_gguf_params
+
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    cfg, _, params, source = model_to_time(str(path), None, random=False, tiny=False)
+    assert cfg == LlamaConfig.from_gguf(path) and source == f"{path} (gguf)"
+    expected = load_gguf_params(path, cfg)
+    np.testing.assert_array_equal(nnx.to_pure_dict(params)["embed"], expected["embed"])
+    cfg_r, _, random_params, source_r = model_to_time(str(path), None, random=True, tiny=False, seed=1)
+    assert cfg_r == cfg and source_r == f"random weights at the shapes of {path}"
+    assert not np.array_equal(np.asarray(nnx.to_pure_dict(random_params)["embed"]), expected["embed"])
+    assert model_to_time(None, None, random=False, tiny=True)[0] == LlamaConfig.tiny()

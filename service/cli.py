@@ -40,7 +40,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         flags["warmup_full"] = True
     try:
         values = read_server_config(args.config) if args.config else {}
-        return server_config(values, flags, where=args.config or "meshserve serve")
+        return server_config(values, flags, where=args.config or "flags")
     except ConfigError as exc:
         raise SystemExit(f"meshserve serve: error: {exc}") from None
 

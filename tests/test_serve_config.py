@@ -109,3 +109,14 @@ def test_the_command_exits_1_with_one_line_and_no_traceback(tmp_path: Path) -> N
         assert run.returncode == 1, run.stderr
         assert run.stderr.count("\n") == 1 and run.stderr.startswith(f"meshserve serve: error: {path}: "), run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_bad_flag_values_are_one_line_errors_too() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--num-slots", "0"])
+    assert exc.value.code == "meshserve serve: error: flags: num_slots must be >= 1, got 0"
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--matmul", "bf16x3", "--layers", "scan"])
+    assert (
+        exc.value.code == "meshserve serve: error: flags: matmul='bf16x3' needs layers='unrolled' and dtype='float32'"
+    )

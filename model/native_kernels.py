@@ -62,7 +62,7 @@ _lock = threading.Lock()
 _available: bool | None = None  # None until the first available() call
 _amx: bool | None = None  # None until the first amx_available() call
 _library: ctypes.CDLL | None = None
-_isa: str | None = None  # None until the first isa() call
+_isa: dict[str, str] = {}  # march() -> isa(), filled on first use
 
 
 def _cpu_flags() -> str:
@@ -129,24 +129,25 @@ def build(path: Path) -> None:
 
 def isa() -> str:
     """The vector ISA the library is compiled for, as ``native/vec.h`` picks it: "avx512",
-    "avx2", or "other" (asked of the compiler for ``march()``, once per process).
+    "avx2", or "other" (asked of the compiler once per process for each ``march()``).
 
     Raises:
         RuntimeError: no C++ compiler, or it failed (an unknown -march value, say).
+        ValueError: ``$MESHSERVE_NATIVE_MARCH`` is not a -march value.
     """
-    global _isa
+    target = march()
     with _lock:
-        if _isa is None:
+        if target not in _isa:
             cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
             if not cxx:
                 raise RuntimeError("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
-            cmd = [cxx, f"-march={march()}", "-dM", "-E", "-x", "c++", os.devnull]
+            cmd = [cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
             macros = set(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
-            _isa = "avx512" if "__AVX512F__" in macros else "avx2" if "__AVX2__" in macros else "other"
-        return _isa
+            _isa[target] = "avx512" if "__AVX512F__" in macros else "avx2" if "__AVX2__" in macros else "other"
+        return _isa[target]
 
 
 def available() -> bool:

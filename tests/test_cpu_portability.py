@@ -58,6 +58,21 @@ def test_march_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         native_kernels.march()
 
 
+@pytest.mark.skipif(
+    platform.machine() not in native_kernels.SUPPORTED_MACHINES, reason="x86-64 -march names need an x86-64 compiler"
+)
+def test_isa_is_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v3")
+    assert native_kernels.isa() == "avx2"
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v4")
+    assert native_kernels.isa() == "avx512"  # asked of the compiler: no AVX-512 CPU needed
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64")
+    assert native_kernels.isa() == "other"  # SSE2 only
+    monkeypatch.delenv(native_kernels.MARCH_ENV)
+    flags = _cpu_flags()
+    assert native_kernels.isa() == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
+
+
 @pytest.mark.skipif(not RUNS_AVX2, reason="an x86-64 CPU with AVX2 and FMA runs x86-64-v3 code; this one does not")
 def test_kernels_built_for_x86_64_v3_pass_their_checks() -> None:
     env = {**os.environ, native_kernels.MARCH_ENV: "x86-64-v3"}

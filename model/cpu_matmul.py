@@ -134,9 +134,9 @@ def faster_than_xla(rows: int) -> bool:
     """Whether the float32 panel kernel, as built here (``native_kernels.isa()``), was measured
     faster than XLA's dots for matmuls of ``rows`` rows (docs/cpu-kernels.md,
     ``benchmarks/native_decode.py``): an AVX-512 build at every size measured (1 to 512 rows);
-    an AVX2 build from 2 to 64 rows (at 1 row XLA's matrix-vector product streams the weights
-    at least as fast, and from 128 rows XLA's compute-bound matmuls were as fast or faster);
-    any other build never (not measured). The engine decides by this alone; call
+    an AVX2 build from 2 to 32 rows (at 1 row XLA's matrix-vector product streams the weights
+    about as fast, and from 64 rows XLA's matmuls were as fast or faster, decode steps and
+    prefill chunks alike); any other build never (not measured). The engine decides by this alone; call
     ``available()`` first.
 
     Raises:
@@ -146,7 +146,7 @@ def faster_than_xla(rows: int) -> bool:
     if isa == "avx512":
         return rows >= 1
     if isa == "avx2":
-        return 2 <= rows <= 64
+        return 2 <= rows <= 32
     return False
 
 

@@ -37,9 +37,10 @@ constexpr int64_t kPanel = 32;                // columns per panel (the Python-s
 constexpr int kPanelVectors = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512) or 4 (AVX2)
 static_assert(kPanel % kLanes == 0, "a panel row must be whole vectors");
 // Rows of x per register tile: its kMaxRows x kPanelVectors accumulators fill the vector
-// registers, less one for the broadcast row value where an FMA cannot broadcast from memory
-// (the panel's vectors are FMA memory operands): 16 rows on AVX-512, 3 on AVX2. More rows spill
-// accumulators to the stack every step of k; fewer re-read each panel from L2 more often.
+// registers, less one for the broadcast row value where an FMA cannot broadcast from memory;
+// the panel's vectors take what is left or come as FMA memory operands. 16 rows on AVX-512,
+// 3 on AVX2. More rows spill accumulators to the stack every step of k; fewer re-read each
+// panel from L2 more often.
 constexpr int kMaxRows = (meshserve::kVectorRegisters - (meshserve::kBroadcastOperand ? 0 : 1)) / kPanelVectors;
 constexpr int64_t kAhead = 4096;  // floats prefetched ahead in the panel stream (16 KiB, 128 rows of k)
 // The prefetches' locality hint for a tile of R rows: 3 (prefetcht0, into L1) at one row, where

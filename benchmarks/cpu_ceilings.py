@@ -7,23 +7,21 @@ read as fractions of them (Williams et al. 2009, "Roofline", section 2: the peak
 the peak memory bandwidth bound every kernel). A small C++ probe, compiled here with the
 machine's ``g++ -O3 -march=native``, runs on 1 and on all cores:
 
-* FMA peak: each thread updates 24 independent 16-float vectors, ``a = a * b + c`` (one fused
-  multiply-add each where the CPU has FMA: 2 FLOPs per lane), so no dependency chain limits it
-  (24 chains cover the FMA latency of 4-5 cycles at 2 FMAs per cycle); FLOP/s = threads x
-  iterations x 24 x 16 x 2 / seconds.
+* FMA peak: each thread updates CHAINS independent vectors of LANES floats, ``a = a * b + c``
+  (one fused multiply-add each where the CPU has FMA: 2 FLOPs per lane), so no dependency chain
+  limits it: with AVX-512, 24 chains of 16 floats (zmm; 24 of the 32 registers); with AVX2, 12
+  of 8 (ymm; 12 of the 16, the rest hold b and c); both cover an FMA latency of 4-5 cycles at 2
+  FMAs per cycle. The probe picks them from the target's ISA, and ``probe_shape`` reads them
+  back; FLOP/s = threads x iterations x CHAINS x LANES x 2 / seconds.
 * Streaming read: each thread sums its contiguous share of a ``--read-mb`` float32 buffer
   (written first, so every page is mapped) with four vector accumulators; bytes/s = buffer
   bytes / seconds.
 
 Each figure is the best of ``--repeats`` runs; numpy's two probes are printed beside them with
-their ratio to the ceiling.
+their ratio to the ceiling. Figures measured with it are in docs/cpu-kernels.md.
 
     python benchmarks/cpu_ceilings.py
     python benchmarks/cpu_ceilings.py --json ceilings.json
-
-Two runs of ``python benchmarks/cpu_ceilings.py`` on a 2-core AMD EPYC (Zen 4, AVX-512),
-2026-11-30: FMA 115-117 GFLOP/s on one core, 228-230 on two; reads 27-28 GB/s on one core, 31-33
-on two; numpy's sgemm reached 88-90 % of that FMA peak and its sgemv 78-81 % of that read.
 """
 
 from __future__ import annotations
@@ -44,10 +42,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.roofline import measure_cpu  # noqa: E402
 
-CHAINS, LANES = 24, 16  # independent vectors per thread, floats per vector
 PROBE = r"""
 // meshserve benchmarks/cpu_ceilings.py probe: "fma THREADS ITERS" and "read THREADS BYTES"
-// print "<work> <seconds>" (FLOPs or bytes), the best of REPEATS runs.
+// print "<work> <seconds>" (FLOPs or bytes), the best of REPEATS runs; "shape 1 1 1" prints
+// "LANES CHAINS".
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -55,6 +53,21 @@ PROBE = r"""
 #include <string>
 #include <thread>
 #include <vector>
+// One vector is one register of the target (a wider GCC vector is split through the stack),
+// and the chains leave registers for b and c.
+#if defined(__AVX512F__)
+#define LANES 16
+#define CHAINS 24
+#define VREG "+v"  // any of zmm0-31
+#elif defined(__AVX__)
+#define LANES 8
+#define CHAINS 12
+#define VREG "+x"  // any of ymm0-15
+#else
+#define LANES 4
+#define CHAINS 12
+#define VREG "+x"  // an xmm register (x86-64's SSE2 baseline)
+#endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
 static float fma_loop(long iters, float seed) {
@@ -64,7 +77,7 @@ static float fma_loop(long iters, float seed) {
   for (long t = 0; t < iters; ++t) {
 #pragma GCC unroll 24
     for (int i = 0; i < CHAINS; ++i) a[i] = a[i] * b + c;
-    asm volatile("" : "+v"(b));  // keeps the loop from being folded
+    asm volatile("" : VREG(b));  // keeps the loop from being folded
   }
   float s = 0;
   for (int i = 0; i < CHAINS; ++i) s += a[i][0];
@@ -104,6 +117,10 @@ int main(int argc, char** argv) {
   if (threads < 1 || n < 1 || repeats < 1) { std::fprintf(stderr, "THREADS, N, REPEATS must be >= 1\n"); return 2; }
   std::vector<float> sink(threads);
   double best = 1e300, work = 0;
+  if (what == "shape") {
+    std::printf("%d %d\n", LANES, CHAINS);
+    return 0;
+  }
   if (what == "fma") {
     work = 2.0 * LANES * CHAINS * static_cast<double>(n) * threads;
     for (int r = 0; r < repeats; ++r)
@@ -127,8 +144,8 @@ int main(int argc, char** argv) {
 """
 
 
-def build(out_dir: Path) -> Path:
-    """Compile the probe into ``out_dir``; returns the executable's path.
+def build(out_dir: Path, march: str = "native") -> Path:
+    """Compile the probe into ``out_dir`` for ``-march=march``; returns the executable's path.
 
     Raises:
         RuntimeError: no C++ compiler, or it failed (its message attached).
@@ -138,8 +155,7 @@ def build(out_dir: Path) -> Path:
         raise RuntimeError("no C++ compiler (g++ or $CXX) to build the probe")
     src, exe = out_dir / "probe.cc", out_dir / "probe"
     src.write_text(PROBE)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", f"-DCHAINS={CHAINS}", f"-DLANES={LANES}", str(src), "-o",
-           str(exe), "-pthread"]  # fmt: skip
+    cmd = [cxx, "-O3", f"-march={march}", "-std=c++17", str(src), "-o", str(exe), "-pthread"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -156,6 +172,16 @@ def run_probe(exe: Path, what: str, threads: int, n: int, repeats: int) -> tuple
     out = subprocess.run([str(exe), what, str(threads), str(n), str(repeats)], capture_output=True, text=True,
                          check=True).stdout.split()  # fmt: skip
     return float(out[0]), float(out[1])
+
+
+def probe_shape(exe: Path) -> tuple[int, int]:
+    """(LANES, CHAINS) the probe was compiled with: floats per vector, vectors per FMA thread.
+
+    Raises:
+        subprocess.CalledProcessError: the probe failed.
+    """
+    out = subprocess.run([str(exe), "shape", "1", "1", "1"], capture_output=True, text=True, check=True).stdout.split()
+    return int(out[0]), int(out[1])
 
 
 def measure(threads: list[int], fma_iters: int, read_bytes: int, repeats: int) -> dict[str, Any]:
@@ -180,7 +206,7 @@ def measure(threads: list[int], fma_iters: int, read_bytes: int, repeats: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--fma-iters", type=int, default=100_000_000 // CHAINS, help="loop trips per thread (%(default)s)")
+    p.add_argument("--fma-iters", type=int, default=4_000_000, help="loop trips per thread (%(default)s)")
     p.add_argument("--read-mb", type=int, default=1024, help="buffer read per run, MiB (%(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is kept (%(default)s)")
     p.add_argument("--json", help="also write the figures to this file")

@@ -7,15 +7,19 @@ timed alternately, so all see the same machine state:
 * ``xla``: XLA's attention dots and scatters, XLA's matmuls;
 * ``attention``: the native attention + KV-write kernel (``model.cpu_attention``), XLA's matmuls;
 * ``native``: both native kernels: attention and the panel-packed weight matmuls
-  (``model.cpu_matmul``), as ``Engine`` runs on one CPU device with 2 or more slots;
+  (``model.cpu_matmul``), at every batch size (``Engine`` takes the matmuls only where
+  ``cpu_matmul.faster_than_xla`` says they win on this build);
 * ``bf16x3`` (where the CPU has AMX-BF16): native attention and the AMX bf16x3 matmuls
   (``EngineConfig.matmul="bf16x3"``: float32 weights as two bfloat16 halves).
 
 For each batch size it prints the min and median step time (ms) of each and the ratio of each
-median to ``xla``'s (above 1: faster than XLA).
+median to ``xla``'s (above 1: faster than XLA). The kernels are built for
+``$MESHSERVE_NATIVE_MARCH`` (default ``native``); the header names the build's vector ISA.
+Results: docs/cpu-kernels.md.
 
     python benchmarks/native_decode.py                        # SmolLM2-135M shapes, B = 1 8 64
     python benchmarks/native_decode.py --batches 64 --context 1000 --rounds 8
+    MESHSERVE_NATIVE_MARCH=x86-64-v3 python benchmarks/native_decode.py   # the AVX2 build
 
 The model config is read from the default GGUF (``meshserve fetch`` first) or ``--model``.
 """
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     lo = max(0, args.context - 16)
     window = -(-(args.context + 17) // BLOCK_LEN) * BLOCK_LEN
     print(f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.q_per_kv} query heads x {cfg.head_dim}; "
-          f"slots at {lo}-{args.context + 16} tokens, window {window}; jax {jax.__version__} on {jax.devices()[0].platform}")  # fmt: skip
+          f"slots at {lo}-{args.context + 16} tokens, window {window}; jax {jax.__version__} on {jax.devices()[0].platform}; "
+          f"kernels built for -march={native_kernels.march()} ({native_kernels.isa()})")  # fmt: skip
 
     def compiled(variant: str, cache: BlockedKVCache, tokens: jax.Array, positions: jax.Array):  # type: ignore[no-untyped-def]
         native, packed = variants[variant]

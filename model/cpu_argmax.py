@@ -1,10 +1,9 @@
 """Greedy decoding's argmax as a native XLA:CPU custom call (``native/first_argmax.cc``).
 
 XLA:CPU (jaxlib 0.10) runs :func:`model.sampling.first_argmax` over a decode step's logits
-[64, 49152] float32 as a single-threaded reduce_max fusion, a select and a reduce-window:
-about 14 ms of a 180 ms step at 64 slots (an XLA trace of ``Engine.decode``), for 12.6 MB
-that streams in under 1 ms. The kernel takes one row per work item on XLA's intra-op threads:
-a vectorised max, then the first index holding it.
+[S, V] float32 as a single-threaded reduce_max fusion, a select and a reduce-window, many times
+slower than one pass over the logits (docs/cpu-kernels.md has the trace). The kernel takes one
+row per work item on XLA's intra-op threads: a vectorised max, then the first index holding it.
 """
 
 from __future__ import annotations

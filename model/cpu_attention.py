@@ -2,20 +2,18 @@
 custom call; and a first prefill chunk's causal self-attention as another.
 
 XLA:CPU lowers decode attention (one query token per slot) to 2 x S x K tiny batched matmuls
-per cache block ([G, H] x [H, n]), which run at about 7 GB/s whatever their orientation or
-dtype: bound by per-product overhead, not by memory; and each layer's new keys and values go
-in by four scatters (about 80 us each at 64 slots). ``native/decode_attention.cc`` does both
-as one pass per (slot, KV head), on XLA's intra-op threads: it writes the slot's new key and
-value at its position, then reads its keys and values once, only up to its own length. The
-blocks are aliased to the results, so the cache is updated in place. Measured by
-``python benchmarks/native_decode.py`` (SmolLM2-135M shapes, slots at 128-160 tokens, a
-256-position window; step time with XLA's dots over the kernel's, XLA's matmuls in both):
-1.44x at 64 slots, 1.12x at 8 at 1801e88; 1.23x and 1.16x at b5abadb (medians).
+per cache block ([G, H] x [H, n]), bound by per-product overhead rather than by memory, whatever
+their orientation or dtype; and each layer's new keys and values go in by four scatters.
+``native/decode_attention.cc`` does both as one pass per (slot, KV head), on XLA's intra-op
+threads: it writes the slot's new key and value at its position, then reads its keys and
+values once, only up to its own length. The blocks are aliased to the results, so the cache is
+updated in place. ``python benchmarks/native_decode.py`` compares the step with and without
+it (docs/cpu-kernels.md has the figures).
 
 A first prefill chunk (nothing cached) attends causally to its own keys. XLA runs that as
 batched dots over 128-query blocks, each computing its whole key range, the masked upper
-triangle included, with the scores copied between the dots and the softmax (about 140-170 ms
-of a 512-token SmolLM2-135M prefill). ``native/prefill_attention.cc`` (``causal``) takes one
+triangle included, with the scores copied between the dots and the softmax.
+``native/prefill_attention.cc`` (``causal``) takes one
 (KV head, 16 queries) item at a time: scores against the keys up to the item's last query only,
 kept in L1, the softmax of each row over its own causal range, values accumulated in registers.
 
@@ -35,7 +33,7 @@ TARGET = native_kernels.DECODE_ATTENTION  # the FFI targets (registered by nativ
 CAUSAL_TARGET = native_kernels.CAUSAL_ATTENTION
 WRITE_TARGET = native_kernels.CACHE_WRITE
 MAX_GROUP = 8  # query heads per KV head the kernel is instantiated for
-LANES = 16  # head_dim must be a multiple of this (the kernel's vector width in floats)
+LANES = 16  # head_dim must be a multiple of this: whole vectors at every build's width (native/vec.h)
 
 
 available = native_kernels.available  # whether the kernels are built and registered
@@ -96,9 +94,8 @@ def write_chunk(
     ``available()`` first): the chunk's T keys and values go into ``slot`` at positions
     ``start`` .. ``start + T - 1``, each into its block, rounded to the cache dtype (nearest
     even); positions past the window are dropped, as is everything when ``slot`` is out of
-    range. XLA:CPU has no bfloat16 scatter: it converted each bfloat16 block to float32 and
-    back around every write (281 of 435 ms of op time in a 128-token prefill at 64 slots). The
-    blocks are updated in place (``input_output_aliases``) when the caller donates them.
+    range. XLA:CPU has no bfloat16 scatter: it converts each bfloat16 block to float32 and
+    back around every write (docs/cpu-kernels.md). The blocks are updated in place (``input_output_aliases``) when the caller donates them.
 
     Shapes: slot, start int32 scalars; k, v [T, K, H] (cast to float32); key block j
     [S, K, H, n_j], value block j [S, K, n_j, H], all float32 or all bfloat16.

@@ -1,19 +1,13 @@
 """The layer and LM-head weight matmuls as a native XLA:CPU custom call over panel-packed weights.
 
 At decode batch sizes (a few to 64 rows) the step's matmuls stream the weights from memory,
-and XLA:CPU's small-M matmuls read W [K, N] row after row at a stride of N floats, at about
-9 GB/s at 8 rows on a 2-core machine that streams 20 (measured at SmolLM2-135M's shapes, a
-jitted loop of [M, 576] x [576, 3072] and [M, 1536] x [1536, 576] over 30 layers). The kernel
-(``native/panel_matmul.cc``) reads the weights re-laid out once as column panels
-[N/32, K, 32], each panel one contiguous, software-prefetched stream, with up to 16 rows of x
-held against a panel in vector registers (the micro-kernel of Goto & van de Geijn 2008,
-section 4). On a [M, 576] x [576, 3072] loop over 30 layers, both in one process (scratch
-timings, min of 7): 19 against 8 GB/s at 8 rows, 146 against 78-92 GFLOP/s at 32, 165-171
-against 118-140 at 64, 175-193 against 126-141 at 512; at 1 row XLA's matrix-vector product
-was 10-20 % faster there (an Intel core pair, an earlier form of the kernel), but a whole
-one-slot SmolLM2-135M decode step on an AMD EPYC core pair took 20.0-21.5 ms through the
-kernel against 24.5-25.8 ms through XLA's (min-median of 6 rounds of 10 steps, one process),
-so the engine uses it at one slot too.
+and XLA:CPU's small-M matmuls walk W [K, N] at a stride of N floats per output block, below
+the machine's streaming rate. The kernel (``native/panel_matmul.cc``) reads the weights
+re-laid out once as column panels [N/32, K, 32], each panel one contiguous,
+software-prefetched stream, with a tile of rows of x held against a panel in vector registers
+(the micro-kernel of Goto & van de Geijn 2008, section 4), sized by the build target's
+registers. Where it is faster than XLA's dots depends on that target: ``faster_than_xla``
+holds the rule the engine follows, and docs/cpu-kernels.md the measurements behind it.
 
 The packed weights are a second copy: the engine keeps the input-major ones, which the
 sharded layouts, relayout and checkpoints use (about 540 MB more for SmolLM2-135M).
@@ -134,6 +128,26 @@ def matmul(x: jax.Array, w: Panels) -> jax.Array:
     n = w.data.shape[0] * PANEL
     call = jax.ffi.ffi_call(TARGETS[w.format], jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), w.data).reshape(m, *w.out_shape)
+
+
+def faster_than_xla(rows: int) -> bool:
+    """Whether the float32 panel kernel, as built here (``native_kernels.isa()``), was measured
+    faster than XLA's dots for matmuls of ``rows`` rows (docs/cpu-kernels.md,
+    ``benchmarks/native_decode.py``): an AVX-512 build at every size measured (1 to 512 rows);
+    an AVX2 build from 2 to 32 rows (at 1 row XLA's matrix-vector product streams the weights
+    about as fast, and from 64 rows XLA's matmuls were as fast or faster, decode steps and
+    prefill chunks alike); any other build never (not measured). The engine decides by this alone; call
+    ``available()`` first.
+
+    Raises:
+        RuntimeError: the compiler could not be asked for the target's ISA.
+    """
+    isa = native_kernels.isa()
+    if isa == "avx512":
+        return rows >= 1
+    if isa == "avx2":
+        return 2 <= rows <= 32
+    return False
 
 
 available = native_kernels.available  # whether the kernels are built and registered

@@ -100,10 +100,9 @@ class BlockedKVCache:
 
     Why blocks: XLA:CPU runs a dot at memory speed only when its operands are whole buffers;
     a window sliced out of a larger cache array (even along its major axis) is first copied by
-    a slow fusion. SmolLM2-135M's shapes, 64 slots, a 256-position window, 30 layers: the
-    attention's two dots took 23.6 ms (16 GB/s) over whole arrays and 175 ms over windows
-    sliced from [S, K, 512, H] arrays; over separate 128-position blocks, 31 ms for the
-    scores (keys stored [H, len]: 60 ms as [len, H]) and 31 ms for the values. A decode step
+    a slow fusion, several times slower than the dot over whole buffers; keys are stored
+    [H, len] because the scores' dot over them ran faster than over [len, H]
+    (docs/cpu-kernels.md has the timings). A decode step
     attends to the first ceil(window / BLOCK_LEN) blocks, each a whole buffer.
     """
 

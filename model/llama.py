@@ -77,10 +77,8 @@ class DecoderLayers(nnx.Module):
     one matmul computes all three, and splitting the ``kv_heads`` axis over a mesh gives each
     device whole groups, as splitting separate Q (over q_heads) and K/V (over kv_heads)
     projections would. Gate and up are one array for the same reason. One matmul instead of
-    three (two) matters on CPU, where small matvecs stream weights slower than large ones: at
-    SmolLM2's shapes the batch-1 matmuls of 30 layers took 26.4 ms separate and 19.7 ms fused
-    in isolation, and the unrolled batch-1 decode step went from 35-37 to 26-33 ms (medians
-    of alternating runs on a shared 2-core machine).
+    three (two) matters on CPU, where small matvecs stream weights slower than large ones
+    (docs/cpu-kernels.md has the timings).
     ``fuse_projections`` builds both from the separate projections the loaders read.
     """
 
@@ -143,9 +141,9 @@ def unstack_layers(state: nnx.State) -> nnx.State:
     without a leading "layers" axis, and ones already split, are returned as they are.
 
     Why: inside ``lax.scan`` XLA:CPU materialises each iteration's dynamic slice of a stacked
-    weight before the dot reads it, so a scanned decode step moves its weights about twice
-    (SmolLM2-135M's shapes, batch 1, matmuls only: 59 ms scanned against 30 ms over separate
-    per-layer buffers; static slices of one stacked array in an unrolled loop: 199 ms). An
+    weight before the dot reads it, so a scanned decode step moves its weights about twice,
+    and static slices of one stacked array in an unrolled loop are slower still
+    (docs/cpu-kernels.md). An
     engine with ``EngineConfig(layers="unrolled")`` keeps its weights in this form, and
     ``prefill``/``decode_step`` then run the layers as an unrolled loop
     (``Llama.run_layers_in_place``); the price is compile time (L blocks per program).
@@ -349,8 +347,7 @@ def materialised(table: jax.Array) -> jax.Array:
 
     In the unrolled layer loop XLA:CPU fuses the RoPE tables' cos/sin into every layer's RoPE
     and evaluates them once per (token, head, dim) element: for SmolLM2 (30 layers, 9 query and
-    3 KV heads) each table entry 360 times per step (a 512-token prefill spent ~100 ms of op
-    time there). XLA does not
+    3 KV heads) each table entry 360 times per step (30 layers x 12 heads). XLA does not
     fuse an expensive elementwise producer into a gather that reads it, and
     ``jax.lax.optimization_barrier`` does not help: XLA:CPU expands it before fusion.
     (The scanned loop needs none of this: its tables are loop-invariant operands.)
@@ -446,8 +443,7 @@ def attention(
     # A later chunk (a cache window, and the new keys unless the window holds them): heads-major
     # operands ([B, K, G, T, H] queries, [B, K, U, H] keys and values), so both products are
     # plain batched matmuls and only the small q/k/v and output are transposed, never the
-    # [T, U] scores (a 512-token chunk's attention over 30 layers: 366 ms against 631 ms with
-    # the token-major einsums, whose score transposes XLA:CPU copies).
+    # [T, U] scores (the token-major einsums' score transposes XLA:CPU copies; docs/cpu-kernels.md).
     assert cache_v is not None and cache_mask is not None
     qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
     scores_cache = jnp.einsum("BKGTH,BKSH->BKGTS", qt, cache_k, preferred_element_type=f32)
@@ -507,7 +503,7 @@ def attention_over_blocks(q: jax.Array, k_blocks: Blocks, v_blocks: Blocks, mask
     """
     f32 = jnp.float32
     cdt = v_blocks[0].dtype
-    if q.shape[1] == 1:  # decode: without the unit T axis XLA:CPU keeps both dots in one orientation (2x faster)
+    if q.shape[1] == 1:  # decode: without the unit T axis XLA:CPU keeps both dots in one orientation (faster)
         qx, mask = q[:, 0], mask[:, :, None]  # q [B, K, G, H]; mask [B, 1, 1, W]
         score_eq, value_eq = "BKGH,BKHW->BKGW", "BKGW,BKWH->BKGH"
     else:

@@ -1,15 +1,22 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
 Six kernels, one shared library: the decode step's KV-cache write and attention, a prefill
-chunk's KV-cache write and a first prefill chunk's causal attention (``model.cpu_attention``), the weight matmuls over packed
-weights (``model.cpu_matmul``): float32 panels, and bf16x3 on AMX tiles where the CPU has AMX
-(``amx_available``), and greedy decoding's argmax (``model.cpu_argmax``). The library is
-compiled on first use with the machine's C++ compiler
-(``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for this CPU
-(``-march=native``), into ``<cache dir>/native/`` under a name that hashes the sources, the
-flags, the jaxlib version and the CPU's feature flags, so a changed input builds a new file
-and concurrent builders do not clash (a temporary file renamed into place). Where it cannot be
-built (no compiler), ``available()`` is False and the engine keeps XLA's paths.
+chunk's KV-cache write and a first prefill chunk's causal attention (``model.cpu_attention``),
+the weight matmuls over packed weights (``model.cpu_matmul``): float32 panels, and bf16x3 on
+AMX tiles where the CPU has AMX (``amx_available``), and greedy decoding's argmax
+(``model.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
+(``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for the target
+``-march=$MESHSERVE_NATIVE_MARCH`` (``march()``; default ``native``, this CPU), into
+``<cache dir>/native/`` under a name that hashes the sources, the flags, the jaxlib version
+and the CPU's feature flags, so a changed input builds a new file and concurrent builders do
+not clash (a temporary file renamed into place). The kernels size their vectors and register
+tiles by the target's ISA (``native/vec.h``), so ``MESHSERVE_NATIVE_MARCH=x86-64-v3`` builds
+the AVX2 code path on any x86-64 CPU that has AVX2 (tests/test_cpu_portability.py).
+
+They are built only on x86-64 (``SUPPORTED_MACHINES``), the only CPUs they are tested and
+measured on; elsewhere, or where they cannot be built (no compiler), ``available()`` is False
+and the engine keeps XLA's paths. ``isa()`` names the vector ISA the build targets, which
+``model.cpu_matmul.faster_than_xla`` reads.
 """
 
 from __future__ import annotations
@@ -48,12 +55,14 @@ TARGETS = {  # -> exported symbol
     FIRST_ARGMAX: "MeshserveFirstArgmax",
     CACHE_WRITE: "MeshserveCacheWrite",
 }
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+MARCH_ENV = "MESHSERVE_NATIVE_MARCH"  # the build target's -march value; default "native"
+SUPPORTED_MACHINES = ("x86_64", "AMD64")  # platform.machine() values the kernels are built for
 
 _lock = threading.Lock()
 _available: bool | None = None  # None until the first available() call
 _amx: bool | None = None  # None until the first amx_available() call
 _library: ctypes.CDLL | None = None
+_isa: dict[str, str] = {}  # march() -> isa(), filled on first use
 
 
 def _cpu_flags() -> str:
@@ -66,11 +75,29 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def march() -> str:
+    """The ``-march`` value the kernels are built for: ``$MESHSERVE_NATIVE_MARCH``, else "native".
+
+    Raises:
+        ValueError: the variable holds something other than a -march name (letters, digits,
+            "-", "_", "." only), which would otherwise reach the compiler's command line.
+    """
+    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(f"{MARCH_ENV}={value!r} is not a -march value")
+    return value
+
+
+def flags() -> list[str]:
+    """The compiler flags of the build (``march()`` among them)."""
+    return ["-O3", f"-march={march()}", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
 def library_path() -> Path:
-    """Where this machine's build of the kernels lives (it may not exist yet)."""
+    """Where this machine's build of the kernels for ``march()`` lives (it may not exist yet)."""
     key = hashlib.sha256()
     parts = [s.read_bytes() for s in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
+    for part in (*parts, " ".join(flags()).encode(), jaxlib.__version__.encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / "native" / f"meshserve-kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
@@ -81,6 +108,7 @@ def build(path: Path) -> None:
 
     Raises:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
+        ValueError: ``$MESHSERVE_NATIVE_MARCH`` is not a -march value.
     """
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -89,7 +117,7 @@ def build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+        cmd = [cxx, *flags(), "-isystem", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -99,12 +127,38 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
+def isa() -> str:
+    """The vector ISA the library is compiled for, as ``native/vec.h`` picks it: "avx512",
+    "avx2", or "other" (asked of the compiler once per process for each ``march()``).
+
+    Raises:
+        RuntimeError: no C++ compiler, or it failed (an unknown -march value, say).
+        ValueError: ``$MESHSERVE_NATIVE_MARCH`` is not a -march value.
+    """
+    target = march()
+    with _lock:
+        if target not in _isa:
+            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+            if not cxx:
+                raise RuntimeError("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
+            cmd = [cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+            macros = set(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+            _isa[target] = "avx512" if "__AVX512F__" in macros else "avx2" if "__AVX2__" in macros else "other"
+        return _isa[target]
+
+
 def available() -> bool:
     """Whether the kernels are built (building them now if needed) and registered with XLA for
-    the CPU. The first call may take several seconds (the compile); a failure is logged once and
-    remembered for the process."""
+    the CPU; always False off x86-64 (``SUPPORTED_MACHINES``). The first call may take tens of
+    seconds (the compile); a failure is logged once and remembered for the process."""
     global _available, _library
     with _lock:
+        if _available is None and platform.machine() not in SUPPORTED_MACHINES:
+            log.info("native CPU kernels not built on %s (x86-64 only): using XLA's paths", platform.machine())
+            _available = False
         if _available is None:
             try:
                 path = library_path()
@@ -116,7 +170,7 @@ def available() -> bool:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _library = lib
                 _available = True
-            except (OSError, RuntimeError, AttributeError) as e:
+            except (OSError, RuntimeError, AttributeError, ValueError) as e:
                 log.warning("native CPU kernels unavailable, using XLA's dots: %s", e)
                 _available = False
         return _available

@@ -80,8 +80,8 @@ def _filtered_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 def first_argmax(logits: jax.Array) -> jax.Array:
     """The index of each row's largest value, the first one on a tie, as ``jnp.argmax``:
     logits [S, V] float -> [S] int32. Computed as a max, then the smallest index holding it:
-    two plain reductions, which XLA:CPU runs about twice as fast as argmax's variadic (value,
-    index) reduction (64 x 49152 float32: 3.1-4.2 against 6.4-7.9 ms, a scratch timing). A row
+    two plain reductions, which XLA:CPU runs faster than argmax's variadic (value, index)
+    reduction (docs/cpu-kernels.md). A row
     with a NaN still gives an id in [0, V) (V - 1, or the largest other value's where XLA's
     max skips the NaN); argmax would give the NaN's index."""
     V = logits.shape[-1]

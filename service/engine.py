@@ -150,25 +150,22 @@ class EngineConfig:
             step's attention reads (2 x L x K x H x 2 bytes per cached token instead of x 4;
             llama.cpp's default KV cache is likewise 16-bit, vLLM's ``--kv-cache-dtype``
             the same choice); keys and values are rounded to nearest even once, when written,
-            and attention reads them widened exactly to float32. The SmolLM2-135M decode step
-            at 64 slots at positions 128-160 (native kernels): attention 24.1 -> 15.6 ms of a
-            112 -> 103 ms step (an AMD EPYC core pair, XLA trace). Greedy tokens can differ
+            and attention reads them widened exactly to float32. Greedy tokens can differ
             from a float32 cache's where two logits are closer than the rounding moves them
             (tests/test_kv_dtype.py measures the logit error against Hugging Face). On CPU it
             pays only where the native kernels read and write the cache (layers="unrolled", one
-            device): XLA:CPU emulates bfloat16, and a scanned engine's decode steps took 3-5x as
-            long as with a float32 cache (the engine logs a warning).
+            device): XLA:CPU emulates bfloat16, so a scanned engine's decode steps are slower
+            than with a float32 cache (the engine logs a warning). Measurements:
+            docs/cpu-kernels.md.
         layers: how the steps run the decoder blocks: "scan" (stacked weights, ``lax.scan``,
             a ``KVCache``: one block compiled, the fast start-up), "unrolled" (weights kept
             per layer, an unrolled loop, a ``BlockedKVCache``: on XLA:CPU the faster steps,
-            SmolLM2-135M decode at batch 1 in 39 ms instead of 70 ms, but each program
-            compiles L blocks, about 3x the compile time) or "auto": "scan" on CPU devices,
-            where compile time dominates start-up on few cores, "unrolled" on accelerators,
-            where XLA:GPU reads a scanned layer's weights at a third of the rate (H200, bf16,
-            Llama 3 8B's shapes: 32 layers' matmul chain 10.9 ms scanned, 4.1 ms unrolled;
-            decode TPOT at batch 1 13.6 ms against 7.1-8.0 ms; README "On a GPU"). The engine
-            resolves "auto" when it is built (``Engine.ecfg.layers`` holds the form it took).
-            See ``model.llama.unstack_layers``.
+            but each program compiles L blocks instead of one, so compiles take longer;
+            docs/cpu-kernels.md) or "auto": "scan" on CPU devices, where compile time dominates
+            start-up on few cores, "unrolled" on accelerators, where XLA:GPU reads a scanned
+            layer's weights more slowly than an unrolled one's (docs/cpu-kernels.md, "Figures
+            from other docstrings"). The engine resolves "auto" when it is built
+            (``Engine.ecfg.layers`` holds the form it took). See ``model.llama.unstack_layers``.
         decode_attention: how unrolled steps attend: "auto" (the native CPU kernels of
             ``model.cpu_attention`` where they apply: CPU, one device, a float32 or bfloat16
             cache, G <= 8, head_dim a multiple of 16, the kernels built; decode
@@ -177,18 +174,16 @@ class EngineConfig:
             form always uses XLA's.
         matmul: how unrolled steps multiply by the weights: "auto" (the native CPU kernel of
             ``model.cpu_matmul`` over a second, panel-packed copy of the layer and LM-head
-            weights, where it applies: CPU, one device, float32 weights whose output widths are
-            multiples of 32, the kernel built; prefill then uses it for the layers, decode for
-            the layers and the LM head, one slot's matrix-vector products included: at one
-            slot the SmolLM2-135M decode step took 20.0-21.5 ms through it against 24.5-25.8 ms
-            through XLA's (an AMD EPYC core pair, one process); else XLA's dots), "xla", or
-            "bf16x3": where "auto"
-            would use the float32 kernel, the AMX kernel instead, over the weights split into
-            bfloat16 halves (three bf16 products per float32 product, JAX's Precision.HIGH:
-            relative error per product about 2^-16 instead of 2^-24; 1.3-1.6x the float32
-            kernel's rate at 64-512 rows on a Sapphire Rapids core; see ``model.cpu_matmul``).
-            An opt-in precision, for CPUs with AMX-BF16; elsewhere the engine refuses it. The
-            scan form always uses XLA's.
+            weights where it applies: CPU, one device, float32 weights whose output widths are
+            multiples of 32, the kernel built, and ``cpu_matmul.faster_than_xla`` true at the
+            step's rows: S for decode steps (which then read the packed LM head too), the
+            largest prefill chunk for prefill; else XLA's dots), "xla", or "bf16x3": where
+            "auto" could use the float32 kernel, the AMX kernel instead, over the weights split
+            into bfloat16 halves (three bf16 products per float32 product, JAX's
+            Precision.HIGH: relative error per product about 2^-16 instead of 2^-24; faster
+            than the float32 kernel at prefill sizes, docs/cpu-kernels.md). An opt-in
+            precision, for CPUs with AMX-BF16; elsewhere the engine refuses it. The scan form
+            always uses XLA's.
     """
 
     num_slots: int = 4
@@ -301,14 +296,18 @@ class Engine:
         if self.kv_dtype == jnp.bfloat16 and not self.native_attention and platform == "cpu":
             log.warning(
                 "a bfloat16 KV cache on XLA:CPU without the native kernels (they need layers='unrolled' on one "
-                "CPU device): XLA emulates bfloat16 there, 3-5x slower decode steps (SmolLM2-135M, 4 slots, "
-                "scan: 171-208 against 43-63 ms); use layers='unrolled' or kv_dtype='float32'"
+                "CPU device): XLA emulates bfloat16 there, so decode steps are several times slower than "
+                "with a float32 cache; use layers='unrolled' or kv_dtype='float32'"
             )
         # Greedy ids (and the Gumbel-max draw) by the native argmax where the other kernels run.
         self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
-        # The matmul weights packed for a native kernel (a second copy), or None.
+        # The matmul weights packed for a native kernel (a second copy), or None, and the ones
+        # prefill chunks and decode steps read: the float32 kernel only where
+        # cpu_matmul.faster_than_xla says it beats XLA's dots at their rows (S for a decode step,
+        # the largest chunk for prefill).
         self.panels: dict[str, Any] | None = None
-        self._decode_panels: dict[str, Any] | None = None  # the ones decode steps read
+        self._prefill_panels: dict[str, Any] | None = None
+        self._decode_panels: dict[str, Any] | None = None
         if engine_cfg.matmul == "bf16x3":
             if not (one_cpu and cpu_matmul.amx_available()):
                 raise ValueError(
@@ -317,19 +316,27 @@ class Engine:
                 )
             # Decode with one slot stays on XLA's matrix-vector products (not timed on AMX at M = 1).
             self.panels = panel_weights(nnx.merge(graphdef, self.params), lm_head=S >= 2, format="bf16x3")
+            self._prefill_panels = self.panels
             self._decode_panels = self.panels if S >= 2 else None
         elif one_cpu and engine_cfg.matmul == "auto" and cpu_matmul.available():
-            try:  # decode reads the packed LM head too
-                self.panels = panel_weights(nnx.merge(graphdef, self.params))
-            except ValueError as e:
-                log.info("matmuls stay XLA's: %s", e)
-            self._decode_panels = self.panels
+            decode = cpu_matmul.faster_than_xla(S)
+            prefill = cpu_matmul.faster_than_xla(min(engine_cfg.chunk_size, T))
+            if decode or prefill:
+                try:  # decode reads the packed LM head too
+                    self.panels = panel_weights(nnx.merge(graphdef, self.params), lm_head=decode)
+                except ValueError as e:
+                    log.info("matmuls stay XLA's: %s", e)
+            self._prefill_panels = self.panels if prefill else None
+            self._decode_panels = self.panels if decode else None
         if engine_cfg.layers == "unrolled":
             kernel = "AMX bf16x3" if engine_cfg.matmul == "bf16x3" else "float32"
             log.info(
                 "decode attention: %s; matmuls: %s",
                 "native CPU kernel" if self.native_attention else "XLA dots",
-                f"native CPU kernel, {kernel} ({self.panel_bytes() / 1e6:.0f} MB of packed weights)"
+                f"native CPU kernel, {kernel} ({self.panel_bytes() / 1e6:.0f} MB of packed weights), for "
+                + " and ".join(
+                    step for step, w in (("prefill", self._prefill_panels), ("decode", self._decode_panels)) if w
+                )
                 if self.panels is not None
                 else "XLA dots",
             )
@@ -453,7 +460,7 @@ class Engine:
         kv_len = 0 if start == 0 else self.ecfg.max_seq_len
         packed, logits, self.cache = self._prefill_fn(kv_len)(
             self.params,
-            self.panels,
+            self._prefill_panels,
             self.cache,
             padded,
             np.int32(start),

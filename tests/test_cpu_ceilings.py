@@ -20,15 +20,41 @@ ceilings = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ceilings)
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ceilings.build(tmp_path_factory.mktemp("probe"))
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# -march targets the probe must build and run for: this CPU, and AVX2 (x86-64-v3) wherever the
+# CPU runs AVX2 code (on an AVX-512 machine that exercises the probe's AVX2 path).
+MARCHES = ["native"] + (["x86-64-v3"] if {"avx2", "fma"} <= _cpu_flags() else [])
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def probe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ceilings.build(tmp_path_factory.mktemp(f"probe-{request.param}-"), march=request.param)
+
+
+def test_probe_vectors_are_one_register_of_the_target(probe: Path) -> None:
+    # AVX-512: 24 chains of 16 floats (zmm); AVX (x86-64-v3 and AVX2 CPUs): 12 of 8 (ymm)
+    flags = _cpu_flags()
+    if "probe-x86-64-v3-" in probe.parent.name:
+        expected = (8, 12)
+    else:
+        expected = (16, 24) if "avx512f" in flags else (8, 12) if "avx" in flags else (4, 12)
+    assert ceilings.probe_shape(probe) == expected
 
 
 def test_fma_work_is_threads_iterations_chains_lanes_and_two(probe: Path) -> None:
-    # 2 threads x 1000 trips x 24 vectors x 16 lanes x 2 FLOPs per fused multiply-add
+    # 2 threads x 1000 trips x CHAINS vectors x LANES lanes x 2 FLOPs per fused multiply-add
+    lanes, chains = ceilings.probe_shape(probe)
     work, seconds = ceilings.run_probe(probe, "fma", 2, 1000, 2)
-    assert work == 2 * 1000 * 24 * 16 * 2
+    assert work == 2 * 1000 * chains * lanes * 2
     assert 0 < seconds < 10
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import cpu_matmul
+from model import cpu_matmul, native_kernels
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
 from model.llama import decode_step, panel_weights, prefill, unstack_layers
@@ -32,11 +32,11 @@ def built() -> None:
     ("m", "k", "n"),
     [
         (1, 576, 960),  # one row: a 1-row tile
-        (3, 64, 32),  # one panel
-        (16, 100, 96),  # one full 16-row tile; K not a multiple of anything
-        (17, 1536, 576),  # a full tile and a 1-row tile
-        (64, 576, 3072),  # four full tiles, 96 panels over the threads
-        (45, 7, 64),  # 16 + 16 + 13 rows
+        (3, 64, 32),  # one panel; one full 3-row tile (AVX2)
+        (16, 100, 96),  # one full 16-row tile (AVX-512); K not a multiple of anything
+        (17, 1536, 576),  # a full tile and a 1-row tile (AVX-512); 5 x 3 + 2 rows (AVX2)
+        (64, 576, 3072),  # four full tiles (AVX-512), 96 panels over the threads
+        (45, 7, 64),  # 16 + 16 + 13 rows (AVX-512), 15 x 3 (AVX2)
     ],
 )
 def test_matmul_matches_numpy(m: int, k: int, n: int) -> None:
@@ -159,12 +159,23 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
     native = Engine(cfg, graphdef, params, Layout("single"), ecfg, devices=one)
     plain = dataclasses.replace(ecfg, decode_attention="xla", matmul="xla")
     xla = Engine(cfg, graphdef, params, Layout("single"), plain, devices=one)
+    # 3 slots: rows where every build measured (AVX-512, AVX2) is faster; 64-token chunks: AVX-512 only
+    assert cpu_matmul.faster_than_xla(3)
+    prefill_native = cpu_matmul.faster_than_xla(64)
     assert native.panels is not None and native.panel_bytes() > 0
     assert xla.panels is None and xla.panel_bytes() == 0
-    assert native._decode_panels is native.panels
+    assert native._decode_panels is native.panels and "lm_head" in native.panels
+    assert native._prefill_panels is (native.panels if prefill_native else None)
     single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)
-    assert single.panels is not None and single._decode_panels is single.panels  # M = 1 rows too
-    assert "lm_head" in single.panels and "lm_head" in native.panels
+    if prefill_native or cpu_matmul.faster_than_xla(1):
+        assert single.panels is not None
+    else:  # neither step takes the kernel: nothing packed
+        assert single.panels is None and single.panel_bytes() == 0
+    assert single._prefill_panels is (single.panels if prefill_native else None)
+    if cpu_matmul.faster_than_xla(1):  # one slot's one-row products (AVX-512 builds)
+        assert single._decode_panels is single.panels and "lm_head" in single.panels
+    else:  # XLA's matrix-vector products (AVX2 builds)
+        assert single._decode_panels is None
     scan = dataclasses.replace(ecfg, layers="scan")
     assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
     assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None
@@ -197,6 +208,21 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
         singles.append((ids, np.stack(logits)))
     assert singles[0][0] == singles[1][0] == runs[0][0]
     np.testing.assert_allclose(singles[0][1], singles[1][1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("isa", "faster"),
+    [
+        ("avx512", {1: True, 2: True, 64: True, 512: True}),
+        ("avx2", {1: False, 2: True, 8: True, 32: True, 64: False, 128: False, 512: False}),
+        ("other", {1: False, 8: False, 512: False}),
+    ],
+)
+def test_faster_than_xla_follows_the_builds_isa(
+    monkeypatch: pytest.MonkeyPatch, isa: str, faster: dict[int, bool]
+) -> None:
+    monkeypatch.setattr(native_kernels, "isa", lambda: isa)
+    assert {rows: cpu_matmul.faster_than_xla(rows) for rows in faster} == faster
 
 
 def test_engine_rejects_unknown_matmul() -> None:

@@ -10,9 +10,9 @@
 // the "VNNI" layout) into a 16 x 16 float32 tile (Intel 64 and IA-32 Architectures Software
 // Developer's Manual, vol. 1, ch. 20; vol. 2, TDPBF16PS). A block of 32 rows x 32 columns keeps
 // four float32 tiles (tmm0-3) over the whole of K; per 32 values of k it loads two tiles of x
-// and two of W per product, 12 products in all. On this repo's 2-core test machine one core
-// ran about 1.1 TFLOP/s of bf16 products, so bf16x3 has room for about 370 GFLOP/s of float32
-// work per core, against about 150 for AVX-512 FMAs (scratch timings).
+// and two of W per product, 12 products in all. A core's bf16 tile products run several times
+// the rate of its float32 FMAs, so three of them per float32 product still leave bf16x3
+// faster than AVX-512 FMAs where the matmul is compute-bound (docs/cpu-kernels.md).
 //
 // Operands: x [M, K] f32 (K a multiple of 32); W packed once by model/cpu_matmul.pack_bf16x3 as
 // [N/32, K/32, 2 (hi, lo), 2 (column halves), 16, 32] bf16, where

@@ -2,9 +2,9 @@
 //
 // The chunk's T new keys and values go into one slot at positions start .. start + T - 1, each
 // into the block holding it; positions outside the window are dropped. XLA:CPU writes these as
-// scatters, and has no bfloat16 scatter: its float normalisation converted each bfloat16 block
-// to float32 and back around every one (120 whole-block converts, 281 ms of a 128-token
-// prefill's 435 ms of op time at 64 slots of SmolLM2-135M's shapes). Here the entries are
+// scatters, and has no bfloat16 scatter: its float normalisation converts each bfloat16 block
+// to float32 and back around every one, whole blocks for a few entries (most of a prefill's
+// op time at 64 slots; docs/cpu-kernels.md). Here the entries are
 // rounded to the cache dtype (nearest even, as XLA's convert) and stored in place; a float32
 // cache takes the same path.
 //

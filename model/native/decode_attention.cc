@@ -5,7 +5,7 @@
 // to the first position[s] + 1 cached positions of the slot, W being the window (the sum of
 // the block lengths); a position outside [0, W) marks an idle slot: nothing is written and its
 // output is zeros. XLA:CPU runs this attention as 2 * S * K tiny batched matmuls per block
-// ([G, H] x [H, n]), bound by per-product overhead at about 7 GB/s, and the write as four
+// ([G, H] x [H, n]), bound by per-product overhead rather than by memory, and the write as four
 // scatters per layer; here each (slot, KV head) pair is one work item that writes its entries
 // and streams its keys and values once, only up to its own length, vectorised over positions
 // (scores) and over head_dim (values). Scaled dot-product attention, Vaswani et al. 2017,
@@ -15,7 +15,8 @@
 // values [S, K, H] f32; then nb key blocks [S, K, H, n_j] and nb value blocks [S, K, n_j, H],
 // all f32 or all bf16. Results: the attention [S, K, G, H] f32, then the 2 nb blocks, written
 // (aliased to the operand blocks by the caller; copied from them first where they are not).
-// Built and registered by model/native_kernels.py.
+// head_dim a multiple of 16 (meshserve::kHeadDimMultiple). Built and registered by
+// model/native_kernels.py; docs/cpu-kernels.md has the measurements behind the choices here.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -63,16 +64,26 @@ inline vf load(const uint16_t* p) {  // kLanes bfloat16 values widened to float3
   return v;
 }
 constexpr int kAhead = 16;  // rows prefetched ahead (hardware prefetchers restart at every 4 KiB page)
-// Prefetched into L2 (locality 1, prefetcht2), not L1 (3): float32 attention over 64 slots at
-// positions 128-160, 30 layers, took 21-23 instead of 26-28 ms (a scratch harness of this
-// file's attend_item, alternated builds; AMD EPYC, Zen 4); bfloat16 the same either way.
+// Into L2 (locality 1, prefetcht2), not L1 (3): a (slot, head)'s keys and values outgrow L1,
+// and L1's few miss buffers cap the lines in flight; L2 took the stream faster.
 constexpr int kLocality = 1;
+
+// Vectors of head_dim per values pass for G query heads: the largest of 4, 2, 1 whose G x t
+// accumulators, t value vectors and (where an FMA cannot broadcast from memory) the broadcast
+// probability fit the vector registers, so the pass never spills (AVX-512: 4 up to G = 7;
+// AVX2: 2 at G = 3).
+template <int G>
+constexpr int kValueTiles = [] {
+  for (int t : {4, 2})
+    if ((G + 1) * t + (meshserve::kBroadcastOperand ? 0 : 1) <= meshserve::kVectorRegisters) return t;
+  return 1;
+}();
 
 // The scores of G query heads over positions [0, m) of one block, keys stored [H, n]. The
 // keys of one (slot, head) are read in storage order: 4 head_dim rows at a time, each swept
 // along its positions, the partial sums kept in `scores` (G * W floats, in L1). (Tiles of
 // positions accumulated over all of head_dim in registers read the rows with an n-float
-// stride instead, which ran at 2.6 GB/s on one core against 14 GB/s streaming.) When n is a
+// stride instead, several times slower than this stream.) When n is a
 // multiple of kLanes, m is rounded up to whole vectors inside the row: the scores past m are
 // computed from stale keys and never read. Requires H % 4 == 0.
 template <int G, typename T>
@@ -86,7 +97,8 @@ void block_scores(const float* q, const T* kb, int64_t H, int64_t n, int64_t m, 
       for (int r = 0; r < 4; ++r) qv[g][r] = q[g * H + h + r];
     for (int64_t w = 0; w < mv; w += kLanes) {
       const vf k0 = load(k + w), k1 = load(k + n + w), k2 = load(k + 2 * n + w), k3 = load(k + 3 * n + w);
-      for (int r = kAhead; r < kAhead + 4; ++r) __builtin_prefetch(k + r * n + w, 0, kLocality);
+      if (w % meshserve::kLineFloats == 0)  // once per cache line of each row
+        for (int r = kAhead; r < kAhead + 4; ++r) __builtin_prefetch(k + r * n + w, 0, kLocality);
       for (int g = 0; g < G; ++g) {
         float* s = scores + g * W + w;
         store(s, load(s) + qv[g][0] * k0 + qv[g][1] * k1 + qv[g][2] * k2 + qv[g][3] * k3);
@@ -102,8 +114,8 @@ void block_scores(const float* q, const T* kb, int64_t H, int64_t n, int64_t m, 
 }
 
 // out[g, :] += sum over positions w < m of probs[g, w] * values[w, :], values stored [n, H]:
-// 64 (else 16) head_dim entries per pass held in registers for all G heads, the value rows
-// read once in storage order. Requires H % kLanes == 0.
+// kTiles vectors of head_dim entries per pass held in registers for all G heads, the value
+// rows read in storage order. Requires H % kLanes == 0.
 template <int G, int kTiles, typename T>
 void values_pass(const float* probs, const T* vb, int64_t H, int64_t h0, int64_t m, float* out, int64_t W) {
   vf acc[G][kTiles];
@@ -112,8 +124,8 @@ void values_pass(const float* probs, const T* vb, int64_t H, int64_t h0, int64_t
   for (int64_t w = 0; w < m; ++w) {
     vf v[kTiles];
     for (int t = 0; t < kTiles; ++t) v[t] = load(vb + w * H + h0 + t * kLanes);
-    __builtin_prefetch(vb + (w + kAhead) * H + h0, 0, kLocality);
-    if (kTiles > 1) __builtin_prefetch(vb + (w + kAhead) * H + h0 + 2 * kLanes, 0, kLocality);
+    for (int l = 0; l < kTiles * kLanes; l += 2 * meshserve::kLineFloats)  // a line pair at a time
+      __builtin_prefetch(vb + (w + kAhead) * H + h0 + l, 0, kLocality);
     for (int g = 0; g < G; ++g) {
       const float pw = probs[g * W + w];
       for (int t = 0; t < kTiles; ++t) acc[g][t] += pw * v[t];
@@ -128,8 +140,9 @@ void values_pass(const float* probs, const T* vb, int64_t H, int64_t h0, int64_t
 
 template <int G, typename T>
 void block_values(const float* probs, const T* vb, int64_t H, int64_t m, float* out, int64_t W) {
+  constexpr int t = kValueTiles<G>;
   int64_t h0 = 0;
-  for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes) values_pass<G, 4>(probs, vb, H, h0, m, out, W);
+  for (; h0 + t * kLanes <= H; h0 += t * kLanes) values_pass<G, t>(probs, vb, H, h0, m, out, W);
   for (; h0 < H; h0 += kLanes) values_pass<G, 1>(probs, vb, H, h0, m, out, W);
 }
 
@@ -150,8 +163,7 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores) {
   // The new value goes in first, at the slot's position (values [n, H]: one contiguous row).
   // The new key is scored straight from k_new (rounded to the cache dtype, as stored) and
   // written after the scores pass, which has brought the lines of its column into cache:
-  // written first, its H entries n floats apart each missed to memory (7 of 35 ms at 64 slots
-  // at position 140, 30 layers, in a scratch loop of this kernel).
+  // written first, its H entries n floats apart would each miss to memory.
   T* k_column = nullptr;  // the new key's place: H entries n_column apart
   int64_t n_column = 0;
   int64_t b0 = 0;
@@ -221,7 +233,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be [S, K, G, H]");
   if (qd[2] < 1 || qd[2] > kMaxGroup)
     return ffi::Error::InvalidArgument("query heads per KV head must be between 1 and 8");
-  if (qd[3] % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
+  if (qd[3] % meshserve::kHeadDimMultiple != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
   Problem p;
   p.S = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
   if (positions.element_count() != static_cast<size_t>(p.S))

@@ -1,10 +1,10 @@
 // Greedy decoding's argmax over a decode step's logits, as an XLA FFI custom call for the CPU.
 //
-// XLA:CPU (jaxlib 0.10) runs model.sampling.first_argmax's max-then-first-index over logits
-// [64, 49152] f32 as a single-threaded reduce_max fusion, a select and a reduce-window: about
-// 14 ms per decode step at 64 slots (an XLA trace of Engine.decode), for 12.6 MB that streams
-// in under 1 ms. Here each row is one work item: a vectorised max (NaN noted, not propagated),
-// then a scan for the first index holding it, the row still in L2.
+// XLA:CPU (jaxlib 0.10) runs model.sampling.first_argmax's max-then-first-index over a decode
+// step's logits as a single-threaded reduce_max fusion, a select and a reduce-window, many
+// times slower than streaming the logits once (docs/cpu-kernels.md). Here each row is one work
+// item on XLA's intra-op threads: a vectorised max (NaN noted, not propagated), then a scan
+// for the first index holding it, the row still in L2.
 //
 // Operand: logits [R, V] f32. Result: ids [R] s32, each row's first index of its largest value
 // (jnp.argmax's tie rule); a row holding a NaN gives V - 1 (a valid id, as

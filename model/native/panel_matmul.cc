@@ -2,19 +2,19 @@
 // batch, as an XLA FFI custom call for the CPU, over weights re-laid out once in column panels.
 //
 // With M of 1 to 64 rows a decode step's matmuls are bound by streaming the weights from
-// memory. XLA:CPU's small-M matmuls read W [K, N] at about 9 GB/s at M = 8 on a 2-core machine
-// that streams 20: each output block walks W's rows at a stride of N floats, and the hardware
-// prefetchers restart at every 4 KiB page. Here W is stored as panels [N/32, K, 32] (panel p
-// holds columns 32p .. 32p+31 of every row, contiguous), so each panel is one contiguous stream,
-// software-prefetched 16 KiB ahead; a tile of up to 16 rows of x keeps its 16 x 32 outputs in
-// vector registers over the whole of K (the register-blocked micro-kernel of Goto & van de
-// Geijn 2008, "Anatomy of high-performance matrix multiplication", section 4), reading x
-// re-laid out per tile as [K, rows] (packed once per call, so a step of k reads one short
-// contiguous run of x). A panel is read from memory once, by the first tile; later tiles of a
-// larger M read it from the core's L2.
+// memory. XLA:CPU's small-M matmuls walk W [K, N] at a stride of N floats per output block, and
+// the hardware prefetchers restart at every 4 KiB page. Here W is stored as panels [N/32, K, 32]
+// (panel p holds columns 32p .. 32p+31 of every row, contiguous), so each panel is one
+// contiguous, software-prefetched stream; a tile of up to kMaxRows rows of x keeps its
+// kMaxRows x 32 outputs in vector registers over the whole of K (the register-blocked
+// micro-kernel of Goto & van de Geijn 2008, "Anatomy of high-performance matrix
+// multiplication", section 4), reading x re-laid out per tile as [K, rows] (packed once per
+// call, so a step of k reads one short contiguous run of x). A panel is read from memory once,
+// by the first tile; later tiles of a larger M read it from the core's L2.
 //
 // Operands: x [M, K] f32; panels [P, K, 32] f32. Result: y [M, 32 P] f32. Work items are runs
-// of panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py.
+// of panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py;
+// docs/cpu-kernels.md has the measurements behind the tile and prefetch choices.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -28,44 +28,45 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 32;      // columns per panel: two vectors of 16 floats
-constexpr int kMaxRows = 16;        // rows of x per register tile (2 x 16 accumulators)
-constexpr int64_t kAhead = 4096;    // floats prefetched ahead in the panel stream (16 KiB)
-// The prefetches' locality hint for a tile of R rows: 3 (prefetcht0, into L1) at one row, where
-// each line is used at once; 1 (prefetcht2, into L2) at more rows, where the FMAs slow the
-// stream's use and L1's few miss buffers capped the lines in flight. Measured on an AMD EPYC
-// (Zen 4) core pair: 30 layers of SmolLM2-135M's MLP matmuls at 8 rows read the weights at
-// 17-23 GB/s with 3 against 25-29 with 1 (a scratch loop, variants alternated); whole decode
-// steps (min of 10, 3-4 alternated runs each): 8 slots 26.0-30.1 vs 22.7-27.0 ms, 64 slots
-// 115-157 vs 106-116 ms, one slot 18.4-21.9 vs 20.2-23.3 ms.
-template <int R>
-constexpr int kLocality = R == 1 ? 3 : 1;
+using meshserve::kLanes;
 using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
+
+constexpr int64_t kPanel = 32;                // columns per panel (the Python-side layout)
+constexpr int kPanelVectors = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512) or 4 (AVX2)
+static_assert(kPanel % kLanes == 0, "a panel row must be whole vectors");
+// Rows of x per register tile: its kMaxRows x kPanelVectors accumulators fill the vector
+// registers, less one for the broadcast row value where an FMA cannot broadcast from memory;
+// the panel's vectors take what is left or come as FMA memory operands. 16 rows on AVX-512,
+// 3 on AVX2. More rows spill accumulators to the stack every step of k; fewer re-read each
+// panel from L2 more often.
+constexpr int kMaxRows = (meshserve::kVectorRegisters - (meshserve::kBroadcastOperand ? 0 : 1)) / kPanelVectors;
+constexpr int64_t kAhead = 4096;  // floats prefetched ahead in the panel stream (16 KiB, 128 rows of k)
+// The prefetches' locality hint for a tile of R rows: 3 (prefetcht0, into L1) at one row, where
+// each line is used at once; 1 (prefetcht2, into L2) at more rows, where the FMAs slow the
+// stream's use and L1's few miss buffers capped the lines in flight.
+template <int R>
+constexpr int kLocality = R == 1 ? 3 : 1;
 
 // y[0:R, 0:32] = x[0:R, :] @ panel; xt is the tile's rows of x packed as [K, R]; rows of y at
 // a stride of N floats.
 template <int R, bool kPrefetch>
 void tile(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
-  vf lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vf{};
+  vf acc[R][kPanelVectors];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = vf{};
   const float* w = panel;
   for (int64_t k = 0; k < K; ++k, w += kPanel, xt += R) {
-    if (kPrefetch) {
-      __builtin_prefetch(w + kAhead, 0, kLocality<R>);
-      __builtin_prefetch(w + kAhead + 16, 0, kLocality<R>);
-    }
-    const vf w0 = load(w), w1 = load(w + 16);
+    if (kPrefetch)
+      for (int l = 0; l < kPanel; l += meshserve::kLineFloats) __builtin_prefetch(w + kAhead + l, 0, kLocality<R>);
     for (int r = 0; r < R; ++r) {
-      lo[r] += xt[r] * w0;
-      hi[r] += xt[r] * w1;
+      const float xr = xt[r];
+      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] += xr * load(w + c * kLanes);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    store(y + r * N, lo[r]);
-    store(y + r * N + 16, hi[r]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, acc[r][c]);
 }
 
 template <bool kPrefetch, int R = kMaxRows>
@@ -77,8 +78,8 @@ void tile_rows(int rows, const float* x, const float* panel, float* y, int64_t K
 }
 
 // One tile of x, rows m .. m+R-1 of x [M, K], re-laid out as [K, R] at xp + m * K. Written k by
-// k (R strided reads, one contiguous run of R writes): about 3x faster than row by row, whose
-// writes land R floats apart.
+// k (R strided reads, one contiguous run of R writes), faster than row by row, whose writes
+// land R floats apart.
 template <int R>
 void pack_tile(const float* x, int64_t K, float* tile) {
   for (int64_t k = 0; k < K; ++k)
@@ -123,9 +124,8 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("y must be [M, 32 * panels]");
   const int64_t M = xd[0], K = xd[1], P = pd[0];
   if (M == 0 || P == 0) return ffi::Error::Success();
-  // x packed tile by tile (pack_rows), the tiles shared by the pool's threads: packing a
-  // prefill's x for the down projection ([512, 1536]) takes about 0.4 ms on one core, against
-  // about 5 ms for the matmul on two.
+  // x packed tile by tile (pack_rows), the tiles shared by the pool's threads (packing is a
+  // small fraction of the matmul's time, even for a prefill chunk's x).
   std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
   const float* xs = x.typed_data();
   meshserve::ParallelFor(pool, (M + kMaxRows - 1) / kMaxRows, [&](int64_t t) {

@@ -7,11 +7,11 @@
 // masked upper triangle, and copies the scores between the dots and the softmax. Here one work
 // item is (KV head, 16 query positions): its G x 16 query vectors' scores against keys
 // [0, t0 + 16) only, kept in L1 (keys re-laid out per call as [K, H, T], so a score vector is
-// 16 consecutive keys), an exact softmax per row over its own causal range, and the weighted
-// values accumulated in registers over head_dim (values read in their [T, K, H] order).
+// kLanes consecutive keys), an exact softmax per row over its own causal range, and the
+// weighted values accumulated in registers over head_dim (values read in their [T, K, H] order).
 //
 // Operands: q [T, K, G, H] f32 (already scaled by 1/sqrt(H)); k, v [T, K, H] f32. Result:
-// [T, K, G, H] f32. H a multiple of 16. Built and registered by
+// [T, K, G, H] f32. H a multiple of 16 (meshserve::kHeadDimMultiple). Built and registered by
 // model/native_kernels.py.
 #include <algorithm>
 #include <cmath>
@@ -32,8 +32,19 @@ using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
 
-constexpr int64_t kRows = 16;   // query positions per work item
-constexpr int kQueries = 8;     // query vectors per score tile (16 accumulators)
+constexpr int64_t kRows = 16;  // query positions per work item
+constexpr int kBroadcast = meshserve::kBroadcastOperand ? 0 : 1;  // registers a broadcast scalar takes
+// Query vectors per score tile: two accumulator vectors each, plus two key vectors and the
+// broadcast, within the vector registers (8 on AVX-512, 6 on AVX2), so the tile never spills.
+constexpr int kQueries = std::min(8, (meshserve::kVectorRegisters - 2 - kBroadcast) / 2);
+// Vectors of head_dim per values pass for Q rows: the largest of 4, 2, 1 whose Q x t
+// accumulators, t value vectors and the broadcast fit the registers (4 rows: 4 on AVX-512, 2 on AVX2).
+template <int Q>
+constexpr int kValueTiles = [] {
+  for (int t : {4, 2})
+    if ((Q + 1) * t + kBroadcast <= meshserve::kVectorRegisters) return t;
+  return 1;
+}();
 
 struct Problem {
   const float *q, *k, *v;
@@ -66,6 +77,16 @@ void scores_tile(const float* const* qs, const float* kt, int64_t H, int64_t Tp,
   }
 }
 
+// scores_tile<q> for 1 <= q <= Q, q known only at run time.
+template <int Q = kQueries>
+void scores_rows(int q, const float* const* qs, const float* kt, int64_t H, int64_t Tp, int64_t n, float* scores,
+                 int64_t W) {
+  if constexpr (Q >= 1) {
+    if (q == Q) return scores_tile<Q>(qs, kt, H, Tp, n, scores, W);
+    return scores_rows<Q - 1>(q, qs, kt, H, Tp, n, scores, W);
+  }
+}
+
 // out rows j (pointers os) = sum over u < len[j] of probs[j, u] * v[u, :] (v rows vstride
 // floats apart), times inv[j]; kTiles vectors of head_dim per pass.
 template <int Q, int kTiles>
@@ -91,12 +112,13 @@ void values_tile(const float* probs, int64_t W, const int64_t* len, const float*
 template <int Q>
 void values_all(const float* probs, int64_t W, const int64_t* len, const float* v, int64_t vstride, int64_t H,
                 const float* inv, float* const* os) {
+  constexpr int t = kValueTiles<Q>;
   int64_t h0 = 0;
-  for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes) values_tile<Q, 4>(probs, W, len, v, vstride, h0, inv, os);
+  for (; h0 + t * kLanes <= H; h0 += t * kLanes) values_tile<Q, t>(probs, W, len, v, vstride, h0, inv, os);
   for (; h0 < H; h0 += kLanes) values_tile<Q, 1>(probs, W, len, v, vstride, h0, inv, os);
 }
 
-// Rows [0, q) of a values pass, q <= 4 (4 rows x 4 vectors of accumulators).
+// Rows [0, q) of a values pass, q <= 4.
 void values_rows(int q, const float* s, int64_t W, const int64_t* len, const float* v, int64_t vstride, int64_t H,
                  const float* inv, float* const* os) {
   switch (q) {
@@ -131,16 +153,7 @@ void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
     float* s = scores.data() + j0 * W;
     // Scores up to the group's longest row (its causal range), whole vectors.
     const int64_t ns = len[q - 1];
-    switch (q) {
-      case 8: scores_tile<8>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 7: scores_tile<7>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 6: scores_tile<6>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 5: scores_tile<5>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 4: scores_tile<4>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 3: scores_tile<3>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      case 2: scores_tile<2>(qs, kt, p.H, p.Tp, ns, s, W); break;
-      default: scores_tile<1>(qs, kt, p.H, p.Tp, ns, s, W); break;
-    }
+    scores_rows(q, qs, kt, p.H, p.Tp, ns, s, W);
     // Softmax of each row over [0, len), zeros past len.
     for (int j = 0; j < q; ++j) {
       float* sj = s + j * W;
@@ -150,7 +163,7 @@ void attend_item(const Problem& p, int64_t item, std::vector<float>& scores) {
       inv[j] = 1.0f / sum;
     }
     const float* v = p.v + kh * p.H;
-    for (int64_t jv = 0; jv < q; jv += 4) {  // values 4 rows at a time (4 x 4 accumulators)
+    for (int64_t jv = 0; jv < q; jv += 4) {  // values 4 rows at a time
       const int qv = static_cast<int>(std::min<int64_t>(4, q - jv));
       values_rows(qv, s + jv * W, W, len + jv, v, p.K * p.H, p.H, inv + jv, os + jv);
     }
@@ -163,7 +176,7 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be [T, K, G, H]");
   Problem p;
   p.T = qd[0], p.K = qd[1], p.G = qd[2], p.H = qd[3];
-  if (p.H % kLanes != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
+  if (p.H % meshserve::kHeadDimMultiple != 0) return ffi::Error::InvalidArgument("head_dim must be a multiple of 16");
   if (kd.size() != 3 || kd[0] != p.T || kd[1] != p.K || kd[2] != p.H || vd.size() != 3 || vd[0] != p.T ||
       vd[1] != p.K || vd[2] != p.H)
     return ffi::Error::InvalidArgument("k and v must be [T, K, H] with q's T, K, H");
@@ -173,10 +186,11 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   p.q = q.typed_data(), p.k = k.typed_data(), p.v = v.typed_data(), p.out = out->typed_data();
   p.Tp = (p.T + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
   p.kt.assign(static_cast<size_t>(p.K * p.H * p.Tp), 0.0f);
-  for (int64_t kh = 0; kh < p.K; ++kh)  // by blocks of 16 positions: 16-float runs written, 3x faster
-    for (int64_t t0 = 0; t0 < p.T; t0 += kLanes)
+  constexpr int64_t kRun = meshserve::kLineFloats;  // by blocks of a cache line of positions: whole-line runs written
+  for (int64_t kh = 0; kh < p.K; ++kh)
+    for (int64_t t0 = 0; t0 < p.T; t0 += kRun)
       for (int64_t h = 0; h < p.H; ++h)
-        for (int64_t t = t0; t < std::min(t0 + kLanes, p.T); ++t)
+        for (int64_t t = t0; t < std::min(t0 + kRun, p.T); ++t)
           p.kt[(kh * p.H + h) * p.Tp + t] = p.k[(t * p.K + kh) * p.H + h];
   const int64_t blocks = (p.T + kRows - 1) / kRows;
   meshserve::ParallelFor(pool, p.K * blocks, [&p](int64_t item) {

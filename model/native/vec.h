@@ -1,5 +1,11 @@
-// 16-float vectors (GCC vector extensions: one AVX-512 register, or two AVX2 ones) and the
-// vector helpers meshserve's CPU kernels share.
+// Vectors of the build target's native width (GCC vector extensions) and the vector helpers
+// meshserve's CPU kernels share, with the register facts the kernels size their tiles by.
+//
+// A vector must be exactly one hardware register: GCC lowers a vector wider than the target's
+// registers piece by piece through the stack (on AVX2 a 16-float vector became 16-byte loads
+// and stores of spilled halves), so kLanes follows the target. The kernels' operand layouts
+// (head_dim a multiple of 16, 32-column weight panels) are whole numbers of vectors at every
+// width here, so one Python-side layout serves every build.
 #pragma once
 
 #include <algorithm>
@@ -9,7 +15,27 @@
 
 namespace meshserve {
 
-constexpr int kLanes = 16;  // floats per vector
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;            // floats per vector: one zmm register
+constexpr int kVectorRegisters = 32;  // zmm0-31
+constexpr bool kBroadcastOperand = true;  // an FMA can broadcast its scalar operand from memory ({1to16})
+#elif defined(__AVX__)
+constexpr int kLanes = 8;             // one ymm register (AVX2 with FMA at -march=x86-64-v3)
+constexpr int kVectorRegisters = 16;  // ymm0-15
+constexpr bool kBroadcastOperand = false;  // a broadcast takes a register of its own
+#elif defined(__aarch64__)
+constexpr int kLanes = 4;  // one NEON q register
+constexpr int kVectorRegisters = 32;
+constexpr bool kBroadcastOperand = false;
+#else
+constexpr int kLanes = 4;  // SSE2, x86-64's baseline: one xmm register
+constexpr int kVectorRegisters = 16;
+constexpr bool kBroadcastOperand = false;
+#endif
+constexpr int kLineFloats = 16;  // floats per 64-byte cache line, the unit of a software prefetch
+constexpr int kHeadDimMultiple = 16;  // head_dim the kernels take: whole vectors at every kLanes above
+static_assert(kHeadDimMultiple % kLanes == 0, "head_dim rows must be whole vectors");
+
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vf load(const float* p) {

@@ -1,0 +1,95 @@
+"""The native kernels built for the AVX2 target (``MESHSERVE_NATIVE_MARCH=x86-64-v3``) as well as
+for this CPU: the kernels' correctness checks run again, in a subprocess, against the x86-64-v3
+build. On an AVX-512 machine that exercises the AVX2 code path (8-float vectors, 16 registers'
+tiles); on an AVX2 machine, a second AVX2 build. The probe of benchmarks/cpu_ceilings.py is
+built for both targets by tests/test_cpu_ceilings.py."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model import native_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+RUNS_AVX2 = platform.machine() in native_kernels.SUPPORTED_MACHINES and {"avx2", "fma"} <= _cpu_flags()
+
+# The kernel-level checks (no engine, no real model): every kernel, each tile-size branch.
+CHECKS = [
+    "tests/test_cpu_matmul.py::test_matmul_matches_numpy",
+    "tests/test_cpu_matmul.py::test_mismatched_k_is_an_error_not_a_crash",
+    "tests/test_cpu_matmul.py::test_decode_step_with_panels_matches_xla",
+    "tests/test_cpu_attention.py::test_kernel_writes_then_matches_softmax_attention",
+    "tests/test_cpu_attention.py::test_kernel_rejects_mismatched_blocks",
+    "tests/test_cpu_attention.py::test_causal_kernel_matches_float64",
+    "tests/test_cpu_attention.py::test_chunk_write_matches_xla_scatters",
+    "tests/test_sampling.py::test_first_argmax_matches_argmax_with_ties_and_infinities",
+]
+# Run first in the subprocess: the build it loads is the AVX2 one.
+WHICH_BUILD = "from model import native_kernels as n; print(n.available(), n.isa(), n.library_path().name)"
+
+
+def test_march_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native_kernels.MARCH_ENV, raising=False)
+    assert native_kernels.march() == "native" and "-march=native" in native_kernels.flags()
+    default = native_kernels.library_path()
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v3")
+    assert native_kernels.march() == "x86-64-v3" and "-march=x86-64-v3" in native_kernels.flags()
+    assert native_kernels.library_path() != default  # the target is part of the cache key
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "native; rm -rf /")
+    with pytest.raises(ValueError, match="not a -march value"):
+        native_kernels.march()
+
+
+@pytest.mark.skipif(
+    platform.machine() not in native_kernels.SUPPORTED_MACHINES, reason="x86-64 -march names need an x86-64 compiler"
+)
+def test_isa_is_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v3")
+    assert native_kernels.isa() == "avx2"
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v4")
+    assert native_kernels.isa() == "avx512"  # asked of the compiler: no AVX-512 CPU needed
+    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64")
+    assert native_kernels.isa() == "other"  # SSE2 only
+    monkeypatch.delenv(native_kernels.MARCH_ENV)
+    flags = _cpu_flags()
+    assert native_kernels.isa() == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
+
+
+@pytest.mark.skipif(not RUNS_AVX2, reason="an x86-64 CPU with AVX2 and FMA runs x86-64-v3 code; this one does not")
+def test_kernels_built_for_x86_64_v3_pass_their_checks() -> None:
+    env = {**os.environ, native_kernels.MARCH_ENV: "x86-64-v3"}
+    which = subprocess.run(
+        [sys.executable, "-c", WHICH_BUILD], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=900
+    )
+    available, isa, name = which.stdout.split()
+    assert (available, isa) == ("True", "avx2"), which.stderr[-2000:]
+    assert name != native_kernels.library_path().name  # not this process's -march=native build
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CHECKS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]

@@ -19,6 +19,8 @@ from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.client import Client, make_request
 from service.server import ServerConfig, ServerThread
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 TOKEN = "test-admin-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
 PROMPTS = ["Once upon a time", "The capital of Germany is", "def fibonacci(n):", "Here is a list of fruits:"]

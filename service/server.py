@@ -708,6 +708,8 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
         raise PortInUse(grpc_port_message(cfg.host, cfg.port))
     if cfg.metrics_port and port_in_use(cfg.host, cfg.metrics_port):
         raise PortInUse(metrics_port_message(cfg.host, cfg.metrics_port))
+    if cfg.admin_token and port_in_use(cfg.admin_host, cfg.admin_port):  # bound after loading: check now
+        raise PortInUse(f"admin port {cfg.admin_port} on {cfg.admin_host} is in use; pick a free one with --admin-port")
     server = grpc.aio.server(options=NO_PORT_SHARING)
     service = GenerationService(cfg)
     add_servicer(pb_grpc.add_GenerationServicer_to_server, service, server, on_undecodable=service.count_undecodable)

@@ -60,8 +60,11 @@ def _checked_stream(behavior: Callable, method: str, on_undecodable: Callable[[s
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         result = behavior(request, context)
         if inspect.isasyncgen(result):
-            async for item in result:
-                yield item
+            try:
+                async for item in result:
+                    yield item
+            finally:
+                await result.aclose()  # runs the servicer's own cleanup now when the client went away
         else:
             for item in result:
                 yield item

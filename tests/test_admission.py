@@ -93,3 +93,24 @@ def test_a_rejection_before_a_pool_is_chosen_has_an_empty_pool_label(tiny_server
     code, details = status_of(client, make_request(prompt="hi", layout="no-such-pool"), 30)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("layout: unknown layout or pool")
     assert value(scrape(port), "meshserve_requests_rejected_total", pool="", code="invalid_argument") == before + 1
+
+
+def test_a_cancelled_stream_frees_its_slot_and_counts_as_cancelled(tiny_server, client: Client) -> None:  # type: ignore[no-untyped-def]
+    """Through service.wire's wrapper around Generate: the servicer's cleanup runs on cancel."""
+    import time
+
+    loop = tiny_server.running.service.pools[0].loop
+    port = tiny_server.running.metrics_port
+    before = value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled")
+    loop.step_hook = lambda plan: time.sleep(0.05)  # about 20 steps a second: the stream outlives the cancel
+    try:
+        call = client.stream(make_request(prompt="count", max_tokens=100), timeout_s=60)
+        next(call)
+        assert loop.scheduler.active_slots == 1
+        call.cancel()
+        assert wait_for(lambda: loop.scheduler.active_slots == 0, 10)
+    finally:
+        loop.step_hook = None
+    assert wait_for(
+        lambda: value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled") == before + 1
+    )

@@ -152,3 +152,14 @@ def test_a_cpu_only_start_logs_no_backend_it_could_not_start() -> None:
     plain = code.replace("configure_serve_logging()", "logging.basicConfig(level=logging.INFO)")
     r = subprocess.run([sys.executable, "-c", plain], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert "Unable to initialize backend 'tpu'" in r.stderr
+
+
+def test_a_taken_admin_port_is_refused_before_the_model_loads(taken_port: int) -> None:
+    import asyncio
+
+    from service.server import PortInUse, ServerConfig, start_server
+
+    cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, admin_token="t", admin_port=taken_port)
+    with pytest.raises(PortInUse) as info:
+        asyncio.run(start_server(cfg))  # the model path is never looked at
+    assert str(info.value) == f"admin port {taken_port} on 127.0.0.1 is in use; pick a free one with --admin-port"

@@ -39,6 +39,7 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
+# The tests that need neither the real model nor a whole demo run (no download; see tests/conftest.py).
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 

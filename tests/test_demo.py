@@ -44,6 +44,7 @@ def test_demo_fails_with_its_server_log_when_the_port_is_taken(venv: Path, tiny_
     assert r.stdout == f"{tiny_gguf}\n"  # only fetch's line
 
 
+@pytest.mark.slow  # a whole demo: fetch, a server compiling the tiny model, 128 tokens (about 40 s here)
 def test_demo_streams_an_answer_from_its_own_server(venv: Path, tiny_gguf: Path) -> None:
     from helpers import free_port
 

@@ -134,7 +134,8 @@ def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
             if resp.finish_reason:
                 finish, usage = resp.finish_reason, resp.usage
     except grpc.RpcError as exc:
-        _end_line(parts)
+        if any(parts):  # a stream cut short: end its line; nothing streamed: nothing to end
+            _end_line(parts)
         raise SystemExit(f"meshserve: {exc.code().name}: {exc.details()}") from None
     _end_line(parts)
     total = time.perf_counter() - t0

@@ -91,6 +91,13 @@ def test_generate_ends_stdout_with_a_newline(tiny_server, capsys: pytest.Capture
     assert err.startswith("[FINISH_REASON_LENGTH; ") and "+ 6 generated tokens" in err
 
 
+def test_generate_refused_prints_only_the_error(tiny_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--address", tiny_server.address, "--top-p", "5", "hi"])
+    assert str(info.value) == "meshserve: INVALID_ARGUMENT: top_p: must be in (0, 1], got 5.0"
+    assert capsys.readouterr().out == ""  # nothing streamed, no empty line
+
+
 def test_end_line_adds_a_newline_only_when_missing(capsys: pytest.CaptureFixture[str]) -> None:
     _end_line(["Paris", "."])
     _end_line(["line\n"])

@@ -52,6 +52,10 @@ def _checked_unary(behavior: Callable, method: str, on_undecodable: Callable[[st
 
 
 def _checked_stream(behavior: Callable, method: str, on_undecodable: Callable[[str], None] | None) -> Callable:
+    if not inspect.isasyncgenfunction(behavior):
+        # A coroutine that streams with context.write() (grpc_health's Watch) keeps that shape.
+        return _checked_unary(behavior, method, on_undecodable)
+
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
             log.info("%s: rejected, INVALID_ARGUMENT: %s", method, request.message)
@@ -59,15 +63,11 @@ def _checked_stream(behavior: Callable, method: str, on_undecodable: Callable[[s
                 on_undecodable(method)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         result = behavior(request, context)
-        if inspect.isasyncgen(result):
-            try:
-                async for item in result:
-                    yield item
-            finally:
-                await result.aclose()  # runs the servicer's own cleanup now when the client went away
-        else:
-            for item in result:
+        try:
+            async for item in result:
                 yield item
+        finally:
+            await result.aclose()  # runs the servicer's own cleanup now when the client went away
 
     return handle
 

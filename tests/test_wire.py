@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from helpers import scrape, value
 
 from protos.meshserve.v1 import admin_pb2 as apb
@@ -89,6 +90,13 @@ def test_unary_rpcs_with_invalid_utf8_are_invalid_argument(tiny_server, method: 
 def test_health_watch_with_invalid_utf8_is_invalid_argument(tiny_server) -> None:  # type: ignore[no-untyped-def]
     code, details = call(tiny_server.address, "/grpc.health.v1.Health/Watch", field(1, BAD), True)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "grpc.health.v1.HealthCheckRequest" in details
+    # A good Watch (a coroutine that streams with context.write) still streams.
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        watch = channel.unary_stream(
+            "/grpc.health.v1.Health/Watch", response_deserializer=health_pb2.HealthCheckResponse.FromString
+        )(health_pb2.HealthCheckRequest(service="meshserve.v1.Generation").SerializeToString(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 50051
 QUESTION ?= What is the capital of France?
+MODEL ?=
+MODEL_FLAG = $(if $(MODEL),--model $(MODEL))
+SERVE_FLAGS ?=
 
 .PHONY: venv demo test test-fast lint protos serve clean
 
@@ -15,18 +18,28 @@ $(BIN)/meshserve: pyproject.toml
 
 venv: $(BIN)/meshserve
 
-# Start the server on the default model, stream a real answer, stop the server.
+# Start the server on the default model (or MODEL=path), stream a real answer, stop the server.
+# The answer comes from this server: it waits for its own server's "SERVING on" log line (the port
+# is then its own, servers bind without SO_REUSEPORT), and fails with the server's log when its
+# server exits first (e.g. PORT is taken), is not SERVING within 600 s, or generate fails.
 demo: venv
-	$(BIN)/meshserve fetch
-	@$(BIN)/meshserve serve --port $(PORT) --metrics-port 0 > $(VENV)/demo-server.log 2>&1 & pid=$$!; \
+	$(BIN)/meshserve fetch $(MODEL_FLAG)
+	@log=$(VENV)/demo-server.log; \
+	  $(BIN)/meshserve serve $(MODEL_FLAG) --port $(PORT) --metrics-port 0 $(SERVE_FLAGS) > $$log 2>&1 & pid=$$!; \
 	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
-	  { $(BIN)/meshserve health --address 127.0.0.1:$(PORT) --pid $$pid --wait 600 \
-	    && $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --temperature 0 --max-tokens 128 "$(QUESTION)"; } \
-	  || { echo "--- server log ---"; cat $(VENV)/demo-server.log; exit 1; }
+	  fail() { echo "meshserve demo: $$1" >&2; echo "--- server log ---" >&2; cat $$log >&2; exit 1; }; \
+	  waited=0; until grep -q "SERVING on" $$log; do \
+	    kill -0 $$pid 2>/dev/null || fail "the demo's server exited before SERVING"; \
+	    [ $$waited -lt 1200 ] || fail "the demo's server is not SERVING after 600 s"; \
+	    waited=$$((waited + 1)); sleep 0.5; \
+	  done; \
+	  $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --temperature 0 --max-tokens 128 "$(QUESTION)" \
+	    || fail "generate failed"
 
 test: venv
 	$(BIN)/python -m pytest -q
 
+# The tests that need neither the real model nor a whole demo run (no download; see tests/conftest.py).
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -22,6 +22,7 @@ from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
+from service.wire import add_servicer
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 from sharding.plan import make_plan
 
@@ -143,7 +144,7 @@ async def start_admin_server(service: GenerationService, cfg: ServerConfig) -> t
     """
     assert cfg.admin_token
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
-    apb_grpc.add_AdminServicer_to_server(AdminService(service, cfg.admin_token), server)
+    add_servicer(apb_grpc.add_AdminServicer_to_server, AdminService(service, cfg.admin_token), server)
     port = server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
     if port == 0:
         raise RuntimeError(f"could not bind the admin port {cfg.admin_host}:{cfg.admin_port}")

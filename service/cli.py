@@ -45,10 +45,19 @@ def _serve_config(args: argparse.Namespace) -> Any:
         raise SystemExit(f"meshserve serve: error: {exc}") from None
 
 
+def configure_serve_logging() -> None:
+    """INFO logs for ``serve``. JAX logs at INFO each optional backend it probed and could not
+    start (``Unable to initialize backend 'tpu'`` on every CPU-only machine); that logger is kept
+    at WARNING, so its warnings and errors still show (a backend that was asked for and fails
+    raises)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.server import serve_forever
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    configure_serve_logging()
     cfg = _serve_config(args)
     try:
         return asyncio.run(serve_forever(cfg))
@@ -98,6 +107,13 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _end_line(parts: list[str]) -> None:
+    """End the streamed answer on stdout with a newline (one is added unless it ends with one)."""
+    if not "".join(parts).endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
 def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
     import grpc
 
@@ -117,13 +133,16 @@ def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
             if resp.finish_reason:
                 finish, usage = resp.finish_reason, resp.usage
     except grpc.RpcError as exc:
-        raise SystemExit(f"\nmeshserve: {exc.code().name}: {exc.details()}") from None
+        if any(parts):  # a stream cut short: end its line; nothing streamed: nothing to end
+            _end_line(parts)
+        raise SystemExit(f"meshserve: {exc.code().name}: {exc.details()}") from None
+    _end_line(parts)
     total = time.perf_counter() - t0
     from protos.meshserve.v1 import meshserve_pb2 as pb
 
     rate = (n - 1) / (total - ttft) if ttft is not None and n > 1 and total > ttft else 0.0
     print(
-        f"\n[{pb.FinishReason.Name(finish or 0)}; {usage.prompt_tokens if usage else 0} prompt + {n} generated tokens; "
+        f"[{pb.FinishReason.Name(finish or 0)}; {usage.prompt_tokens if usage else 0} prompt + {n} generated tokens; "
         f"TTFT {1000 * (ttft or total):.0f} ms; decode {rate:.1f} tokens/s]",
         file=sys.stderr,
     )
@@ -168,9 +187,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from model.fetch import resolve_model
+    """Print the model's path: the default model (downloaded on first use), or ``--model`` once it
+    is checked to be a GGUF file or a model directory."""
+    from model.fetch import FetchError, check_model, resolve_model
 
-    print(resolve_model(args.model, args.cache_dir))
+    try:
+        path = resolve_model(args.model, args.cache_dir)
+        if args.model not in (None, "", "default"):
+            check_model(path)
+    except (OSError, ValueError, FetchError) as exc:
+        print(f"meshserve fetch: error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -275,10 +303,10 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: 1.0, off)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely ids (default: 0, off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable; at most 16, each up to 256 characters)")
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
     p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the server to be SERVING")
     p.add_argument("--layout", default=None, help="engine pool (or its layout name) to serve the request")
@@ -299,14 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: SmolLM2-135M-Instruct from PyPI)",
     )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
+    s.add_argument("--host", help="address to listen on, for gRPC and metrics (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
     s.add_argument("--layout", help="layout preset name or YAML path (see 'meshserve layouts')")
     s.add_argument("--num-slots", "--slots", dest="num_slots", type=int, help="decode slots")
     s.add_argument("--max-seq-len", type=int, help="tokens per slot: prompt + generated")
     s.add_argument("--chunk-size", type=int, help="prefill chunk, tokens")
-    s.add_argument("--max-queue", type=int)
-    s.add_argument("--default-max-tokens", type=int)
+    s.add_argument(
+        "--max-queue", type=int, help="most requests waiting for a slot; more are RESOURCE_EXHAUSTED (default 64)"
+    )
+    s.add_argument("--default-max-tokens", type=int, help="max_tokens of a request that leaves it unset (default 512)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
     s.add_argument(
         "--kv-dtype",
@@ -348,13 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     h = sub.add_parser("health", help="wait until a server reports SERVING (exit 0) or give up (exit 1)")
-    h.add_argument("--address", default=DEFAULT_ADDRESS)
+    h.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
     h.add_argument("--wait", type=float, default=0, help="seconds to keep polling")
     h.add_argument("--pid", type=int, help="give up at once if this process (the server) exits")
     h.set_defaults(func=cmd_health)
 
     g = sub.add_parser("generate", help="stream one answer to the terminal, then print TTFT and tokens/s")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the question (a user message; with --raw, the raw prompt text)")
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     _add_sampling_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -364,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     f = sub.add_parser("fetch", help="download the default model (or check a local GGUF) and print its path")
-    f.add_argument("--model")
-    f.add_argument("--cache-dir")
+    f.add_argument("--model", help="GGUF file or model directory to check (default: fetch SmolLM2-135M-Instruct)")
+    f.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     f.set_defaults(func=cmd_fetch)
 
     cv = sub.add_parser(

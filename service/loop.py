@@ -98,6 +98,14 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # ---- admission -----------------------------------------------------------------------------
+    def queue_full(self) -> str | None:
+        """Why ``submit`` would raise QueueFull now (None when there is room): a cheap, advisory
+        check before a request is tokenized; ``submit`` checks again under the lock."""
+        waiting = self.scheduler.queue_depth + self._pending
+        if waiting >= self.scheduler.max_queue:
+            return f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})"
+        return None
+
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe).
 

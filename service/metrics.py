@@ -3,24 +3,47 @@
 Each ``Metrics`` owns a fresh ``CollectorRegistry`` so several servers in one process (tests,
 benchmarks) never clash; ``service/server.py`` serves it over HTTP on ``metrics_port``.
 
-Per request (recorded once, when it finishes; ``pool`` label on all):
-    meshserve_time_to_first_token_seconds   arrival -> first generated token (any request that got one)
-    meshserve_time_per_output_token_seconds (finish - first token) / (sampled tokens - 1), completed requests
-    meshserve_e2e_request_latency_seconds   arrival -> finish, completed requests (length, eos, stop_string)
-    meshserve_queue_time_seconds            arrival -> its first prefill chunk starts (observed then)
-    meshserve_prompt_tokens_total           prompt tokens written to the KV cache
-    meshserve_generation_tokens_total       generated ids (EOS excluded, as in usage.completion_tokens)
-    meshserve_requests_total{finish_reason} length | eos | stop_string | cancelled | error
-    meshserve_requests_rejected_total{code} refused before reaching an engine (invalid_argument, ...)
+Every metric, with its labels (``pool`` = the engine pool's name, "default" without ``--pool``):
 
-Per pool, read when scraped:
-    meshserve_active_slots, meshserve_queue_depth, meshserve_num_slots
-    meshserve_kv_cache_usage_ratio          cached tokens / (slots x max_seq_len)
-    meshserve_pool_layout_info{layout,data,model,attention}  the pool's current layout
-    meshserve_engine_step_seconds           one engine step (prefill chunk + decode)
+Per request, recorded once when it ends:
+    meshserve_time_to_first_token_seconds{pool}      histogram: arrival -> first generated token (any
+                                                     request that got one)
+    meshserve_time_per_output_token_seconds{pool}    histogram: (finish - first token) / (sampled
+                                                     tokens - 1), completed requests
+    meshserve_e2e_request_latency_seconds{pool}      histogram: arrival -> finish, completed requests
+                                                     (finish_reason length, eos, stop_string)
+    meshserve_queue_time_seconds{pool}               histogram: arrival -> its first prefill chunk
+                                                     starts (observed then)
+    meshserve_prompt_tokens_total{pool}              counter: prompt tokens written to the KV cache
+    meshserve_generation_tokens_total{pool}          counter: generated ids (EOS excluded, as in
+                                                     usage.completion_tokens)
+    meshserve_requests_total{pool,finish_reason}     counter: requests that reached an engine, by how
+                                                     they ended; finish_reason is one of
+                                                       length       max_tokens or the end of the context
+                                                       eos          the model produced an EOS id
+                                                       stop_string  a stop string matched
+                                                       cancelled    the client cancelled or its deadline passed
+                                                       error        failed with UNAVAILABLE: the pool's engine
+                                                                    loop died or stalled, or the server shut
+                                                                    down before it finished
+    meshserve_requests_rejected_total{pool,code}     counter: Generate calls refused before reaching an
+                                                     engine, by gRPC status code (invalid_argument,
+                                                     resource_exhausted, unavailable); pool is the pool
+                                                     the request was for, or "" when it was refused
+                                                     before a pool was chosen (model still loading,
+                                                     server shutting down, unknown layout, request
+                                                     bytes that do not parse)
 
-Server:
-    meshserve_serving                       1 while grpc.health.v1 reports SERVING, else 0
+Per pool, read when scraped (the step histogram when each step ends):
+    meshserve_active_slots{pool}                     gauge: slots holding a request
+    meshserve_queue_depth{pool}                      gauge: requests waiting for a slot
+    meshserve_num_slots{pool}                        gauge: decode slots
+    meshserve_kv_cache_usage_ratio{pool}             gauge: cached tokens / (slots x max_seq_len)
+    meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
+    meshserve_engine_step_seconds{pool}              histogram: one engine step (prefill chunk + decode)
+
+Server (process-wide, no pool label: health covers every pool):
+    meshserve_serving                                gauge: 1 while grpc.health.v1 reports SERVING, else 0
 """
 
 from __future__ import annotations
@@ -30,6 +53,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 NAMESPACE = "meshserve"
+FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "error")  # values of requests_total's label
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -97,8 +121,9 @@ class Metrics:
         )
         self.rejected = Counter(
             "requests_rejected",
-            "Requests refused before reaching an engine, by gRPC status code.",
-            ["code"],
+            "Generate calls refused before reaching an engine, by pool (empty before one was chosen) and gRPC "
+            "status code.",
+            ["pool", "code"],
             namespace=NAMESPACE,
             registry=reg,
         )
@@ -135,7 +160,7 @@ class Metrics:
         self.active_slots.labels(pool=pool).set_function(active_slots)
         self.queue_depth.labels(pool=pool).set_function(queue_depth)
         self.kv_usage.labels(pool=pool).set_function(kv_usage)
-        for reason in ("length", "eos", "stop_string", "cancelled", "error"):
+        for reason in FINISH_REASONS:
             self.requests.labels(pool=pool, finish_reason=reason)  # export zeros from the start
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue_time):
             metric.labels(pool=pool)  # export zeros from the start

@@ -2,8 +2,10 @@
 plus Prometheus metrics over HTTP (``service/metrics.py``).
 
 Status codes, in one place:
-    INVALID_ARGUMENT   a malformed or out-of-range field (the message names it)
-    RESOURCE_EXHAUSTED the waiting queue is full
+    INVALID_ARGUMENT   a malformed or out-of-range field (the message names it), or request bytes
+                       that do not parse (a string field that is not UTF-8), on any RPC
+    RESOURCE_EXHAUSTED the waiting queue is full (checked before the prompt is tokenized, and
+                       again, authoritatively, when the request is queued)
     UNAVAILABLE        the model is still loading/compiling, the engine loop died or stalled,
                        or the server is shutting down; also ends in-flight streams of a pool
                        whose loop died or stalled (failed by the watchdog within about
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -49,6 +53,7 @@ from service.request import Chunk, FinishReason, Request, RequestState
 from service.scheduler import QueueFull, Scheduler, StepPlan
 from service.text_stream import TextStream
 from service.validation import InvalidRequest, validate
+from service.wire import add_servicer
 from sharding.layouts import Layout, load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
@@ -576,10 +581,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         info.platform, info.device_kind = device.platform, device.device_kind
         return info
 
-    async def _reject(self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str) -> None:
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str, pool: str = ""
+    ) -> None:
+        """Refuse a Generate call; ``pool`` is the pool it was meant for ("" before one was chosen)."""
         log.info("request %s: rejected, %s: %s", rid, code.name, details)
-        self.metrics.rejected.labels(code=code.name.lower()).inc()
+        self.metrics.rejected.labels(pool=pool, code=code.name.lower()).inc()
         await context.abort(code, details)
+
+    def count_undecodable(self, method: str) -> None:
+        """Metrics for a Generate call whose bytes did not parse (``service.wire``)."""
+        if method.endswith("/Generate"):
+            self.metrics.rejected.labels(pool="", code="invalid_argument").inc()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -597,11 +610,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         problem = self.pool_problem(pool)
         if problem is not None:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}")
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}", pool.name)
+        full = pool.loop.queue_full()  # before tokenizing: a burst is refused cheaply (submit re-checks)
+        if full is not None:
+            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, full, pool.name)
         try:
             v = validate(request, tok, self.cfg.engine.max_seq_len, self.cfg.default_max_tokens)
         except InvalidRequest as exc:
-            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), pool.name)
         chunks: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
@@ -625,9 +641,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             pool.loop.submit(req)
         except QueueFull as exc:
-            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pool.name)
         except EngineUnavailable as exc:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {exc}")
+            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {exc}", pool.name)
         inflight.add(req)
         log.info(
             "request %s: %d prompt tokens, max_tokens %d, pool %s", rid, len(v.prompt_ids), v.max_tokens, pool.name
@@ -743,24 +759,73 @@ class RunningServer:
             self.metrics_httpd.server_close()
 
 
+class PortInUse(RuntimeError):
+    """A port ``serve`` needs is held by another process; the message says which flag to change."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another socket listens on ``host:port`` (bound as gRPC binds: SO_REUSEADDR, no
+    SO_REUSEPORT). False for port 0 and for hosts this cannot resolve (gRPC's bind decides)."""
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def grpc_port_message(host: str, port: int) -> str:
+    return (
+        f"port {port} on {host} is in use (another 'meshserve serve' or another program holds it); "
+        "pick a free one with --port (0 = any free port)"
+    )
+
+
+def metrics_port_message(host: str, port: int) -> str:
+    return (
+        f"metrics port {port} on {host} is in use (a second server needs its own metrics port); "
+        "pick a free one with --metrics-port, or --metrics-port 0 for no metrics"
+    )
+
+
 async def start_server(cfg: ServerConfig) -> RunningServer:
     """Bind and start the gRPC server (health NOT_SERVING) and the metrics endpoint at once,
     then load the model and compile; health turns SERVING when warm-up is done.
 
     Raises:
+        PortInUse: the gRPC or the metrics port is held by another process (checked before gRPC
+            binds, so no gRPC error is logged).
         RuntimeError: a port could not be bound; any load/compile error of ``service.load``.
     """
+    if port_in_use(cfg.host, cfg.port):
+        raise PortInUse(grpc_port_message(cfg.host, cfg.port))
+    if cfg.metrics_port and port_in_use(cfg.host, cfg.metrics_port):
+        raise PortInUse(metrics_port_message(cfg.host, cfg.metrics_port))
+    if cfg.admin_token and port_in_use(cfg.admin_host, cfg.admin_port):  # bound after loading: check now
+        raise PortInUse(f"admin port {cfg.admin_port} on {cfg.admin_host} is in use; pick a free one with --admin-port")
     server = grpc.aio.server(options=NO_PORT_SHARING)
     service = GenerationService(cfg)
-    pb_grpc.add_GenerationServicer_to_server(service, server)
+    add_servicer(pb_grpc.add_GenerationServicer_to_server, service, server, on_undecodable=service.count_undecodable)
     health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    try:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    except RuntimeError as exc:  # grpcio raises where it does not return 0
+        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}: {exc}; pick another --port") from exc
     if port == 0:
-        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
+        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}; pick another --port")
     running = RunningServer(server, service, health, port)
     if cfg.metrics_port:
         try:
@@ -768,6 +833,8 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
                 cfg.metrics_port, addr=cfg.host, registry=service.metrics.registry
             )
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(metrics_port_message(cfg.host, cfg.metrics_port)) from exc
             raise RuntimeError(f"could not bind the metrics port {cfg.host}:{cfg.metrics_port}: {exc}") from exc
         running.metrics_port = running.metrics_httpd.server_port
         log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, running.metrics_port)

@@ -20,6 +20,10 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
 CHAT_ROLES = ("system", "user", "assistant")
+# Bounds of ``stop`` (protos/meshserve/v1/meshserve.proto): every stop string is matched against
+# the text of every generated token, so their number and length are kept small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -103,9 +107,13 @@ def validate(
     if top_k < 0:
         raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {top_k}")
     seed = req.seed if req.HasField("seed") else secrets.randbits(63)
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
     for i, s in enumerate(req.stop):
         if not s:
             raise InvalidRequest(f"stop[{i}]: stop strings must be non-empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}]: at most {MAX_STOP_CHARS} characters per stop string, got {len(s)}")
     logprobs = None
     if req.HasField("logprobs"):
         logprobs = req.logprobs

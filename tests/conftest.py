@@ -1,4 +1,11 @@
-"""Shared fixtures. 8 CPU devices are requested before JAX is imported anywhere."""
+"""Shared fixtures. 8 CPU devices are requested before JAX is imported anywhere.
+
+A test that needs the real SmolLM2 model must be marked ``slow`` (``make test-fast`` runs
+``-m "not slow"``): collection stops when an unmarked test asks for ``smollm2_gguf`` (directly or
+through ``tokenizer``, ``server``, ``client``), and an unmarked test that reaches
+``model.fetch.default_model_path`` fails. Tests that need a server or tokenizer without the real
+model use ``tiny_gguf``, ``tiny_tokenizer`` and ``tiny_server`` (a random-weight model).
+"""
 
 from __future__ import annotations
 
@@ -7,20 +14,40 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
+REAL_MODEL_FIXTURE = "smollm2_gguf"
+TINY_ADMIN_TOKEN = "tiny-admin-token"
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if REAL_MODEL_FIXTURE in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) use the real model ({REAL_MODEL_FIXTURE}) but are not marked slow, "
+            f"first {unmarked[0]}"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _real_model_only_in_slow_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside ``slow`` tests, fetching the real model is an error."""
+    if request.node.get_closest_marker("slow") is None:
+        import model.fetch
+
+        def refuse(cache: object = None) -> Path:
+            raise AssertionError(f"{request.node.nodeid} needs the real model: mark it slow")
+
+        monkeypatch.setattr(model.fetch, "default_model_path", refuse)
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +90,34 @@ def client(server):  # type: ignore[no-untyped-def]
     c = Client(server.address)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama GGUF (``tests/tiny_gguf.py``): config, tokenizer, weights."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_gguf: Path):  # type: ignore[no-untyped-def]
+    """The tiny model's byte-level BPE tokenizer (264 ids, ChatML template)."""
+    from model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_gguf: Path) -> Iterator:  # type: ignore[type-arg]
+    """A real gRPC server on the tiny model (2 slots x 128 tokens, queue of 4, metrics on, Admin
+    service with token ``TINY_ADMIN_TOKEN``), shared by a session."""
+    from service.server import ServerConfig, ServerThread
+
+    cfg = ServerConfig(
+        model=str(tiny_gguf), port=0, metrics_port=free_port(), num_slots=2, max_seq_len=128, chunk_size=32,
+        max_queue=4, admin_token=TINY_ADMIN_TOKEN, admin_port=0,
+    )  # fmt: skip
+    srv = ServerThread(cfg).start()
+    yield srv
+    srv.stop()

@@ -12,14 +12,13 @@ import random
 import re
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import scrape, status_of
 
 from model.gguf_file import field_value, open_gguf
 from model.tokenizer import Tokenizer
@@ -43,24 +42,9 @@ def gen_all(client: Client, requests: list[pb.GenerateRequest], width: int = 4) 
         return list(pool.map(lambda r: gen(client, r), requests))
 
 
-def status_of(client: Client, req: pb.GenerateRequest, timeout_s: float = 30.0) -> tuple[grpc.StatusCode, str]:
-    try:
-        client.generate(req, timeout_s=timeout_s)
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def metric(server, name: str, **labels: str) -> float | None:  # type: ignore[no-untyped-def]
     """One sample scraped from the server's Prometheus endpoint (None if absent)."""
-    url = f"http://127.0.0.1:{server.running.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body = resp.read().decode()
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return None
+    return scrape(server.running.metrics_port).get((name, frozenset(labels.items())))
 
 
 def wait_idle(server, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

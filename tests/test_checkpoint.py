@@ -29,6 +29,8 @@ from sharding.mesh import make_mesh
 from sharding.plan import make_plan
 from sharding.rules import param_shardings
 
+pytestmark = pytest.mark.slow  # every test converts or reads the real SmolLM2 model
+
 ECFG = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16)
 PROMPT = [1, 4093, 198, 504, 3575, 282, 4649, 314]  # "<|im_start|>user\nThe capital of France is"
 

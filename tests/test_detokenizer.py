@@ -15,6 +15,8 @@ from model.tokenizer import Tokenizer, bytes_to_unicode
 CASES = json.loads((Path(__file__).parent / "fixtures" / "tokenizer_cases.json").read_text(encoding="utf-8"))
 FFFD = "\ufffd"
 
+pytestmark = pytest.mark.slow  # every test decodes with the real SmolLM2 tokenizer
+
 
 @cache
 def _load(path: Path) -> Tokenizer:

@@ -23,6 +23,7 @@ def test_unpermute_inverts_llama_cpp_permute(n_head: int) -> None:
     np.testing.assert_array_equal(unpermute_rope_rows(llama_cpp_permute(w, n_head), n_head), w)
 
 
+@pytest.mark.slow
 def test_config_comes_from_metadata(smollm2_gguf: Path) -> None:
     reader = open_gguf(smollm2_gguf)
     cfg = LlamaConfig.from_gguf(reader)

@@ -61,6 +61,7 @@ def greedy_run(engine: Engine, prompt: list[int], n: int, slot: int = 1) -> tupl
     return logits, ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_logits_and_greedy_tokens_match_transformers(engine: Engine, golden: dict[str, np.ndarray], i: int) -> None:
     prompt = golden[f"prompt_ids_{i}"].tolist()

@@ -7,14 +7,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import free_port, scrape, value
 
 from service.client import Client, make_request
 from service.engine import EngineConfig
@@ -29,12 +28,6 @@ SLACK_S = 0.5  # polling, RPC latency and a busy 2-core CPU
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = "Count from 1 to 100 separated by spaces:"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_config(model: Path, **overrides: object) -> ServerConfig:
@@ -285,15 +278,9 @@ def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(
         code, details, took = unary_status(client)
         assert code == grpc.StatusCode.UNAVAILABLE and took < 1.0, (code, details, took)
         assert "stalled" in details
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
-            body = resp.read().decode()
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body)
-            for s in family.samples
-        }
-        assert samples[("meshserve_serving", ())] == 0
-        assert samples[("meshserve_requests_total", (("finish_reason", "error"), ("pool", "default")))] == 4
+        samples = scrape(metrics_port)
+        assert samples[("meshserve_serving", frozenset())] == 0
+        assert value(samples, "meshserve_requests_total", pool="default", finish_reason="error") == 4
 
         # The step returns: the loop drops the failed requests and serves again.
         release.set()

@@ -48,6 +48,7 @@ def golden() -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
+@pytest.mark.slow
 def test_the_cache_is_bfloat16_and_the_weights_stay_float32(engine: Engine) -> None:
     leaves = jax.tree.leaves(engine.cache)
     assert leaves and all(a.dtype == jnp.bfloat16 for a in leaves)
@@ -57,6 +58,7 @@ def test_the_cache_is_bfloat16_and_the_weights_stay_float32(engine: Engine) -> N
         assert isinstance(engine.cache, BlockedKVCache) and engine.native_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_logits_and_greedy_tokens_against_transformers(engine: Engine, golden: dict[str, np.ndarray], i: int) -> None:
     prompt = golden[f"prompt_ids_{i}"].tolist()
@@ -68,6 +70,7 @@ def test_logits_and_greedy_tokens_against_transformers(engine: Engine, golden: d
     assert ids == ref_greedy  # 32 ids through the rounded cache, identical on these prompts
 
 
+@pytest.mark.slow
 def test_the_cache_holds_the_rounded_keys(engine: Engine, golden: dict[str, np.ndarray]) -> None:
     """After a prefill, the slot's cached keys are bfloat16 values that are not all zero, and
     another slot stays untouched."""
@@ -117,6 +120,7 @@ def test_serve_flag_reaches_the_server_config() -> None:
         build_parser().parse_args(["serve", "--kv-dtype", "int8"])
 
 
+@pytest.mark.slow
 def test_layouts_command_gives_the_kv_bytes_in_the_cache_dtype(
     smollm2_gguf: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

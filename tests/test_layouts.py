@@ -67,6 +67,7 @@ def reference(model):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("data", "tp"), MESHES[1:], ids=[f"{d}x{m}" for d, m in MESHES[1:]])
+@pytest.mark.slow
 def test_mesh_matches_one_device(model, reference, data: int, tp: int) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = model
     engine = Engine(cfg, graphdef, params, Layout(f"{data}x{tp}", data=data, model=tp), ECFG)
@@ -86,6 +87,7 @@ def test_mesh_matches_one_device(model, reference, data: int, tp: int) -> None: 
 
 
 @pytest.mark.parametrize(("data", "tp"), [(1, 3), (2, 4)], ids=["1x3", "2x4"])
+@pytest.mark.slow
 def test_unrolled_engine_on_a_mesh_matches_one_device(model, reference, data: int, tp: int) -> None:  # type: ignore[no-untyped-def]
     """The unrolled engine (per-layer weights, blocked KV cache split over slots on ``data``
     and over KV heads on ``model``) serves the ids and logits of the scanned 1x1 engine, and
@@ -194,6 +196,7 @@ def test_decode_step_collectives(data: int, tp: int) -> None:
 
 # ---- head counts that do not divide (case C17) ------------------------------------------------
 @pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.slow
 def test_heads_layout_that_cannot_split_fails_at_startup_with_the_valid_sizes(model, tp: int) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = model
     with pytest.raises(LayoutError) as err:
@@ -202,18 +205,21 @@ def test_heads_layout_that_cannot_split_fails_at_startup_with_the_valid_sizes(mo
     assert "9 query heads" in message and "3 KV heads" in message and "{1, 3}" in message
 
 
+@pytest.mark.slow
 def test_data_axis_must_divide_slots(model) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = model
     with pytest.raises(LayoutError, match="data axis"):
         Engine(cfg, graphdef, params, Layout("3x1", data=3), ECFG)
 
 
+@pytest.mark.slow
 def test_too_few_devices_is_a_clear_error(model) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = model
     with pytest.raises(LayoutError, match="needs 16 devices"):
         Engine(cfg, graphdef, params, Layout("2x8", data=2, model=8), ECFG)
 
 
+@pytest.mark.slow
 def test_presets_load_and_resolve(model) -> None:  # type: ignore[no-untyped-def]
     cfg = model[0]
     names = preset_names()

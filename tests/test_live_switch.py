@@ -20,6 +20,8 @@ from service.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 TOKEN = "test-admin-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
 PROMPTS = ["Once upon a time", "The capital of Germany is", "def fibonacci(n):", "Here is a list of fruits:"]

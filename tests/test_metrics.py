@@ -3,48 +3,17 @@
 
 from __future__ import annotations
 
-import time
-import urllib.request
+import re
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import scrape, value, wait_for
 
 from service.client import Client, make_request
-from service.metrics import Metrics
+from service.metrics import FINISH_REASONS, Metrics
 from service.server import ServerConfig
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 120.0
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def scrape(port: int) -> Samples:
-    """Every sample of ``http://127.0.0.1:port/metrics``: {(name, labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        body = resp.read().decode()
-    out: Samples = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_each_metrics_object_has_its_own_registry() -> None:
@@ -59,6 +28,7 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     assert [s.labels["layout"] for s in infos] == ["1x4"]
 
 
+@pytest.mark.slow
 def test_metrics_endpoint_names_and_pool_gauges(server) -> None:
     port = server.running.metrics_port
     assert ServerConfig().metrics_port == 9400  # the default; 0 turns the endpoint off
@@ -79,6 +49,7 @@ def test_metrics_endpoint_names_and_pool_gauges(server) -> None:
         assert (f"meshserve_{hist}_seconds_count", frozenset({("pool", "default")})) in samples, hist
 
 
+@pytest.mark.slow
 def test_a_finished_request_is_counted_once_with_its_latencies(server, client: Client, tokenizer) -> None:
     port = server.running.metrics_port
     before = scrape(port)
@@ -90,7 +61,7 @@ def test_a_finished_request_is_counted_once_with_its_latencies(server, client: C
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("meshserve_requests_total", pool="default", finish_reason="length") == 1
-    for reason in ("eos", "stop_string", "cancelled", "error"):
+    for reason in set(FINISH_REASONS) - {"length"}:
         assert delta("meshserve_requests_total", pool="default", finish_reason=reason) == 0
     assert delta("meshserve_generation_tokens_total", pool="default") == 8
     assert delta("meshserve_prompt_tokens_total", pool="default") == len(tokenizer.encode("Hello"))
@@ -108,15 +79,18 @@ def test_a_finished_request_is_counted_once_with_its_latencies(server, client: C
     assert delta("meshserve_engine_step_seconds_count", pool="default") >= 7
 
 
+@pytest.mark.slow
 def test_rejections_are_counted_by_code(server, client: Client) -> None:
     port = server.running.metrics_port
-    before = value(scrape(port), "meshserve_requests_rejected_total", code="invalid_argument")
+    before = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="invalid_argument")
     with pytest.raises(grpc.RpcError) as info:
         client.generate(make_request(prompt="Hello", max_tokens=0), timeout_s=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert value(scrape(port), "meshserve_requests_rejected_total", code="invalid_argument") == before + 1
+    after = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="invalid_argument")
+    assert after == before + 1
 
 
+@pytest.mark.slow
 def test_gauges_follow_a_running_stream_and_its_cancellation(server, client: Client, tokenizer) -> None:
     port = server.running.metrics_port
     before = scrape(port)
@@ -139,3 +113,30 @@ def test_gauges_follow_a_running_stream_and_its_cancellation(server, client: Cli
     assert value(after, "meshserve_e2e_request_latency_seconds_count", pool="default") == value(
         before, "meshserve_e2e_request_latency_seconds_count", pool="default"
     )  # only completed requests have an end-to-end latency
+
+
+def test_the_docstring_lists_every_metric_with_its_labels_and_every_finish_reason() -> None:
+    """service/metrics.py's docstring (the source of the docs) names each metric the registry
+    exports as ``name{labels}`` with exactly its labels, and each finish_reason value."""
+    import service.metrics
+
+    doc = service.metrics.__doc__ or ""
+    documented: dict[str, list[str]] = {}
+    for line in doc.splitlines():
+        if line.strip().startswith("meshserve_"):
+            name, _, labels = line.split()[0].partition("{")
+            documented[name] = sorted(labels.rstrip("}").split(",")) if labels else []
+    m = Metrics()
+    m.track_pool("default", 2, lambda: 0, lambda: 0, lambda: 0)
+    m.set_layout("default", "single", 1, 1, "heads")
+    m.rejected.labels(pool="", code="unavailable").inc()
+    exported: dict[str, list[str]] = {}
+    for family in m.registry.collect():
+        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+        exported[family.name + suffix] = sorted({k for s in family.samples for k in s.labels if k != "le"})
+    assert len(exported) == 15
+    assert documented == exported
+    assert exported["meshserve_requests_rejected_total"] == ["code", "pool"]
+    assert exported["meshserve_serving"] == []
+    for reason in FINISH_REASONS:
+        assert re.search(rf"^\s+{reason}\s{{2,}}\S", doc, re.MULTILINE), reason

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import status_of
 
 from model.gguf_file import field_value, open_gguf
 from model.tokenizer import Tokenizer
@@ -29,15 +30,6 @@ UNICODE = [("user", "Repeat exactly, nothing else: 你好，世界！🙂👍�
 
 def gen(client: Client, **kwargs: object) -> StreamResult:
     return client.generate(make_request(**kwargs), timeout_s=TIMEOUT_S)
-
-
-def status_of(client: Client, req: pb.GenerateRequest, timeout_s: float = TIMEOUT_S) -> tuple[grpc.StatusCode, str]:
-    """Run a request to the end; return its final status code and details."""
-    try:
-        client.generate(req, timeout_s=timeout_s)
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details() or ""
-    return grpc.StatusCode.OK, ""
 
 
 def assert_well_formed(r: StreamResult, tokenizer: Tokenizer, max_tokens: int) -> None:

@@ -40,11 +40,13 @@ def _has_numeral(text: str) -> bool:
     return any(unicodedata.category(c).startswith("N") for c in text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES["encode"], ids=_id)
 def test_encode_matches_llama_cpp(tok: Tokenizer, case: dict) -> None:
     assert tok.encode(case["text"]) == case["llama_cpp_ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES["encode"], ids=_id)
 def test_encode_matches_transformers_except_digit_split(tok: Tokenizer, case: dict) -> None:
     if case["ids"] == case["llama_cpp_ids"]:
@@ -54,6 +56,7 @@ def test_encode_matches_transformers_except_digit_split(tok: Tokenizer, case: di
         assert _has_numeral(case["text"]), f"transformers {case['ids']} != llama.cpp {case['llama_cpp_ids']}"
 
 
+@pytest.mark.slow
 def test_digit_split_differs_from_transformers(tok: Tokenizer) -> None:
     # "x  1": llama.cpp and the original SmolLM2 tokenizer give [x, ĠĠ, 1]; transformers [x, Ġ, Ġ, 1].
     case = next(c for c in CASES["encode"] if c["text"] == "x  1")
@@ -61,18 +64,21 @@ def test_digit_split_differs_from_transformers(tok: Tokenizer) -> None:
     assert case["ids"] == [104, 216, 216, 33]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES["encode"], ids=_id)
 def test_decode_matches_reference(tok: Tokenizer, case: dict) -> None:
     assert tok.decode(case["ids"]) == case["decode"]
     assert tok.decode(case["ids"], skip_special_tokens=False) == case["decode_keep_special"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES["decode"], ids=lambda c: str(c["ids"])[:40])
 def test_decode_of_arbitrary_ids_matches_reference(tok: Tokenizer, case: dict) -> None:
     assert tok.decode(case["ids"]) == case["decode"]
     assert tok.decode(case["ids"], skip_special_tokens=False) == case["decode_keep_special"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case", CASES["chat"], ids=lambda c: f"{len(c['messages'])}msg-agp{c['add_generation_prompt']}"
 )
@@ -88,6 +94,7 @@ def test_fixture_has_enough_cases() -> None:
     assert {"transformers", "torch", "tokenizers", "llama_cpp_python"} <= CASES["meta"].keys()
 
 
+@pytest.mark.slow
 def test_special_ids_and_metadata(tok: Tokenizer) -> None:
     assert tok.vocab_size == 49152
     assert tok.bos_id == 1
@@ -98,6 +105,7 @@ def test_special_ids_and_metadata(tok: Tokenizer) -> None:
     assert tok.decode([1, 2, 0]) == ""
 
 
+@pytest.mark.slow
 def test_chat_prompt_ids(tok: Tokenizer) -> None:
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     assert text.endswith("<|im_start|>assistant\n")
@@ -158,6 +166,7 @@ def test_unsupported_pre_tokenizer_raises(tmp_path: Path) -> None:
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "t.gguf", pre="qwen2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_golden_prompts_encode_like_reference(tok: Tokenizer, i: int) -> None:
     import numpy as np

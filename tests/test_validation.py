@@ -1,11 +1,13 @@
-"""service.validation.validate with the real SmolLM2 tokenizer: every bad field is rejected with an
-InvalidRequest naming it, and unset fields get the documented defaults."""
+"""service.validation.validate with the tiny model's byte-level BPE tokenizer (``tests/tiny_gguf.py``,
+264 ids, ChatML template): every bad field is rejected with an InvalidRequest naming it, and unset
+fields get the documented defaults."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+from tiny_gguf import VOCAB_SIZE
 
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
@@ -14,6 +16,8 @@ from service.validation import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     InvalidRequest,
     ValidatedRequest,
     validate,
@@ -21,6 +25,11 @@ from service.validation import (
 
 MAX_SEQ_LEN = 1024
 DEFAULT_MAX_TOKENS = 512
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer: Tokenizer) -> Tokenizer:
+    return tiny_tokenizer
 
 
 def check(
@@ -62,16 +71,16 @@ def test_empty_token_ids_are_rejected(tokenizer: Tokenizer) -> None:
     assert rejected(req, tokenizer).startswith("token_ids:")
 
 
-@pytest.mark.parametrize("bad", [49152, 10**6, -1])
+@pytest.mark.parametrize("bad", [VOCAB_SIZE, 10**6, -1])
 def test_token_id_out_of_range_is_rejected(tokenizer: Tokenizer, bad: int) -> None:
-    assert tokenizer.vocab_size == 49152
+    assert tokenizer.vocab_size == VOCAB_SIZE == 264
     msg = rejected(make_request(token_ids=[1, 2, bad, 3]), tokenizer)
-    assert msg.startswith("token_ids:") and str(bad) in msg and "49152" in msg
+    assert msg.startswith("token_ids:") and str(bad) in msg and "264" in msg
 
 
 def test_token_ids_at_the_vocab_edges_are_accepted(tokenizer: Tokenizer) -> None:
-    v = check(make_request(token_ids=[0, 49151], max_tokens=1), tokenizer)
-    assert v.prompt_ids == [0, 49151]
+    v = check(make_request(token_ids=[0, VOCAB_SIZE - 1], max_tokens=1), tokenizer)
+    assert v.prompt_ids == [0, VOCAB_SIZE - 1]
 
 
 def test_bad_chat_role_is_rejected(tokenizer: Tokenizer) -> None:
@@ -149,6 +158,21 @@ def test_negative_top_k_is_rejected(tokenizer: Tokenizer, value: int) -> None:
 def test_empty_stop_string_is_rejected(tokenizer: Tokenizer) -> None:
     msg = rejected(make_request(prompt="Hi", stop=["ok", ""]), tokenizer)
     assert msg.startswith("stop[1]:")
+
+
+def test_stop_strings_are_bounded_in_number_and_length(tokenizer: Tokenizer) -> None:
+    assert (MAX_STOP_STRINGS, MAX_STOP_CHARS) == (16, 256)  # as protos/meshserve/v1/meshserve.proto says
+    v = check(make_request(prompt="Hi", stop=[f"s{i}" for i in range(16)]), tokenizer)
+    assert len(v.stop) == 16
+    msg = rejected(make_request(prompt="Hi", stop=[f"s{i}" for i in range(17)]), tokenizer)
+    assert msg == "stop: at most 16 stop strings, got 17"
+    assert (
+        rejected(make_request(prompt="Hi", stop=["x"] * 10_000), tokenizer)
+        == "stop: at most 16 stop strings, got 10000"
+    )
+    assert check(make_request(prompt="Hi", stop=["é" * 256]), tokenizer).stop == ("é" * 256,)  # characters, not bytes
+    msg = rejected(make_request(prompt="Hi", stop=["ok", "x" * 257]), tokenizer)
+    assert msg == "stop[1]: at most 256 characters per stop string, got 257"
 
 
 def test_edge_values_are_accepted(tokenizer: Tokenizer) -> None:

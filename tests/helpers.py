@@ -1,0 +1,58 @@
+"""Helpers shared by the test modules (``tests/`` is on ``sys.path`` under pytest):
+``from helpers import free_port, status_of, scrape, value, wait_for``."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status_of(client, req, timeout_s: float = 180.0) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    """Run a Generate request to the end; its final status code and details."""
+    try:
+        client.generate(req, timeout_s=timeout_s)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def scrape(port: int) -> Samples:
+    """Every sample of ``http://127.0.0.1:port/metrics``: {(name, labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        body = resp.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """One sample of ``scrape``'s result (0.0 when absent)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` every 50 ms until it is true or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())

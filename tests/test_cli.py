@@ -1,0 +1,172 @@
+"""The ``meshserve`` commands' help, output and errors: every flag of serve, health, generate,
+chat and fetch has help text; fetch checks a local model; generate ends stdout with a newline;
+serve on a taken port (gRPC or metrics) prints one line naming it and exits 1; a CPU-only serve
+logs no "Unable to initialize backend"."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.cli import _end_line, build_parser, main
+
+REPO = Path(__file__).resolve().parent.parent
+OWN_COMMANDS = ("serve", "health", "generate", "chat", "fetch")
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", OWN_COMMANDS)
+def test_every_flag_has_help_text(command: str) -> None:
+    sub = subcommands()[command]
+    flags = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(flags) >= 2
+    missing = [a.option_strings or a.dest for a in flags if not a.help]
+    assert missing == []
+
+
+def test_serve_help_explains_host_port_and_max_queue(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--host HOST address to listen on" in out
+    assert "--port PORT gRPC port (default 50051; 0 = any free port)" in out
+    assert "--max-queue MAX_QUEUE most requests waiting for a slot" in out
+
+
+def test_fetch_of_a_missing_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-file.gguf"
+    assert main(["fetch", "--model", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"meshserve fetch: error: model file or directory not found: {missing}\n"
+
+
+def test_fetch_of_a_file_that_is_not_gguf_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model\n")
+    assert main(["fetch", "--model", str(text)]) == 1
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err == f"meshserve fetch: error: {text} is not a GGUF file (it does not start with the bytes b'GGUF')\n"
+    )
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    assert main(["fetch", "--model", str(folder)]) == 1
+    assert "a directory without config.json" in capsys.readouterr().err
+
+
+def test_fetch_of_a_gguf_prints_its_path(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fetch", "--model", str(tiny_gguf)]) == 0
+    assert capsys.readouterr().out == f"{tiny_gguf}\n"
+
+
+def test_generate_ends_stdout_with_a_newline(tiny_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from service.client import Client, make_request
+
+    # At temperature 100 the tiny model's answer is random bytes; this seed's ends without a newline.
+    req = make_request(chat=[("user", "hi")], max_tokens=6, temperature=100.0, seed=2)
+    client = Client(tiny_server.address)
+    try:
+        text = client.generate(req, timeout_s=60).text
+    finally:
+        client.close()
+    assert text and not text.endswith("\n")
+    argv = ["generate", "--address", tiny_server.address, "--temperature", "100", "--seed", "2", "--max-tokens", "6"]
+    assert main([*argv, "hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == text + "\n"
+    assert err.startswith("[FINISH_REASON_LENGTH; ") and "+ 6 generated tokens" in err
+
+
+def test_generate_refused_prints_only_the_error(tiny_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--address", tiny_server.address, "--top-p", "5", "hi"])
+    assert str(info.value) == "meshserve: INVALID_ARGUMENT: top_p: must be in (0, 1], got 5.0"
+    assert capsys.readouterr().out == ""  # nothing streamed, no empty line
+
+
+def test_end_line_adds_a_newline_only_when_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    _end_line(["Paris", "."])
+    _end_line(["line\n"])
+    _end_line([])
+    assert capsys.readouterr().out == "\n\n"
+
+
+@pytest.fixture()
+def taken_port() -> Iterator[int]:
+    """A port another process-like listener holds (bound as gRPC binds, listening)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def serve(tiny_gguf: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_gguf), *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_serve_on_a_taken_port_is_one_clear_line(tiny_gguf: Path, taken_port: int) -> None:
+    r = serve(tiny_gguf, "--port", str(taken_port), "--metrics-port", "0")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (
+        f"meshserve serve: error: port {taken_port} on 127.0.0.1 is in use (another 'meshserve serve' or another "
+        "program holds it); pick a free one with --port (0 = any free port)\n"
+    )
+
+
+def test_serve_on_a_taken_metrics_port_is_one_clear_line(tiny_gguf: Path, taken_port: int) -> None:
+    r = serve(tiny_gguf, "--port", "0", "--metrics-port", str(taken_port))
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == (
+        f"meshserve serve: error: metrics port {taken_port} on 127.0.0.1 is in use (a second server needs its own "
+        "metrics port); pick a free one with --metrics-port, or --metrics-port 0 for no metrics\n"
+    )
+
+
+def test_a_cpu_only_start_logs_no_backend_it_could_not_start() -> None:
+    """With JAX_PLATFORMS unset JAX probes every backend it knows; the ones absent (TPU here) are
+    not logged, while the xla_bridge logger's warnings still are."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = (
+        "import logging\n"
+        "from service.cli import configure_serve_logging\n"
+        "configure_serve_logging()\n"
+        "import jax\n"
+        "print(jax.devices()[0].platform)\n"
+        "logging.getLogger('jax._src.xla_bridge').warning('a real problem')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "cpu\n"
+    assert "Unable to initialize backend" not in r.stderr
+    assert "WARNING jax._src.xla_bridge: a real problem" in r.stderr
+    # Without the setting, the same start does log it (so the check above means something).
+    plain = code.replace("configure_serve_logging()", "logging.basicConfig(level=logging.INFO)")
+    r = subprocess.run([sys.executable, "-c", plain], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert "Unable to initialize backend 'tpu'" in r.stderr
+
+
+def test_a_taken_admin_port_is_refused_before_the_model_loads(taken_port: int) -> None:
+    import asyncio
+
+    from service.server import PortInUse, ServerConfig, start_server
+
+    cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, admin_token="t", admin_port=taken_port)
+    with pytest.raises(PortInUse) as info:
+        asyncio.run(start_server(cfg))  # the model path is never looked at
+    assert str(info.value) == f"admin port {taken_port} on 127.0.0.1 is in use; pick a free one with --admin-port"

@@ -46,7 +46,7 @@ test-fast: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy model sharding service
+	$(BIN)/mypy model sharding service benchmarks
 
 # Regenerate the committed Python stubs from protos/meshserve/v1/*.proto.
 protos: venv

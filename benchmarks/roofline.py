@@ -656,7 +656,7 @@ def format_table(rows: list[tuple[str, Roofline]]) -> str:
 def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``meshserve roofline`` (``service/cli.py`` makes the subcommand)."""
     p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--cache-dir")
+    p.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     p.add_argument(
         "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
     )

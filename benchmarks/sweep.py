@@ -515,7 +515,7 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     """The ``meshserve sweep`` flags."""
     p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--cache-dir")
+    p.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     p.add_argument("--random", action="store_true", help="random weights at the model's shapes (speed is the same)")
     p.add_argument("--tiny", action="store_true", help="random weights at LlamaConfig.tiny()'s shapes (smoke tests)")
     p.add_argument("--layouts", nargs="+", help="presets or DxM (default: 1x1, 1xN and Nx1 over the N devices)")

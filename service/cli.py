@@ -412,10 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ly = sub.add_parser("layouts", help="list the layout presets with predicted bytes per device")
     ly.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
-    ly.add_argument("--cache-dir")
-    ly.add_argument("--num-slots", "--slots", dest="num_slots", type=int, default=8)
-    ly.add_argument("--max-seq-len", type=int, default=2048)
-    ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ly.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
+    ly.add_argument(
+        "--num-slots",
+        "--slots",
+        dest="num_slots",
+        type=int,
+        default=8,
+        help="decode slots to size the KV cache for (%(default)s)",
+    )
+    ly.add_argument("--max-seq-len", type=int, default=2048, help="tokens per slot (%(default)s)")
+    ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (%(default)s)")
     ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
     ly.set_defaults(func=cmd_layouts)
 

@@ -18,7 +18,7 @@ import pytest
 from service.cli import _end_line, build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
-OWN_COMMANDS = ("serve", "health", "generate", "chat", "fetch")
+COMMANDS = ("serve", "health", "generate", "chat", "fetch", "convert", "layouts", "roofline", "bench", "sweep")
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -27,7 +27,11 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(action.choices)
 
 
-@pytest.mark.parametrize("command", OWN_COMMANDS)
+def test_the_help_test_covers_every_command() -> None:
+    assert set(subcommands()) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_has_help_text(command: str) -> None:
     sub = subcommands()[command]
     flags = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]

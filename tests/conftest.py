@@ -112,10 +112,11 @@ def tiny_tokenizer(tiny_gguf: Path):  # type: ignore[no-untyped-def]
 def tiny_server(tiny_gguf: Path) -> Iterator:  # type: ignore[type-arg]
     """A real gRPC server on the tiny model (2 slots x 128 tokens, queue of 4, metrics on, Admin
     service with token ``TINY_ADMIN_TOKEN``), shared by a session."""
+    from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
 
     cfg = ServerConfig(
-        model=str(tiny_gguf), port=0, metrics_port=free_port(), num_slots=2, max_seq_len=128, chunk_size=32,
+        model=str(tiny_gguf), port=0, metrics_port=free_port(), engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32),
         max_queue=4, admin_token=TINY_ADMIN_TOKEN, admin_port=0,
     )  # fmt: skip
     srv = ServerThread(cfg).start()

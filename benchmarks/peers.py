@@ -39,10 +39,9 @@ An engine whose packages are missing is reported as "not installed"; none is eve
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
 set to the machine's core count; the workers are loaded one after another and then all stay up,
 so their timed runs interleave: for each B, round after round, every engine runs once while the
-others wait on their pipes (``measure_all``), never two at once. The shared machine's speed moves
-by minutes: measured in turn, minutes apart, the same commit read meshserve fp32 at B=64 as 2.30x
-and as 1.36x HF in two runs an hour apart; interleaved, a slow phase falls on every engine of its
-round. The machine's read bandwidth and float32 matmul rate are measured first (numpy), for
+others wait on their pipes (``measure_all``), never two at once. A shared machine's speed moves
+by minutes, so engines measured one after another, minutes apart, can be compared only loosely;
+interleaved, a slow phase falls on every engine of its round. The machine's read bandwidth and float32 matmul rate are measured first (numpy), for
 the table's header and the JSON.
 
 Against those two figures the table also gives, per engine, the MBU and MFU of decode at each B

@@ -38,13 +38,23 @@ def _deserializer(deserialize: Callable[[bytes], Any], type_name: str) -> Callab
     return parse
 
 
+async def _refuse(
+    request: Undecodable,
+    context: grpc.aio.ServicerContext,
+    method: str,
+    on_undecodable: Callable[[str], None] | None,
+) -> None:
+    """End the call with INVALID_ARGUMENT (``context.abort`` raises)."""
+    log.info("%s: rejected, INVALID_ARGUMENT: %s", method, request.message)
+    if on_undecodable is not None:
+        on_undecodable(method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
 def _checked_unary(behavior: Callable, method: str, on_undecodable: Callable[[str], None] | None) -> Callable:
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
-            log.info("%s: rejected, INVALID_ARGUMENT: %s", method, request.message)
-            if on_undecodable is not None:
-                on_undecodable(method)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await _refuse(request, context, method, on_undecodable)
         result = behavior(request, context)
         return await result if inspect.isawaitable(result) else result
 
@@ -58,10 +68,7 @@ def _checked_stream(behavior: Callable, method: str, on_undecodable: Callable[[s
 
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
-            log.info("%s: rejected, INVALID_ARGUMENT: %s", method, request.message)
-            if on_undecodable is not None:
-                on_undecodable(method)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await _refuse(request, context, method, on_undecodable)
         result = behavior(request, context)
         try:
             async for item in result:

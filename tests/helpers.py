@@ -1,5 +1,5 @@
 """Helpers shared by the test modules (``tests/`` is on ``sys.path`` under pytest):
-``from helpers import free_port, status_of, scrape, value, wait_for``."""
+``from helpers import free_port, status_of, scrape, value, wait_for, cpu_flags``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,3 +57,14 @@ def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(predicate())
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 Linux; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -235,23 +234,7 @@ def test_load_jsonl_rejects_malformed_lines(tmp_path: Path, line: str, message: 
         load_jsonl(tmp_path / "missing.jsonl", (7, 7), np.random.default_rng(0))
 
 
-# ---- against a real server on a tiny random model ------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:  # type: ignore[type-arg]
-    from tiny_gguf import write_tiny_llama_gguf
-
-    from service.engine import EngineConfig
-    from service.server import ServerConfig, ServerThread
-
-    model = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-    cfg = ServerConfig(
-        model=str(model), port=0, metrics_port=0, engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32)
-    )
-    srv = ServerThread(cfg).start()
-    yield srv
-    srv.stop()
-
-
+# ---- against a real server on a tiny random model (conftest's tiny_server) -----------------------------
 def _check_sane(report: dict, n: int) -> None:
     assert report["num_requests"] == n and report["completed"] == n and report["failed"] == 0
     assert report["output_tokens"] > 0 and report["prompt_tokens"] > 0

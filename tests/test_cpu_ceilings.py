@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import cpu_flags
 
 spec = importlib.util.spec_from_file_location(
     "cpu_ceilings", Path(__file__).parent.parent / "benchmarks" / "cpu_ceilings.py"
@@ -20,19 +21,9 @@ ceilings = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ceilings)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 # -march targets the probe must build and run for: this CPU, and AVX2 (x86-64-v3) wherever the
 # CPU runs AVX2 code (on an AVX-512 machine that exercises the probe's AVX2 path).
-MARCHES = ["native"] + (["x86-64-v3"] if {"avx2", "fma"} <= _cpu_flags() else [])
+MARCHES = ["native"] + (["x86-64-v3"] if {"avx2", "fma"} <= cpu_flags() else [])
 
 
 @pytest.fixture(scope="module", params=MARCHES)
@@ -42,7 +33,7 @@ def probe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def test_probe_vectors_are_one_register_of_the_target(probe: Path) -> None:
     # AVX-512: 24 chains of 16 floats (zmm); AVX (x86-64-v3 and AVX2 CPUs): 12 of 8 (ymm)
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if "probe-x86-64-v3-" in probe.parent.name:
         expected = (8, 12)
     else:

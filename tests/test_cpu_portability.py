@@ -13,23 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cpu_flags
 
 from model import native_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-RUNS_AVX2 = platform.machine() in native_kernels.SUPPORTED_MACHINES and {"avx2", "fma"} <= _cpu_flags()
+RUNS_AVX2 = platform.machine() in native_kernels.SUPPORTED_MACHINES and {"avx2", "fma"} <= cpu_flags()
 
 # The kernel-level checks (no engine, no real model): every kernel, each tile-size branch.
 CHECKS = [
@@ -69,7 +60,7 @@ def test_isa_is_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64")
     assert native_kernels.isa() == "other"  # SSE2 only
     monkeypatch.delenv(native_kernels.MARCH_ENV)
-    flags = _cpu_flags()
+    flags = cpu_flags()
     assert native_kernels.isa() == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
 
 

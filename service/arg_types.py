@@ -34,3 +34,18 @@ positive_int = at_least(1)
 nonnegative_int = at_least(0)
 positive_float = at_least(0.0, float, strict=True)
 nonnegative_float = at_least(0.0, float)
+
+
+def port_number(text: str) -> int:
+    """A TCP port flag: an integer from 0 (any free port, or off where the flag says so) to 65535.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of that range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
+    return value

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.arg_types import nonnegative_float, port_number, positive_float, positive_int
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
@@ -149,17 +151,36 @@ def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
     return "".join(parts), finish
 
 
+def _wait_serving(client: Any, seconds: float) -> None:
+    """``client.wait_serving(seconds)`` when asked; not SERVING in time is one line, exit 1."""
+    if seconds:
+        try:
+            client.wait_serving(seconds)
+        except TimeoutError as exc:
+            print(f"meshserve: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+def _request(make: Any, **fields: Any) -> Any:
+    """``make(**fields)`` (``service.client.make_request``); a value the request's field cannot
+    hold (a negative seed, a max_tokens past uint32) is a one-line usage error, exit 2."""
+    try:
+        return make(**fields)
+    except (ValueError, TypeError) as exc:
+        print(f"meshserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from service.client import Client, make_request
 
     client = Client(args.address)
-    if args.wait:
-        client.wait_serving(args.wait)
+    _wait_serving(client, args.wait)
     if args.raw:
-        request = make_request(prompt=args.prompt, **_sampling(args))
+        request = _request(make_request, prompt=args.prompt, **_sampling(args))
     else:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
-        request = make_request(chat=chat, **_sampling(args))
+        request = _request(make_request, chat=chat, **_sampling(args))
     _stream_to_terminal(client, request)
     return 0
 
@@ -168,8 +189,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from service.client import Client, make_request
 
     client = Client(args.address)
-    if args.wait:
-        client.wait_serving(args.wait)
+    _wait_serving(client, args.wait)
     history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
     print("meshserve chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
     while True:
@@ -181,7 +201,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         history.append(("user", line))
         sys.stdout.write("assistant> ")
-        answer, _ = _stream_to_terminal(client, make_request(chat=history, **_sampling(args)))
+        answer, _ = _stream_to_terminal(client, _request(make_request, chat=history, **_sampling(args)))
         history.append(("assistant", answer))
     return 0
 
@@ -328,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     s.add_argument("--host", help="address to listen on, for gRPC and metrics (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="gRPC port (default 50051; 0 = any free port)")
+    s.add_argument("--port", type=port_number, help="gRPC port (default 50051; 0 = any free port)")
     s.add_argument("--layout", help="layout preset name or YAML path (see 'meshserve layouts')")
     s.add_argument("--num-slots", "--slots", dest="num_slots", type=int, help="decode slots")
     s.add_argument("--max-seq-len", type=int, help="tokens per slot: prompt + generated")
@@ -358,23 +378,28 @@ def build_parser() -> argparse.ArgumentParser:
         "bf16x3 on AMX tiles (float32 weights as two bfloat16 halves; JAX's Precision.HIGH; needs AMX-BF16)",
     )
     s.add_argument("--warmup-full", action="store_true", help="compile every shape variant before SERVING")
-    s.add_argument("--metrics-port", type=int, help="Prometheus metrics HTTP port (default 9400; 0 = off)")
+    s.add_argument("--metrics-port", type=port_number, help="Prometheus metrics HTTP port (default 9400; 0 = off)")
     s.add_argument(
         "--grace-period",
         dest="grace_period_s",
-        type=float,
+        type=nonnegative_float,
         help="seconds streams may finish after SIGTERM (default 10)",
     )
     s.add_argument(
-        "--stall-timeout", dest="stall_timeout_s", type=float, help="seconds without engine progress = stalled (120)"
+        "--stall-timeout",
+        dest="stall_timeout_s",
+        type=positive_float,
+        help="seconds without engine progress = stalled (120)",
     )
-    s.add_argument("--watchdog-interval", dest="watchdog_interval_s", type=float, help="health re-check period (0.5)")
+    s.add_argument(
+        "--watchdog-interval", dest="watchdog_interval_s", type=positive_float, help="health re-check period (0.5)"
+    )
     s.add_argument("--pool", action="append", help="NAME=LAYOUT[:DEVICES] engine pool on its own devices (repeatable)")
     s.add_argument(
         "--admin-token", help="enable the Admin service (layouts, live switch) with this token ($MESHSERVE_ADMIN_TOKEN)"
     )
     s.add_argument("--admin-host", help="Admin service address (default 127.0.0.1)")
-    s.add_argument("--admin-port", type=int, help="Admin service port (default 50052)")
+    s.add_argument("--admin-port", type=port_number, help="Admin service port (default 50052)")
     s.set_defaults(func=cmd_serve)
 
     h = sub.add_parser("health", help="wait until a server reports SERVING (exit 0) or give up (exit 1)")
@@ -417,11 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-slots",
         "--slots",
         dest="num_slots",
-        type=int,
-        default=8,
-        help="decode slots to size the KV cache for (%(default)s)",
+        type=positive_int,
+        default=4,
+        help="decode slots to size the KV cache for (%(default)s, as serve's default)",
     )
-    ly.add_argument("--max-seq-len", type=int, default=2048, help="tokens per slot (%(default)s)")
+    ly.add_argument("--max-seq-len", type=positive_int, default=2048, help="tokens per slot (%(default)s)")
     ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (%(default)s)")
     ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
     ly.set_defaults(func=cmd_layouts)

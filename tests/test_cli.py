@@ -174,3 +174,45 @@ def test_a_taken_admin_port_is_refused_before_the_model_loads(taken_port: int) -
     with pytest.raises(PortInUse) as info:
         asyncio.run(start_server(cfg))  # the model path is never looked at
     assert str(info.value) == f"admin port {taken_port} on 127.0.0.1 is in use; pick a free one with --admin-port"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "99999"],
+        ["serve", "--metrics-port", "-1"],
+        ["serve", "--admin-port", "70000"],
+        ["serve", "--grace-period", "-1"],
+        ["serve", "--stall-timeout", "0"],
+        ["layouts", "--slots", "0"],
+    ],
+)
+def test_out_of_range_serve_and_layouts_flags_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument " in err and argv[1] in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--seed", "-1"], ["--seed", str(2**64)], ["--max-tokens", "-5"], ["--top-k", str(2**40)]],
+)
+def test_a_value_the_request_cannot_hold_is_one_line(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Caught before anything is sent: no server listens on port 1."""
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "hi", "--address", "127.0.0.1:1", *flags])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshserve: error: ") and err.count("\n") == 1, err
+
+
+def test_generate_waiting_for_no_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "hi", "--address", "127.0.0.1:1", "--wait", "1"])
+    assert done.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("meshserve: ") and "SERVING" in err and err.count("\n") == 1, err

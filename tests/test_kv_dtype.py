@@ -128,7 +128,7 @@ def test_layouts_command_gives_the_kv_bytes_in_the_cache_dtype(
     8 x 2048 x 11520 x 4 bytes = 754.97 MB in float32 and 377.5 MB in bfloat16."""
     kv_mb = {}
     for kv in ("auto", "bfloat16"):
-        assert main(["layouts", "--model", str(smollm2_gguf), "--kv-dtype", kv]) == 0
+        assert main(["layouts", "--model", str(smollm2_gguf), "--slots", "8", "--kv-dtype", kv]) == 0
         out = capsys.readouterr().out
         line = next(x for x in out.splitlines() if x.startswith("single "))
         kv_mb[kv] = float(line.split("MB")[1].split()[-1])

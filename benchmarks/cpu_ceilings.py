@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/cpu_ceilings.py` from a checkout
 
 from benchmarks.roofline import measure_cpu  # noqa: E402
+from model import native_kernels  # noqa: E402
 
 PROBE = r"""
 // meshserve benchmarks/cpu_ceilings.py probe: "fma THREADS ITERS" and "read THREADS BYTES"
@@ -150,9 +150,7 @@ def build(out_dir: Path, march: str = "native") -> Path:
     Raises:
         RuntimeError: no C++ compiler, or it failed (its message attached).
     """
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the probe")
+    cxx = native_kernels.compiler()
     src, exe = out_dir / "probe.cc", out_dir / "probe"
     src.write_text(PROBE)
     cmd = [cxx, "-O3", f"-march={march}", "-std=c++17", str(src), "-o", str(exe), "-pthread"]

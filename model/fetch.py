@@ -118,30 +118,3 @@ def resolve_model(model: str | None, cache: str | Path | None = None) -> Path:
     if not (path.is_file() or path.is_dir()):
         raise FileNotFoundError(f"model file or directory not found: {path}")
     return path
-
-
-GGUF_MAGIC = b"GGUF"
-
-
-def check_model(path: str | Path) -> None:
-    """Cheap check (no weights read, no JAX) that ``path`` is something ``serve --model`` loads:
-    a file that starts with the GGUF magic bytes, or a directory with a ``config.json`` (a
-    converted checkpoint or a Hugging Face model directory; ``model.loader.model_format``).
-
-    Raises:
-        FileNotFoundError: the path does not exist.
-        ValueError: a file that is not GGUF, or a directory without ``config.json``.
-    """
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"{path} is a directory without config.json: neither a meshserve checkpoint nor a Hugging Face model"
-            )
-        return
-    if not path.is_file():
-        raise FileNotFoundError(f"model file or directory not found: {path}")
-    with path.open("rb") as f:
-        magic = f.read(len(GGUF_MAGIC))
-    if magic != GGUF_MAGIC:
-        raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r})")

@@ -74,27 +74,36 @@ class LoadedModel:
     tokenizer: Tokenizer | None = None
 
 
+GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
+
+
 def model_format(path: str | Path) -> str:
     """Which reader ``path`` needs: "gguf" (a file), "checkpoint" (a directory written by
     ``meshserve convert``) or "hf" (a Hugging Face model directory with ``config.json``).
 
-    Raises:
-        FileNotFoundError: the path does not exist, or is a directory of neither kind.
-    """
-    from model.checkpoint import is_checkpoint  # imports orbax
+    Reads only a file's first bytes (the GGUF magic) and a directory's listing; orbax is imported
+    only for a directory.
 
+    Raises:
+        FileNotFoundError: the path does not exist, or is a directory without ``config.json``.
+        ValueError: a file that does not start with the GGUF magic bytes.
+    """
     p = Path(path)
     if p.is_file():
+        with p.open("rb") as f:
+            if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                raise ValueError(f"{p} is not a GGUF file (it does not start with the bytes {GGUF_MAGIC!r})")
         return "gguf"
     if not p.is_dir():
         raise FileNotFoundError(f"model not found: {p}")
-    if is_checkpoint(p):
-        return "checkpoint"
-    if (p / "config.json").is_file():
-        return "hf"
-    raise FileNotFoundError(
-        f"{p} is neither a meshserve checkpoint nor a Hugging Face model directory (no config.json)"
-    )
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{p} is a directory without config.json: neither a meshserve checkpoint nor a Hugging Face "
+            "model directory (no config.json)"
+        )
+    from model.checkpoint import is_checkpoint  # imports orbax
+
+    return "checkpoint" if is_checkpoint(p) else "hf"
 
 
 def read_model_config(path: str | Path) -> LlamaConfig:

@@ -103,6 +103,18 @@ def library_path() -> Path:
     return cache_dir() / "native" / f"meshserve-kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
+def compiler() -> str:
+    """The C++ compiler to build with: ``$CXX``, else ``g++``, else ``c++`` on the PATH.
+
+    Raises:
+        RuntimeError: none of them is there.
+    """
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler: install g++ or set $CXX")
+    return cxx
+
+
 def build(path: Path) -> None:
     """Compile the kernels into ``path`` (atomically: a temporary file renamed into place).
 
@@ -110,9 +122,7 @@ def build(path: Path) -> None:
         RuntimeError: no C++ compiler, or the compiler failed (its output in the message).
         ValueError: ``$MESHSERVE_NATIVE_MARCH`` is not a -march value.
     """
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
+    cxx = compiler()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
@@ -138,10 +148,7 @@ def isa() -> str:
     target = march()
     with _lock:
         if target not in _isa:
-            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-            if not cxx:
-                raise RuntimeError("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
-            cmd = [cxx, f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull]
+            cmd = [compiler(), f"-march={target}", "-dM", "-E", "-x", "c++", os.devnull]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

@@ -209,12 +209,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Print the model's path: the default model (downloaded on first use), or ``--model`` once it
     is checked to be a GGUF file or a model directory."""
-    from model.fetch import FetchError, check_model, resolve_model
+    from model.fetch import FetchError, resolve_model
+    from model.loader import model_format
 
     try:
         path = resolve_model(args.model, args.cache_dir)
         if args.model not in (None, "", "default"):
-            check_model(path)
+            model_format(path)
     except (OSError, ValueError, FetchError) as exc:
         print(f"meshserve fetch: error: {exc}", file=sys.stderr)
         return 1

@@ -29,12 +29,24 @@ class RequestState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
-    """Validated sampling parameters of one request (see ``model.sampling``)."""
+    """Validated sampling parameters of one request (see ``model.sampling``).
+
+    The penalties follow their sources: ``presence_penalty`` and ``frequency_penalty`` are
+    OpenAI's (subtracted from the logit of every id already generated: once, and once per
+    occurrence), ``repetition_penalty`` is CTRL's (Keskar et al. 2019, §4.1, as Hugging Face's
+    ``RepetitionPenaltyLogitsProcessor``: the logit of every id in the prompt or the output is
+    divided by it when positive, multiplied when negative; 1 disables it). ``min_p`` keeps the
+    ids whose probability is at least ``min_p`` times the most likely one's (0 disables it).
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,9 @@ class Request:
         eos_ids: ids that end generation (excluded from the output).
         logprobs: None, or how many top alternatives (0..TOP_LOGPROBS) to return with each
             generated id's log-probability.
+        min_tokens: EOS ids are not sampled (and stop strings do not end the request) before
+            this many ids are generated.
+        ignore_eos: generation goes on past EOS ids (they are then ordinary output ids).
     """
 
     request_id: str
@@ -89,6 +104,8 @@ class Request:
     emit: Callable[[Chunk], None]
     eos_ids: frozenset[int]
     logprobs: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None

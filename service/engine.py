@@ -6,6 +6,15 @@ Two jitted programs, each with explicit in/out shardings and the KV cache donate
   the first generated token sampled when the chunk is the prompt's last;
 * ``decode``: one token for every slot.
 
+Both also take and return (donated) the ids each slot's request has seen
+(``model.sampling.TokenHistory``: counts of generated ids and a mask of prompt ids, [S, V]
+each, replicated), which the penalties read: a request's first prefill chunk clears its slot's
+row, every chunk adds its ids to the prompt mask, and every decode step counts the id it is fed
+for each active slot. That id is the one the slot's previous step sampled (read on the device
+when it has not reached the host yet), so when a step samples, the counts hold exactly the ids
+generated so far: the prefill's first token and every decode step's, all but the one being
+drawn.
+
 Shape variants are bounded: prefill buckets are powers of two from ``MIN_BUCKET`` up to the
 chunk size (times two attention windows: none for a first chunk, the whole cache for later
 chunks); decode attends to a power-of-two window of the cache that covers the longest live
@@ -17,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Collection
 from functools import partial
 from typing import Any
 
@@ -29,7 +39,15 @@ from model import cpu_argmax, cpu_attention, cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, panel_weights, prefill, stack_layers, unstack_layers
-from model.sampling import SamplingParams, first_argmax, sample, seed_to_key
+from model.sampling import (
+    SamplingParams,
+    TokenHistory,
+    count_generated,
+    first_argmax,
+    record_prompt,
+    sample,
+    seed_to_key,
+)
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
@@ -286,6 +304,9 @@ class Engine:
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
         self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.kv_dtype), out_shardings=cache_sh)()
+        # The ids each slot's request has seen, for the penalties: [S, V] each, replicated (the
+        # penalties act on whole rows of the logits, which the steps return replicated too).
+        self.history = jax.jit(partial(TokenHistory.zeros, S, cfg.vocab_size), out_shardings=self.repl)()
         one_cpu = engine_cfg.layers == "unrolled" and self.mesh.devices.size == 1 and platform == "cpu"
         self.native_attention = (
             one_cpu
@@ -364,7 +385,8 @@ class Engine:
             # garbage collection, e.g. the old one after a live layout switch.
             graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
 
-            def run(params, panels, cache, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
+            def run(params, panels, cache, history, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
+                history = record_prompt(history, slot, tokens, true_len, start == 0)
                 model = nnx.merge(graphdef, params)
                 logits, cache = prefill(
                     model,
@@ -377,15 +399,15 @@ class Engine:
                     native_attention=native_attention,
                     panels=panels,
                 )
-                token = sample(logits[None], sp, (start + true_len)[None], argmax)
-                return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache
+                token = sample(logits[None], sp, (start + true_len)[None], argmax, history.row(slot))
+                return pack_step(logits[None], token, jnp.any(sp.logprobs)), logits, cache, history
 
             r = self.repl
             self._prefill_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r),
-                out_shardings=(r, r, self._cache_sh),
-                donate_argnums=(2,),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r),
+                out_shardings=(r, r, self._cache_sh, r),
+                donate_argnums=(2, 3),
             )
         return self._prefill_fns[kv_len]
 
@@ -395,14 +417,17 @@ class Engine:
             # reference cycle, which kept each engine (weights, KV cache) alive until a full
             # garbage collection, e.g. the old one after a live layout switch.
             graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
+            idle = self.ecfg.max_seq_len  # the position of an idle slot
 
-            def run(params, panels, cache, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
+            def run(params, panels, cache, history, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
                 # Each slot's input id comes from the host (source 0), from the previous decode
                 # step's output (1) or from the previous prefill's output (2), so the next step
                 # can be dispatched before the previous one's ids reach the host.
                 from_decode = prev_decode[:, 0].astype(jnp.int32)
                 from_prefill = jnp.broadcast_to(prev_prefill[0, 0].astype(jnp.int32), host_tokens.shape)
                 tokens = jnp.select([source == 1, source == 2], [from_decode, from_prefill], host_tokens)
+                # Each active slot's input is the id its previous step generated: count it.
+                history = count_generated(history, tokens, positions < idle)
                 model = nnx.merge(graphdef, params)
                 logits, cache = decode_step(
                     model,
@@ -413,38 +438,60 @@ class Engine:
                     native_attention=native_attention,
                     panels=panels,
                 )
-                next_ids = sample(logits, sp, positions + 1, argmax)
-                return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache
+                next_ids = sample(logits, sp, positions + 1, argmax, history)
+                return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
 
             r = self.repl
             self._decode_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r),
-                out_shardings=(r, r, self._cache_sh),
-                donate_argnums=(2,),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r, r),
+                out_shardings=(r, r, self._cache_sh, r),
+                donate_argnums=(2, 3),
             )
         return self._decode_fns[kv_len]
 
     # ---- steps -----------------------------------------------------------------------------
-    def set_sampling(self, slot: int, options: SamplingOptions, logprobs: bool = False) -> None:
+    def set_sampling(
+        self, slot: int, options: SamplingOptions, logprobs: bool = False, eos_ids: Collection[int] = ()
+    ) -> None:
         """Install a request's sampling parameters in its slot (host arrays; no recompile);
-        ``logprobs``: the request wants log-probabilities computed."""
+        ``logprobs``: the request wants log-probabilities computed; ``eos_ids``: the ids a step
+        called with ``ban_eos`` set for the slot may not pick (the request's ``eos_ids``).
+
+        More EOS ids than any request so far widens the per-slot array to the next power of two
+        (the steps then compile once more for the new shape)."""
         self._sp["temperature"][slot] = options.temperature
         self._sp["top_k"][slot] = options.top_k
         self._sp["top_p"][slot] = options.top_p
         self._sp["keys"][slot] = seed_to_key(options.seed)
         self._sp["logprobs"][slot] = logprobs
+        self._sp["presence_penalty"][slot] = options.presence_penalty
+        self._sp["frequency_penalty"][slot] = options.frequency_penalty
+        self._sp["repetition_penalty"][slot] = options.repetition_penalty
+        self._sp["min_p"][slot] = options.min_p
+        ids = sorted(eos_ids)
+        width = self._sp["eos_ids"].shape[1]
+        if len(ids) > width:
+            wider = np.full((self.ecfg.num_slots, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
+            wider[:, :width] = self._sp["eos_ids"]
+            self._sp["eos_ids"] = wider
+        self._sp["eos_ids"][slot] = -1
+        self._sp["eos_ids"][slot, : len(ids)] = ids
 
-    def _slot_sampling(self, slot: int) -> SamplingParams:
-        return SamplingParams(**{k: v[slot : slot + 1] for k, v in self._sp.items()})
+    def _slot_sampling(self, slot: int, ban_eos: bool) -> SamplingParams:
+        sp = {k: v[slot : slot + 1] for k, v in self._sp.items()}
+        sp["ban_eos"] = np.array([ban_eos])
+        return SamplingParams(**sp)
 
-    def prefill(self, slot: int, tokens: list[int], start: int) -> StepOutput:
+    def prefill(self, slot: int, tokens: list[int], start: int, ban_eos: bool = False) -> StepOutput:
         """Write prompt tokens at positions [start, start + len(tokens)) of ``slot``.
 
         Args:
             slot: the slot being filled.
             tokens: 1..chunk_size prompt ids.
-            start: position of tokens[0]; later chunks attend to the slot's cached prefix.
+            start: position of tokens[0]; later chunks attend to the slot's cached prefix. A
+                chunk at 0 starts a request: it clears the slot's history (the ids seen).
+            ban_eos: the sampled first token may not be one of the slot's EOS ids.
 
         Returns:
             The step's output for one row (the slot): the sampled first token, its log-probs, and
@@ -458,15 +505,16 @@ class Engine:
         padded = np.zeros(bucket, np.int32)
         padded[:n] = tokens
         kv_len = 0 if start == 0 else self.ecfg.max_seq_len
-        packed, logits, self.cache = self._prefill_fn(kv_len)(
+        packed, logits, self.cache, self.history = self._prefill_fn(kv_len)(
             self.params,
             self._prefill_panels,
             self.cache,
+            self.history,
             padded,
             np.int32(start),
             np.int32(n),
             np.int32(slot),
-            self._slot_sampling(slot),
+            self._slot_sampling(slot, ban_eos),
         )
         return StepOutput(packed, logits[None])
 
@@ -477,6 +525,7 @@ class Engine:
         source: np.ndarray | None = None,
         prev_decode: StepOutput | None = None,
         prev_prefill: StepOutput | None = None,
+        ban_eos: np.ndarray | None = None,
     ) -> StepOutput:
         """One decode step for all slots.
 
@@ -488,6 +537,8 @@ class Engine:
                 1 row ``slot`` of ``prev_decode``, 2 row 0 of ``prev_prefill`` (still on the
                 device: the caller need not wait for the previous step).
             prev_decode, prev_prefill: the previous step's outputs, when ``source`` uses them.
+            ban_eos: [S] bool or None (all False): the slot's sampled id may not be one of its
+                EOS ids (``set_sampling``).
 
         Returns:
             One row per slot (dispatch is async; rows of idle slots are meaningless).
@@ -496,17 +547,19 @@ class Engine:
         live = positions[positions < self.ecfg.max_seq_len]
         need = int(live.max()) + 1 if live.size else 1
         kv_len = pick_bucket(need, self.decode_windows)
-        sp = SamplingParams(**{k: v.copy() for k, v in self._sp.items()})
-        packed, logits, self.cache = self._decode_fn(kv_len)(
+        sp = {k: v.copy() for k, v in self._sp.items()}
+        sp["ban_eos"] = np.zeros(S, bool) if ban_eos is None else ban_eos.astype(bool)
+        packed, logits, self.cache, self.history = self._decode_fn(kv_len)(
             self.params,
             self._decode_panels,
             self.cache,
+            self.history,
             tokens.astype(np.int32),
             np.zeros(S, np.int32) if source is None else source.astype(np.int32),
             prev_decode.packed if prev_decode is not None else self._no_decode,
             prev_prefill.packed if prev_prefill is not None else self._no_prefill,
             positions.astype(np.int32),
-            sp,
+            SamplingParams(**sp),
         )
         return StepOutput(packed, logits)
 
@@ -542,7 +595,8 @@ class Engine:
 
         The weights move device to device (``jax.device_put`` to the new shardings), unless
         ``params`` (e.g. restored from a checkpoint into the new shardings) are given; the new
-        engine has its own zeroed KV cache until ``adopt_state`` moves the live one. Safe to call
+        engine has its own zeroed KV cache and token history until ``adopt_state`` moves the
+        live ones. Safe to call
         from another thread while this engine keeps stepping (it only reads the weights).
 
         Raises:
@@ -551,9 +605,10 @@ class Engine:
         return Engine(self.cfg, self.graphdef, self.params if params is None else params, layout, self.ecfg, devices)
 
     def adopt_state(self, old: Engine) -> None:
-        """Take over ``old``'s live KV cache (moved to this mesh) and per-slot sampling state.
-        Call between two steps of ``old``, on the thread that steps it."""
+        """Take over ``old``'s live KV cache and token history (moved to this mesh) and per-slot
+        sampling state. Call between two steps of ``old``, on the thread that steps it."""
         self.cache = jax.device_put(old.cache, self._cache_sh)
+        self.history = jax.device_put(old.history, self.repl)
         self._sp = {k: v.copy() for k, v in old._sp.items()}
 
     # ---- facts -------------------------------------------------------------------------------

@@ -37,6 +37,13 @@ def token_logprob(host: HostStep, row: int, top_n: int | None) -> TokenLogprob |
     return TokenLogprob(token_id=int(host.ids[row]), logprob=float(host.logprob[row]), top=top)
 
 
+def bans_eos(request: Request) -> bool:
+    """Whether the id ``request``'s next dispatched step samples may not be an EOS id: it has
+    sampled fewer than ``min_tokens`` ids and does not ignore EOS (an ignored EOS id is an
+    ordinary output id, so nothing needs banning)."""
+    return not request.ignore_eos and request.sampled < request.min_tokens
+
+
 class EngineUnavailable(Exception):
     """The engine loop is not running (not started, stopped, or died)."""
 
@@ -218,7 +225,9 @@ class EngineLoop:
         not depend on their results: cached lengths, slot states, sampled-token counts.
 
         A decoding slot whose last id came from the still-running previous step reads it on the
-        device (``Engine.decode``'s ``source``), so no host round trip separates two steps.
+        device (``Engine.decode``'s ``source``), so no host round trip separates two steps. A
+        request's EOS ids are banned from the ids its steps sample while it has fewer than
+        ``min_tokens`` of them (``sampled`` counts them at dispatch), unless it ignores EOS.
         """
         if self.step_hook is not None:
             self.step_hook(plan)
@@ -231,9 +240,11 @@ class EngineLoop:
         if chunk is not None:
             request = chunk.request
             if request.num_cached == 0:
-                engine.set_sampling(chunk.slot, request.sampling, logprobs=request.logprobs is not None)
+                engine.set_sampling(
+                    chunk.slot, request.sampling, logprobs=request.logprobs is not None, eos_ids=request.eos_ids
+                )
             ids = request.prompt_ids[chunk.start : chunk.start + chunk.length]
-            prefill_out = engine.prefill(chunk.slot, ids, chunk.start)
+            prefill_out = engine.prefill(chunk.slot, ids, chunk.start, ban_eos=bans_eos(request))
             request.num_cached += chunk.length
             if chunk.is_last:
                 request.state = RequestState.DECODING
@@ -246,9 +257,11 @@ class EngineLoop:
             tokens = np.zeros(S, np.int32)
             positions = np.full(S, T, np.int32)
             source = np.zeros(S, np.int32)
+            ban = np.zeros(S, bool)
             for r in plan.decode:
                 assert r.slot is not None
                 positions[r.slot] = r.num_cached
+                ban[r.slot] = bans_eos(r)
                 if prev is not None and r.last_token_from == ("decode", number - 1):
                     source[r.slot] = 1
                 elif prev is not None and r.last_token_from == ("prefill", number - 1):
@@ -264,6 +277,7 @@ class EngineLoop:
                 source,
                 prev.decode_out if prev is not None else None,
                 prev.prefill_out if prev is not None else None,
+                ban,
             )
         return DispatchedStep(plan, prefill_out, decode_out, time.perf_counter())
 

@@ -88,12 +88,17 @@ class Request:
         sampling: sampling parameters.
         text: detokenizer and stop-string matcher for this request's output.
         emit: called from the engine thread with each Chunk (must not block).
-        eos_ids: ids that end generation (excluded from the output).
+        eos_ids: ids that end generation (excluded from the output), unless ``ignore_eos``.
         logprobs: None, or how many top alternatives (0..TOP_LOGPROBS) to return with each
             generated id's log-probability.
         min_tokens: EOS ids are not sampled (and stop strings do not end the request) before
-            this many ids are generated.
-        ignore_eos: generation goes on past EOS ids (they are then ordinary output ids).
+            this many ids are generated: the engine loop bans the ``eos_ids`` on the device
+            while ``sampled < min_tokens``, and the text of the first ``min_tokens - 1`` ids
+            is not searched for stop strings (vLLM's rule: a stop string can end the request
+            from its ``min_tokens``-th id on).
+        ignore_eos: generation goes on past EOS ids (they are then ordinary output ids,
+            counted and detokenized like any other: a special id's text is empty), to
+            ``max_tokens`` or a stop string.
     """
 
     request_id: str
@@ -132,15 +137,16 @@ class Request:
         return len(self.prompt_ids)
 
     def accept_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
-        """Record one sampled id: check EOS, stop strings and max_tokens, and emit a chunk
-        (with ``logprob`` attached when the request asked for log-probabilities)."""
+        """Record one sampled id: check EOS (unless ``ignore_eos``), stop strings (from the
+        ``min_tokens``-th id on) and max_tokens, and emit a chunk (with ``logprob`` attached
+        when the request asked for log-probabilities)."""
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
-        if token_id in self.eos_ids:
+        if token_id in self.eos_ids and not self.ignore_eos:
             self.finish(FinishReason.EOS)
             return
         self.output_ids.append(token_id)
-        delta, stopped = self.text.push(token_id)
+        delta, stopped = self.text.push(token_id, check_stop=len(self.output_ids) >= self.min_tokens)
         lps = [logprob] if logprob is not None and self.logprobs is not None else []
         if stopped:
             self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)

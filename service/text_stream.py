@@ -62,11 +62,17 @@ class TextStream:
         self._detok = detokenizer
         self._matcher = StopStringMatcher(stop) if stop else None
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Text delta for one more id, and whether a stop string has now matched."""
+    def push(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Text delta for one more id, and whether a stop string has now matched.
+
+        ``check_stop`` False: the text is not searched for stop strings (a request's ids before
+        its ``min_tokens``-th): it is sent at once, with any text still held, and a stop string
+        that begins in it and ends later is not matched either."""
         text = self._detok.push(token_id)
         if self._matcher is None:
             return text, False
+        if not check_stop:
+            return self._matcher.flush() + text, False
         return self._matcher.feed(text)
 
     def finish(self) -> str:

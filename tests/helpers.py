@@ -1,5 +1,5 @@
 """Helpers shared by the test modules (``tests/`` is on ``sys.path`` under pytest):
-``from helpers import free_port, status_of, scrape, value, wait_for, cpu_flags``."""
+``from helpers import free_port, status_of, scrape, value, wait_for, cpu_flags, penalized``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[tuple[str, frozenset], float]
@@ -68,3 +70,24 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def penalized(
+    logits: np.ndarray,
+    prompt: list[int],
+    generated: list[int],
+    repetition: float = 1.0,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+) -> np.ndarray:
+    """Reference penalized logits [V] float32 of one row of raw ``logits`` [V]: Hugging Face's
+    ``RepetitionPenaltyLogitsProcessor`` over prompt + generated ids, then OpenAI's documented
+    ``mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence`` (c: the counts of the
+    generated ids) in numpy float32. Skips the test when transformers (or torch) is missing."""
+    torch = pytest.importorskip("torch")
+    processors = pytest.importorskip("transformers.generation.logits_process")
+    input_ids = torch.tensor([list(prompt) + list(generated)])
+    scores = torch.tensor(np.asarray(logits, np.float32)[None])
+    mu = processors.RepetitionPenaltyLogitsProcessor(penalty=repetition)(input_ids, scores).numpy()[0]
+    c = np.bincount(np.asarray(generated, np.int64), minlength=len(mu)).astype(np.float32)
+    return mu - c * np.float32(frequency) - (c > 0).astype(np.float32) * np.float32(presence)

@@ -147,6 +147,7 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Eng
         engine.params,
         engine._decode_panels,
         engine.cache,
+        engine.history,
         zeros_i,  # host tokens
         zeros_i,  # source
         np.zeros((S, width), np.float32),  # previous decode output

@@ -17,13 +17,14 @@ sample_jit = jax.jit(sample)
 
 
 def _params(temperature, top_k, top_p, seeds) -> SamplingParams:  # type: ignore[no-untyped-def]
-    return SamplingParams(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_k=jnp.asarray(top_k, jnp.int32),
-        top_p=jnp.asarray(top_p, jnp.float32),
-        keys=jnp.asarray(np.stack([seed_to_key(s) for s in seeds])),
-        logprobs=jnp.zeros(len(seeds), bool),
+    host = SamplingParams.host(len(seeds))
+    host.update(
+        temperature=np.asarray(temperature, np.float32),
+        top_k=np.asarray(top_k, np.int32),
+        top_p=np.asarray(top_p, np.float32),
+        keys=np.stack([seed_to_key(s) for s in seeds]),
     )
+    return SamplingParams(**{k: jnp.asarray(v) for k, v in host.items()})
 
 
 def _logits(rows: int, seed: int = 0) -> jax.Array:

@@ -25,7 +25,12 @@ class FakeDetokenizer:
 
 
 def make_request(
-    rid: str, prompt_len: int = 3, max_tokens: int = 8, stop: Sequence[str] = ()
+    rid: str,
+    prompt_len: int = 3,
+    max_tokens: int = 8,
+    stop: Sequence[str] = (),
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
 ) -> tuple[Request, list[Chunk]]:
     chunks: list[Chunk] = []
     req = Request(
@@ -36,6 +41,8 @@ def make_request(
         text=TextStream(FakeDetokenizer(), stop),
         emit=chunks.append,
         eos_ids=frozenset({EOS}),
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
     )
     return req, chunks
 
@@ -274,6 +281,38 @@ def test_stop_string_on_the_last_allowed_token_reports_stop_string() -> None:
     r.accept_token(10)  # "Hello" contains "lo" and is also the max_tokens-th token
     assert r.finish_reason is FinishReason.STOP_STRING
     assert "".join(c.text for c in chunks) == "XHel"
+
+
+def test_ignore_eos_makes_eos_an_ordinary_output_id() -> None:
+    r, chunks = make_request("r", max_tokens=3, ignore_eos=True)
+    for token in (5, EOS, 6):
+        r.accept_token(token)
+    assert r.finish_reason is FinishReason.LENGTH and r.output_ids == [5, EOS, 6]
+    assert [c.token_ids for c in chunks] == [[5], [EOS], [6]] and chunks[-1].completion_tokens == 3
+    assert "".join(c.text for c in chunks) == "a<|im_end|>b"  # the fake detokenizer spells every id
+
+
+def test_stop_strings_end_a_request_from_its_min_tokens_th_id_on() -> None:
+    """vLLM's rule: the text of the first min_tokens - 1 ids is not searched for stop strings
+    (it is sent as it comes); from the min_tokens-th id on, a stop string ends the request."""
+    r, chunks = make_request("r", max_tokens=10, stop=["b"], min_tokens=3)
+    r.accept_token(6)  # "b", the 1st id: not searched
+    r.accept_token(6)  # the 2nd: not searched
+    assert r.state is not RequestState.FINISHED and [c.text for c in chunks] == ["b", "b"]
+    r.accept_token(6)  # the 3rd: "b" ends it, and is not sent
+    assert r.finish_reason is FinishReason.STOP_STRING and r.output_ids == [6, 6, 6]
+    assert "".join(c.text for c in chunks) == "bb"
+    # A stop string that starts in unsearched text is not matched when it completes later.
+    r, chunks = make_request("r", max_tokens=4, stop=["o wo"], min_tokens=2)
+    for token in (10, 11, 5, 6):  # "Hello", " wor": "o wo" spans the 1st and 2nd ids
+        r.accept_token(token)
+    assert r.finish_reason is FinishReason.LENGTH
+    assert "".join(c.text for c in chunks) == "Hello worab"
+    # min_tokens 0 and 1 search from the first id, as without min_tokens.
+    for min_tokens in (0, 1):
+        r, chunks = make_request("r", max_tokens=10, stop=["b"], min_tokens=min_tokens)
+        r.accept_token(6)
+        assert r.finish_reason is FinishReason.STOP_STRING and r.output_ids == [6]
 
 
 def test_finish_is_idempotent_and_cancel_after_finish_emits_nothing() -> None:

@@ -129,3 +129,19 @@ def sample(
         return jnp.where(sp.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda _: greedy, None)
+
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request that asks for several (``n``), from the
+    request's 64-bit ``seed``: ``seed`` itself for index 0 (so n = 1 samples as before), else
+    splitmix64's mix of ``seed + index * golden gamma`` (Steele et al. 2014, §3), so the n seed
+    streams are distinct and each depends only on (seed, index). Returns an int in [0, 2**64)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

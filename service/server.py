@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +41,20 @@ from prometheus_client import start_http_server
 from model.config import LlamaConfig
 from model.fetch import resolve_model
 from model.loader import ShardingsFn, load_model, model_format
+from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
 from service.engine import Engine, EngineConfig
+from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
 from service.loop import EngineLoop, EngineUnavailable
 from service.metrics import Metrics
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
 from service.request import Chunk, FinishReason, Request, RequestState
 from service.scheduler import QueueFull, Scheduler, StepPlan
 from service.text_stream import TextStream
-from service.validation import InvalidRequest, validate
+from service.validation import InvalidRequest, ValidatedRequest, validate
 from service.wire import add_servicer
 from sharding.layouts import Layout, load_layout
 from sharding.mesh import make_mesh
@@ -581,80 +583,152 @@ class GenerationService(pb_grpc.GenerationServicer):
         info.platform, info.device_kind = device.platform, device.device_kind
         return info
 
-    async def _reject(
-        self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str, pool: str = ""
-    ) -> None:
-        """Refuse a Generate call; ``pool`` is the pool it was meant for ("" before one was chosen)."""
-        log.info("request %s: rejected, %s: %s", rid, code.name, details)
-        self.metrics.rejected.labels(pool=pool, code=code.name.lower()).inc()
-        await context.abort(code, details)
-
     def count_undecodable(self, method: str) -> None:
         """Metrics for a Generate call whose bytes did not parse (``service.wire``)."""
         if method.endswith("/Generate"):
-            self.metrics.rejected.labels(pool="", code="invalid_argument").inc()
+            self.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
 
+    # ---- the generation core both APIs share -------------------------------------------------
+    def open(
+        self,
+        rid: str,
+        route: Callable[[], Pool],
+        prepare: Callable[[Tokenizer], ValidatedRequest],
+    ) -> Generation:
+        """Admit one request and start its n sequences; call on the event loop's thread.
+
+        The checks run cheapest first, so that a burst is refused before any tokenizing: the
+        model is loaded, the server is accepting, ``route()`` picks the pool, the pool can serve,
+        its queue has room; only then ``prepare(tokenizer)`` tokenizes and validates. Sequence
+        i gets its own ``Request`` with the seed ``sequence_seed(seed, i)``; all are submitted
+        at once (each prefills the prompt itself: no KV sharing yet) and tracked in
+        ``inflight`` until the ``Generation`` is closed. Each sequence records its own metrics
+        when it ends. A refusal is logged and counted in ``meshserve_requests_rejected_total``
+        under the pool it was meant for ("" before ``route()`` chose one).
+
+        Args:
+            rid: the request's id (logs; sequence i > 0 of n logs as ``rid.i``).
+            route: the pool the request names; raises ``Refused`` (INVALID_ARGUMENT or
+                NOT_FOUND) when it names none.
+            prepare: the validated request; raises ``InvalidRequest`` (or ``Refused``).
+
+        Raises:
+            Refused: UNAVAILABLE (loading, shutting down, the pool's loop died or stalled),
+                RESOURCE_EXHAUSTED (the queue is full, or has no room for all n sequences),
+                INVALID_ARGUMENT or NOT_FOUND (from ``route`` and ``prepare``).
+        """
+        pool_name = ""
+        try:
+            tok = self.tokenizer
+            if tok is None or not self.pools:
+                raise Refused(Refusal.UNAVAILABLE, "the model is still loading")
+            if not self.accepting:
+                raise Refused(Refusal.UNAVAILABLE, "the server is shutting down")
+            pool = route()
+            pool_name = pool.name
+            problem = self.pool_problem(pool)
+            if problem is not None:
+                raise Refused(Refusal.UNAVAILABLE, f"pool {pool.name}: {problem}")
+            full = pool.loop.queue_full()  # before tokenizing: a burst is refused cheaply (submit re-checks)
+            if full is not None:
+                raise Refused(Refusal.RESOURCE_EXHAUSTED, full)
+            try:
+                v = prepare(tok)
+            except InvalidRequest as exc:
+                raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
+            generation = self._start(pool, v, rid, tok)
+        except Refused as exc:
+            log.info("request %s: rejected, %s: %s", rid, exc.code.name, exc.message)
+            self.metrics.rejected.labels(pool=pool_name, code=exc.code.value).inc()
+            raise
+        log.info(
+            "request %s: %d prompt tokens, max_tokens %d, n %d, pool %s",
+            rid, len(v.prompt_ids), v.max_tokens, v.n, pool.name,
+        )  # fmt: skip
+        return generation
+
+    def _start(self, pool: Pool, v: ValidatedRequest, rid: str, tok: Tokenizer) -> Generation:
+        """Submit the n sequences of ``v`` to ``pool`` (see ``open``).
+
+        Raises:
+            Refused: RESOURCE_EXHAUSTED or UNAVAILABLE from the pool's loop; the sequences
+                submitted before it are cancelled (and counted nowhere: the request never ran).
+        """
+        chunks: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        requests: list[Request] = []
+        refused = threading.Event()  # set when a later sequence was refused: the earlier ones record nothing
+
+        def emitter(index: int) -> Callable[[Chunk], None]:
+            recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
+
+            def emit(chunk: Chunk) -> None:  # engine thread (or the watchdog, on the event loop)
+                final = chunk.finish_reason is not None or chunk.error is not None
+                if final and not refused.is_set() and recorded.acquire(blocking=False):
+                    self._record_finished(pool.name, requests[index], chunk)
+                aloop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
+
+            return emit
+
+        for i in range(v.n):
+            requests.append(
+                Request(
+                    request_id=rid if v.n == 1 else f"{rid}.{i}",
+                    prompt_ids=v.prompt_ids,
+                    max_tokens=v.max_tokens,
+                    sampling=dataclasses.replace(v.sampling, seed=sequence_seed(v.sampling.seed, i)),
+                    text=TextStream(tok.detokenizer(), v.stop),
+                    emit=emitter(i),
+                    eos_ids=tok.eos_ids,
+                    logprobs=v.logprobs,
+                    min_tokens=v.min_tokens,
+                    ignore_eos=v.ignore_eos,
+                )
+            )
+        inflight = self.inflight.setdefault(pool.name, set())
+        for req in requests:
+            try:
+                pool.loop.submit(req)
+            except (QueueFull, EngineUnavailable) as exc:
+                refused.set()
+                for earlier in requests:
+                    earlier.cancel()
+                    inflight.discard(earlier)
+                if isinstance(exc, QueueFull):
+                    more = f" (no room for all {v.n} sequences)" if v.n > 1 else ""
+                    raise Refused(Refusal.RESOURCE_EXHAUSTED, f"{exc}{more}") from None
+                raise Refused(Refusal.UNAVAILABLE, f"pool {pool.name}: {exc}") from None
+            inflight.add(req)
+
+        def forget(g: Generation) -> None:
+            for req in g.requests:
+                inflight.discard(req)
+
+        return Generation(rid, pool.name, requests, chunks, forget)
+
+    # ---- RPCs ---------------------------------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex[:16]
-        tok = self.tokenizer
-        if tok is None or not self.pools:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if not self.accepting:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        assert tok is not None
-        try:
-            pool = self.find_pool(request.layout)
-        except InvalidRequest as exc:
-            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        problem = self.pool_problem(pool)
-        if problem is not None:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}", pool.name)
-        full = pool.loop.queue_full()  # before tokenizing: a burst is refused cheaply (submit re-checks)
-        if full is not None:
-            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, full, pool.name)
-        try:
-            v = validate(request, tok, self.cfg.engine.max_seq_len, self.cfg.default_max_tokens)
-        except InvalidRequest as exc:
-            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), pool.name)
-        chunks: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-        recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
 
-        def emit(chunk: Chunk) -> None:  # engine thread (or the watchdog, on the event loop)
-            if (chunk.finish_reason is not None or chunk.error is not None) and recorded.acquire(blocking=False):
-                self._record_finished(pool.name, req, chunk)
-            aloop.call_soon_threadsafe(chunks.put_nowait, chunk)
+        def route() -> Pool:
+            try:
+                return self.find_pool(request.layout)
+            except InvalidRequest as exc:
+                raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
 
-        req = Request(
-            request_id=rid,
-            prompt_ids=v.prompt_ids,
-            max_tokens=v.max_tokens,
-            sampling=v.sampling,
-            text=TextStream(tok.detokenizer(), v.stop),
-            emit=emit,
-            eos_ids=tok.eos_ids,
-            logprobs=v.logprobs,
-        )
-        inflight = self.inflight.setdefault(pool.name, set())
+        def prepare(tok: Tokenizer) -> ValidatedRequest:
+            cfg = self.cfg
+            return validate(request, tok, cfg.engine.max_seq_len, cfg.default_max_tokens, cfg.max_queue)
+
         try:
-            pool.loop.submit(req)
-        except QueueFull as exc:
-            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pool.name)
-        except EngineUnavailable as exc:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {exc}", pool.name)
-        inflight.add(req)
-        log.info(
-            "request %s: %d prompt tokens, max_tokens %d, pool %s", rid, len(v.prompt_ids), v.max_tokens, pool.name
-        )
+            generation = self.open(rid, route, prepare)
+        except Refused as exc:
+            await context.abort(GRPC_CODES[exc.code], exc.message)
         try:
-            while True:
-                chunk = await chunks.get()
-                if chunk.error is not None:
-                    log.warning("request %s: failed: %s", rid, chunk.error)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, chunk.error)
-                resp = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=rid)
+            async for index, chunk in generation:
+                resp = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=rid, index=index)
                 for lp in chunk.logprobs:
                     resp.logprobs.add(
                         token_id=lp.token_id,
@@ -662,18 +736,19 @@ class GenerationService(pb_grpc.GenerationServicer):
                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
                     )
                 if chunk.finish_reason is not None:
-                    resp.finish_reason = chunk.finish_reason.value
+                    resp.finish_reason = chunk.finish_reason.value  # type: ignore[assignment]  # the stubs type it as the enum; its values are ints
                     resp.usage.prompt_tokens = chunk.prompt_tokens
                     resp.usage.completion_tokens = chunk.completion_tokens
-                yield resp
-                if chunk.finish_reason is not None:
                     log.info(
-                        "request %s: finished %s, %d tokens", rid, chunk.finish_reason.name, chunk.completion_tokens
-                    )
-                    return
+                        "request %s: sequence %d finished %s, %d tokens",
+                        rid, index, chunk.finish_reason.name, chunk.completion_tokens,
+                    )  # fmt: skip
+                yield resp
+        except StreamFailed as exc:
+            log.warning("request %s: failed: %s", rid, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
-            inflight.discard(req)
-            req.cancel()  # no-op when finished; frees the slot when the client went away
+            generation.close()  # no-op when finished; frees the slots when the client went away
 
 
 class RunningServer:

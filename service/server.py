@@ -1,5 +1,7 @@
 """The gRPC server: Generate (server-streaming), GetModelInfo, grpc.health.v1 and reflection,
-plus Prometheus metrics over HTTP (``service/metrics.py``).
+plus Prometheus metrics over HTTP (``service/metrics.py``) and, with ``http_port``, the
+OpenAI-compatible HTTP API (``service/http_server.py``) in the same event loop, on the same pools.
+Both APIs admit and stream through ``GenerationService.open``.
 
 Status codes, in one place:
     INVALID_ARGUMENT   a malformed or out-of-range field (the message names it), or request bytes
@@ -12,7 +14,8 @@ Status codes, in one place:
                        ``stall_timeout_s`` + 2 x ``watchdog_interval_s``) and streams still
                        running when the shutdown grace period ends
     CANCELLED / DEADLINE_EXCEEDED  set by gRPC when the client cancels or its deadline passes;
-                       the request's slot is freed within one engine step
+                       the request's slots are freed within one engine step
+(The HTTP API's statuses for the same cases: ``service/http_server.py``.)
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
 from service.engine import Engine, EngineConfig
 from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
+from service.http_server import HttpServer, bind
 from service.loop import EngineLoop, EngineUnavailable
 from service.metrics import Metrics
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
@@ -101,6 +105,9 @@ class ServerConfig:
         admin_host, admin_port: where the Admin service listens (loopback by default).
         metrics_port: Prometheus metrics over HTTP on ``host:metrics_port`` (path ``/metrics``);
             0 = off.
+        http_port: the OpenAI-compatible HTTP API (and ``/health``, ``/metrics``) on
+            ``host:http_port``; 0 = off, the default: a second public port is opened only when
+            asked for (``serve --http-port 8000``).
     """
 
     model: str | None = None
@@ -120,6 +127,7 @@ class ServerConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
     metrics_port: int = 9400
+    http_port: int = 0
 
 
 class ConfigError(ValueError):
@@ -146,6 +154,7 @@ _KEY_TYPES: dict[str, tuple[type, ...]] = {
     "admin_host": (str,),
     "admin_port": (int,),
     "metrics_port": (int,),
+    "http_port": (int,),
     "num_slots": (int,),
     "max_seq_len": (int,),
     "chunk_size": (int,),
@@ -305,9 +314,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.info: pb.ModelInfo | None = None
         self.accepting = True
         self.metrics = Metrics()
-        # Requests between submit and the end of their RPC, per pool name. Touched only on the
-        # event loop's thread; the watchdog fails them when their pool's loop dies or stalls.
+        # Requests between submit and the end of their RPC or HTTP response, per pool name. Touched
+        # only on the event loop's thread; the watchdog fails them when their pool's loop dies or
+        # stalls.
         self.inflight: dict[str, set[Request]] = {}
+        self.serving = False  # what health reports (RunningServer.set_health), for HTTP's /health
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -767,11 +778,14 @@ class RunningServer:
         self.admin_port: int | None = None
         self.metrics_httpd: Any = None  # the Prometheus HTTP server (None when metrics_port is 0)
         self.metrics_port: int | None = None
+        self.http: HttpServer | None = None  # the OpenAI-compatible API (None when http_port is 0)
+        self.http_port: int | None = None
 
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+        self.service.serving = serving
         self.service.metrics.serving.set(1 if serving else 0)
 
     async def watch(self, interval_s: float | None = None) -> None:
@@ -828,6 +842,8 @@ class RunningServer:
             self._watchdog.cancel()
         if self.admin_server is not None:
             await self.admin_server.stop(1.0)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(1.0)
         if self.metrics_httpd is not None:
             await asyncio.to_thread(self.metrics_httpd.shutdown)
@@ -865,6 +881,13 @@ def grpc_port_message(host: str, port: int) -> str:
     )
 
 
+def http_port_message(host: str, port: int) -> str:
+    return (
+        f"HTTP port {port} on {host} is in use (a second server needs its own HTTP port); "
+        "pick a free one with --http-port, or --http-port 0 for no HTTP API"
+    )
+
+
 def metrics_port_message(host: str, port: int) -> str:
     return (
         f"metrics port {port} on {host} is in use (a second server needs its own metrics port); "
@@ -873,18 +896,21 @@ def metrics_port_message(host: str, port: int) -> str:
 
 
 async def start_server(cfg: ServerConfig) -> RunningServer:
-    """Bind and start the gRPC server (health NOT_SERVING) and the metrics endpoint at once,
-    then load the model and compile; health turns SERVING when warm-up is done.
+    """Bind and start the gRPC server (health NOT_SERVING), the metrics endpoint and the HTTP API
+    at once, then load the model and compile; health turns SERVING when warm-up is done (until
+    then Generate is UNAVAILABLE and the HTTP API answers 503).
 
     Raises:
-        PortInUse: the gRPC or the metrics port is held by another process (checked before gRPC
-            binds, so no gRPC error is logged).
+        PortInUse: the gRPC, metrics, HTTP or Admin port is held by another process (checked
+            before gRPC binds, so no gRPC error is logged).
         RuntimeError: a port could not be bound; any load/compile error of ``service.load``.
     """
     if port_in_use(cfg.host, cfg.port):
         raise PortInUse(grpc_port_message(cfg.host, cfg.port))
     if cfg.metrics_port and port_in_use(cfg.host, cfg.metrics_port):
         raise PortInUse(metrics_port_message(cfg.host, cfg.metrics_port))
+    if cfg.http_port and port_in_use(cfg.host, cfg.http_port):
+        raise PortInUse(http_port_message(cfg.host, cfg.http_port))
     if cfg.admin_token and port_in_use(cfg.admin_host, cfg.admin_port):  # bound after loading: check now
         raise PortInUse(f"admin port {cfg.admin_port} on {cfg.admin_host} is in use; pick a free one with --admin-port")
     server = grpc.aio.server(options=NO_PORT_SHARING)
@@ -917,11 +943,17 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     await server.start()
     log.info("listening on %s:%d (NOT_SERVING until warm-up is done)", cfg.host, port)
     try:
+        if cfg.http_port:
+            running.http = await start_openai_api(service, cfg.host, cfg.http_port)
+            running.http_port = running.http.port
+            log.info("OpenAI-compatible API on http://%s:%d/v1", cfg.host, running.http_port)
         await asyncio.to_thread(service.load)
         if cfg.admin_token:
             running.admin_server, running.admin_port = await start_admin_server(service, cfg)
     except BaseException:
         await server.stop(0)
+        if running.http is not None:
+            await running.http.stop()
         if running.metrics_httpd is not None:
             running.metrics_httpd.shutdown()
             running.metrics_httpd.server_close()
@@ -929,6 +961,28 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     running._watchdog = asyncio.create_task(running.watch())
     log.info("SERVING on %s:%d", cfg.host, port)
     return running
+
+
+async def start_openai_api(service: GenerationService, host: str, port: int) -> HttpServer:
+    """Bind ``host:port`` and serve the OpenAI-compatible API on it (``service/http_server.py``).
+
+    Raises:
+        PortInUse: the port is held.
+        RuntimeError: it cannot be bound otherwise, or uvicorn failed to start.
+    """
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(http_port_message(host, port)) from exc
+        raise RuntimeError(f"could not bind the HTTP port {host}:{port}: {exc}") from exc
+    http = HttpServer(service, sock)
+    try:
+        await http.start()
+    except BaseException:
+        sock.close()
+        raise
+    return http
 
 
 async def serve_forever(cfg: ServerConfig) -> int:

@@ -212,19 +212,21 @@ def test_n_sequences_have_their_own_seeds_over_http_and_grpc(client: openai.Open
     # gRPC: every chunk says its sequence; each sequence ends once; sequence i's ids are those of
     # an n = 1 request seeded with sequence_seed(seed, i).
     req = make_request(token_ids=[7, 8, 9], max_tokens=6, temperature=3.0, seed=11, n=3)
-    by_index: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finished: list[int] = []
     for resp in grpc_client.stream(req, 60):
-        by_index[resp.index].extend(resp.token_ids)
         if resp.finish_reason:
             finished.append(resp.index)
-            assert resp.usage.completion_tokens == len(by_index[resp.index])
     assert sorted(finished) == [0, 1, 2]
-    for i in (1, 2):
+    runs = grpc_client.generate_all(req, 60)
+    assert [r.completion_tokens for r in runs] == [len(r.token_ids) for r in runs]
+    assert all(r.finish_reason != "FINISH_REASON_UNSPECIFIED" for r in runs)
+    for i in (0, 1, 2):
         solo = grpc_client.generate(
             make_request(token_ids=[7, 8, 9], max_tokens=6, temperature=3.0, seed=sequence_seed(11, i)), 60
         )
-        assert solo.token_ids == by_index[i]
+        assert solo.token_ids == runs[i].token_ids
+    with pytest.raises(ValueError, match="use generate_all"):
+        grpc_client.generate(req)
 
 
 def test_streamed_n_interleaves_choices_by_index(client: openai.OpenAI) -> None:

@@ -1,4 +1,7 @@
-"""``meshserve bench``: a gRPC load generator that reports serving latencies and throughput.
+"""``meshserve bench``: a load generator that reports serving latencies and throughput, over gRPC
+or over the OpenAI-compatible HTTP API (``--api openai``: the official ``openai`` client, streamed
+completions or chat completions with ``stream_options.include_usage``), or both against one server
+in one run (``--api both``: the same requests over gRPC, then over HTTP, and the two side by side).
 
 Load: ``concurrency`` closed-loop clients (each sends its next request when the previous one
 ends), or Poisson arrivals at ``rate`` requests/s (exponential gaps from a seeded generator;
@@ -8,6 +11,9 @@ exact, with ``max_tokens`` forced and greedy decoding (lengths fixed, ``N``, or 
 ``LO:HI``); or the prompts of a JSONL file (``{"prompt": ..., "max_tokens": ...}`` per line). EOS
 can end a request before ``max_tokens``: the report gives requested and generated counts.
 Warm-up requests run first and are not counted.
+
+Over HTTP every streamed event but a choice's last carries one token (the server sends one event per
+token, text or not); the last carries the rest of ``usage.completion_tokens`` (0 after EOS, else 1).
 
 Per request: TTFT (send to the first chunk with a token), inter-token latencies (the gap
 between consecutive chunks with tokens, split evenly over a chunk's tokens; tokens that arrive
@@ -50,6 +56,8 @@ from service.arg_types import nonnegative_float, nonnegative_int, positive_float
 from service.client import Client, make_request
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
+APIS = ("grpc", "openai")  # what one run speaks; --api both runs each
 
 PERCENTILES = (50, 90, 99)
 
@@ -246,8 +254,9 @@ def format_report(report: dict[str, Any]) -> str:
             else f"concurrency {cfg['concurrency']}"
         )
         server = report.get("server", {})
+        over = "" if cfg.get("api", "grpc") == "grpc" else f" over HTTP ({cfg['http_address']})"
         lines.append(
-            f"meshserve bench: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
+            f"meshserve bench{over}: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
             f"server {server.get('name', '?')}, layout {server.get('layout', '?')}, {server.get('num_slots', '?')} slots"
         )
     lines.append(
@@ -518,7 +527,9 @@ class BenchConfig:
         prompt_len, output_len: (lo, hi) token counts, uniform; output = ``max_tokens``.
         dataset: JSONL file of prompts (cycled if shorter than the run), instead of synthetic ones.
         temperature: 0 = greedy.
-        layout: engine pool (or layout name) to send the requests to.
+        layout: engine pool (or layout name) to send the requests to (over HTTP: the model id).
+        api: "grpc", or "openai" for the OpenAI-compatible HTTP API at ``http_address``.
+        http_address: host:port of the server's HTTP API (``serve --http-port``).
         timeout_s: deadline of each request.
         slo_ttft_ms, slo_tpot_ms: goodput SLO (None = no bound).
         hardware: roofline preset for the prediction, MBU and MFU ("auto": as ``meshserve sweep``
@@ -542,6 +553,8 @@ class BenchConfig:
     slo_tpot_ms: float | None = None
     hardware: str = "auto"
     progress: bool = True
+    api: str = "grpc"
+    http_address: str = DEFAULT_HTTP_ADDRESS
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.warmup < 0:
@@ -552,6 +565,8 @@ class BenchConfig:
             raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if not self.timeout_s > 0 or self.temperature < 0:
             raise ValueError(f"timeout must be > 0 s and temperature >= 0, got {self.timeout_s}, {self.temperature}")
         for name, bound in (("slo_ttft_ms", self.slo_ttft_ms), ("slo_tpot_ms", self.slo_tpot_ms)):
@@ -584,6 +599,79 @@ def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: Benc
     return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error, detail)
 
 
+@dataclasses.dataclass
+class OpenAIClient:
+    """The official client on the server's HTTP API and the model id that selects the pool."""
+
+    client: Any  # openai.OpenAI
+    model: str
+
+    @classmethod
+    def connect(cls, cfg: BenchConfig) -> OpenAIClient:
+        """A client on ``cfg.http_address`` (no retries: a refusal is recorded, not retried).
+
+        Raises:
+            ImportError: the ``openai`` package (the ``bench`` extra) is missing.
+            openai.APIError: ``/v1/models`` failed (the model id, when ``cfg.layout`` names none).
+        """
+        import openai
+
+        client = openai.OpenAI(
+            base_url=f"http://{cfg.http_address}/v1", api_key="unused", max_retries=0, timeout=cfg.timeout_s
+        )
+        model = cfg.layout or client.models.list().data[0].id
+        return cls(client, model)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def send_openai(oa: OpenAIClient, spec: RequestSpec, index: int, run_start: float, cfg: BenchConfig) -> RequestRecord:
+    """Send one request over the OpenAI-compatible API, streamed, and time its events (never
+    raises for an HTTP or stream error: it is recorded as ``HTTP <status>`` or the error's class).
+    Token ids and raw prompts go to ``/v1/completions``, chat turns to ``/v1/chat/completions``."""
+    import openai
+
+    common: dict[str, Any] = dict(
+        model=oa.model,
+        max_tokens=spec.max_tokens,
+        temperature=cfg.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-request-id": f"bench-{index}"},
+    )
+    chunks: list[tuple[float, int]] = []
+    finish, prompt_tokens, error, detail = "", spec.sent_prompt_tokens, None, ""
+    counted, last = 0, None  # tokens in the events before a choice's last, and the last's place
+    t0 = time.perf_counter()
+    try:
+        if spec.chat is not None:
+            messages = [{"role": r, "content": c} for r, c in spec.chat]
+            stream = oa.client.chat.completions.create(messages=messages, **common)
+        else:
+            prompt = list(spec.token_ids) if spec.token_ids is not None else spec.prompt
+            stream = oa.client.completions.create(prompt=prompt, **common)
+        for event in stream:
+            t = time.perf_counter() - t0
+            if event.usage is not None:
+                prompt_tokens = event.usage.prompt_tokens
+                if last is not None:  # the last event's tokens: what usage counts beyond the others
+                    chunks[last] = (chunks[last][0], event.usage.completion_tokens - counted)
+            for choice in event.choices:
+                if choice.finish_reason is not None:
+                    finish, last = choice.finish_reason, len(chunks)
+                    chunks.append((t, 0))
+                else:
+                    chunks.append((t, 1))
+                    counted += 1
+    except openai.APIStatusError as exc:
+        error, detail = f"HTTP {exc.status_code}", exc.message
+    except openai.APIError as exc:  # a connection error, or an error event mid-stream
+        error, detail = type(exc).__name__, exc.message
+    end = time.perf_counter() - t0
+    return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error, detail)
+
+
 def poisson_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:
     """Send times (seconds from the start) of ``n`` Poisson arrivals at ``rate``/s; the first at 0."""
     gaps = rng.exponential(1.0 / rate, size=max(n - 1, 0))
@@ -598,7 +686,8 @@ def run_specs(
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send ``specs`` (closed loop at ``cfg.concurrency``, or at ``offsets`` seconds from the
-    start); return the records in index order and the wall time from the first send to the last end."""
+    start) with ``client`` (a ``Client`` for gRPC, an ``OpenAIClient`` for ``cfg.api`` "openai");
+    return the records in index order and the wall time from the first send to the last end."""
     workers = cfg.concurrency if offsets is None else min(cfg.concurrency or len(specs), len(specs))
     workers = max(1, min(workers or 1, len(specs)))
     run_start = time.perf_counter()
@@ -614,7 +703,7 @@ def run_specs(
                 delay = run_start + offsets[i] - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            futures.append(pool.submit(send, client, spec, i, run_start, cfg))
+            futures.append(pool.submit(send if cfg.api == "grpc" else send_openai, client, spec, i, run_start, cfg))
             futures[-1].add_done_callback(done)
         # In index order; re-raises anything but a gRPC error (those are recorded).
         records = [fut.result() for fut in futures]
@@ -624,12 +713,15 @@ def run_specs(
 
 
 def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
-    """Run warm-up and measured requests against the server; return the report (JSON-ready).
+    """Run warm-up and measured requests against the server over ``cfg.api``; return the report
+    (JSON-ready). The model's facts come from gRPC's ``GetModelInfo`` at ``cfg.address`` in
+    either case.
 
     Raises:
         ValueError: a request would not fit the server's ``max_seq_len``, or a bad dataset.
         grpc.RpcError: ``GetModelInfo`` failed (no server, or not serving yet). Errors of the
             benchmark's own requests are recorded in the report instead.
+        openai.APIError: with ``api`` "openai", ``/v1/models`` failed.
     """
     from tqdm import tqdm
 
@@ -641,6 +733,7 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         from benchmarks.sweep import pick_hardware  # before the load: "auto" on a CPU measures it
 
         hardware, hardware_line = pick_hardware(cfg.hardware, info.platform, info.device_kind)
+        sender: Any = client if cfg.api == "grpc" else OpenAIClient.connect(cfg)
         rng = np.random.default_rng(cfg.seed)
         total = cfg.warmup + cfg.num_requests
         if cfg.dataset:
@@ -655,9 +748,11 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
             specs = synthetic_specs(total, cfg.prompt_len, cfg.output_len, info.vocab_size, rng, info.eos_token_ids)
         offsets = poisson_offsets(cfg.num_requests, cfg.rate, rng) if cfg.rate else None
         if cfg.warmup:
-            run_specs(client, specs[: cfg.warmup], dataclasses.replace(cfg, concurrency=cfg.concurrency or 1))
+            run_specs(sender, specs[: cfg.warmup], dataclasses.replace(cfg, concurrency=cfg.concurrency or 1))
         with tqdm(total=cfg.num_requests, desc="bench", unit="req", disable=not cfg.progress, leave=False) as bar:
-            records, duration = run_specs(client, specs[cfg.warmup :], cfg, offsets, on_done=lambda _r: bar.update())
+            records, duration = run_specs(sender, specs[cfg.warmup :], cfg, offsets, on_done=lambda _r: bar.update())
+        if sender is not client:
+            sender.close()
     finally:
         if own:
             client.close()
@@ -684,6 +779,52 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
     return report
 
 
+COMPARED = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
+
+
+def compare_reports(grpc_report: dict[str, Any], openai_report: dict[str, Any]) -> dict[str, Any]:
+    """The HTTP API against gRPC for the same requests: per latency (TTFT, TPOT, ITL, E2E), the
+    mean, p50 and p90 of each (ms), their difference (HTTP minus gRPC, ms) and ratio, and the
+    output tokens/s of each."""
+    out: dict[str, Any] = {}
+    for key, _ in COMPARED:
+        a, b = grpc_report[key], openai_report[key]
+        out[key] = {
+            stat: {
+                "grpc": a[stat],
+                "openai": b[stat],
+                "delta": b[stat] - a[stat],
+                "ratio": b[stat] / a[stat] if a[stat] else math.nan,
+            }
+            for stat in ("mean", "p50", "p90")
+        }
+    out["output_tokens_per_s"] = {
+        "grpc": grpc_report["output_tokens_per_s"],
+        "openai": openai_report["output_tokens_per_s"],
+    }
+    return out
+
+
+def format_comparison(comparison: dict[str, Any]) -> str:
+    """The side-by-side table of :func:`compare_reports`."""
+    lines = [
+        "gRPC and the OpenAI-compatible HTTP API, the same requests (ms; delta = HTTP - gRPC):",
+        f"{'':6s} {'gRPC p50':>9s} {'HTTP p50':>9s} {'delta':>8s} {'ratio':>6s}   "
+        f"{'gRPC p90':>9s} {'HTTP p90':>9s} {'delta':>8s}   {'gRPC mean':>9s} {'HTTP mean':>9s} {'delta':>8s}",
+    ]
+    for key, label in COMPARED:
+        c = comparison[key]
+        p50, p90, mean = c["p50"], c["p90"], c["mean"]
+        lines.append(
+            f"{label:6s} {p50['grpc']:9.2f} {p50['openai']:9.2f} {p50['delta']:+8.2f} {p50['ratio']:6.3f}   "
+            f"{p90['grpc']:9.2f} {p90['openai']:9.2f} {p90['delta']:+8.2f}   "
+            f"{mean['grpc']:9.2f} {mean['openai']:9.2f} {mean['delta']:+8.2f}"
+        )
+    tps = comparison["output_tokens_per_s"]
+    lines.append(f"output tokens/s: gRPC {tps['grpc']:.1f}, HTTP {tps['openai']:.1f}")
+    return "\n".join(lines)
+
+
 def write_report(report: dict[str, Any], path: str | Path) -> None:
     """Write the report as JSON (NaN written as null)."""
 
@@ -703,6 +844,18 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``meshserve bench`` (``service/cli.py`` makes the subcommand)."""
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
+    p.add_argument(
+        "--api",
+        choices=["grpc", "openai", "both"],
+        default="grpc",
+        help="send over gRPC, over the OpenAI-compatible HTTP API at --http-address, or both in one run (the same "
+        "requests, gRPC first) with the two side by side (%(default)s)",
+    )
+    p.add_argument(
+        "--http-address",
+        default=DEFAULT_HTTP_ADDRESS,
+        help="the server's HTTP API host:port (serve --http-port) for --api openai|both (default %(default)s)",
+    )
     p.add_argument("-n", "--num-requests", type=positive_int, default=100, help="measured requests (%(default)s)")
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first, not counted (%(default)s)")
     p.add_argument(
@@ -730,11 +883,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``meshserve bench``: load-test the server at ``--address``, print the report, and with
-    ``--out`` write it as JSON.
+    """Run ``meshserve bench``: load-test the server at ``--address`` (over ``--api``), print the
+    report, and with ``--out`` write it as JSON. ``--api both`` runs the same requests over gRPC,
+    then over HTTP, prints both reports and the two side by side (:func:`format_comparison`), and
+    writes ``{"grpc": ..., "openai": ..., "comparison": ...}``.
 
-    Returns 0, or 1 when every measured request failed. Exits with a message on bad flags, an
-    unknown ``--hardware`` preset, an unwritable ``--out``, or a server that is not reachable.
+    Returns 0, or 1 when every measured request (of either run) failed. Exits with a message on
+    bad flags, an unknown ``--hardware`` preset, an unwritable ``--out``, or a server that is not
+    reachable.
     """
     from benchmarks import check_writable_file
 
@@ -764,25 +920,49 @@ def run_from_args(args: argparse.Namespace) -> int:
             slo_tpot_ms=args.slo_tpot_ms,
             hardware=args.hardware,
             progress=not args.no_progress,
+            api="grpc" if args.api == "both" else args.api,
+            http_address=args.http_address,
         )
     except ValueError as exc:
         raise SystemExit(f"meshserve bench: {exc}") from None
+    apis = list(APIS) if args.api == "both" else [cfg.api]
+    http_errors: tuple[type[Exception], ...] = ()  # openai.APIError: /v1/models failed
+    if "openai" in apis:
+        try:
+            import openai
+        except ImportError:
+            raise SystemExit(
+                "meshserve bench: --api openai needs the openai package: pip install 'meshserve[bench]'"
+            ) from None
+        http_errors = (openai.APIError,)
     client = Client(cfg.address)
+    reports: dict[str, dict[str, Any]] = {}
     try:
         if args.wait:
             client.wait_serving(args.wait)
-        report = run_bench(cfg, client)
+        for api in apis:
+            reports[api] = run_bench(dataclasses.replace(cfg, api=api), client)
     except (ValueError, TimeoutError, OSError) as exc:
         raise SystemExit(f"meshserve bench: {exc}") from None
     except grpc.RpcError as exc:
         raise SystemExit(f"meshserve bench: {exc.code().name}: {exc.details()}") from None
+    except http_errors as exc:
+        raise SystemExit(f"meshserve bench: {cfg.http_address}: {exc}") from None
     finally:
         client.close()
-    print(format_report(report))
+    for api, report in reports.items():
+        if len(reports) > 1:
+            print(f"--- over {'gRPC' if api == 'grpc' else 'the OpenAI-compatible HTTP API'}")
+        print(format_report(report))
+    out: dict[str, Any] = reports[apis[0]]
+    if len(reports) > 1:
+        comparison = compare_reports(reports["grpc"], reports["openai"])
+        print(format_comparison(comparison))
+        out = {**reports, "comparison": comparison}
     if args.out:
-        write_report(report, args.out)
+        write_report(out, args.out)
         print(f"meshserve: wrote {args.out}", file=sys.stderr)
-    if not report["completed"]:
-        print(f"meshserve bench: every request failed {report['errors']}", file=sys.stderr)
-        return 1
-    return 0
+    failed = [api for api, r in reports.items() if not r["completed"]]
+    for api in failed:
+        print(f"meshserve bench: every request failed over {api} {reports[api]['errors']}", file=sys.stderr)
+    return 1 if failed else 0

@@ -86,6 +86,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+@cache
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of :func:`bytes_to_unicode`: a byte-level token's character -> its byte."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer for a ``tokenizer.ggml.pre`` name.
 
@@ -212,6 +218,7 @@ class Tokenizer:
         self._special_ids = special_ids
         self._chat_template = chat_template
         self._template_tokens = template_tokens
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' cache (a dict: thread-safe enough, idempotent)
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | Path | gguf.GGUFReader) -> Tokenizer:
@@ -439,6 +446,33 @@ class Tokenizer:
             OverflowError/TypeError: an id is negative or not an int (from ``tokenizers``).
         """
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's logprobs report them (``bytes``).
+
+        In a byte-level BPE vocabulary (a ``ByteLevel`` decoder: GGUF models, Llama 3 and SmolLM2
+        ``tokenizer.json`` files) a token is spelled in GPT-2's byte alphabet and maps back to its
+        bytes, which may be part of a multi-byte character (so they need not be valid UTF-8);
+        a control token gives its own text (``<|im_end|>``). In other vocabularies, the UTF-8
+        of the token's decoded text. Cached per id.
+
+        Raises:
+            ValueError: ``token_id`` is outside ``[0, vocab_size)``.
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        if not 0 <= token_id < self._vocab_size:
+            raise ValueError(f"token id {token_id} is outside [0, {self._vocab_size})")
+        spelled = self._backend.id_to_token(token_id) or ""
+        if isinstance(self._backend.decoder, decoders.ByteLevel):
+            table = _unicode_to_bytes()
+            byte_spelled = all(ch in table for ch in spelled)  # else an added token written as plain text
+            out = bytes(table[ch] for ch in spelled) if byte_spelled else spelled.encode("utf-8")
+        else:
+            out = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        self._token_bytes[token_id] = out
+        return out
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's chat template.

@@ -28,7 +28,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "metrics_port", "grace_period_s", "stall_timeout_s",
+                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description="Sharded LLM inference over gRPC, in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="start the gRPC server")
+    s = sub.add_parser("serve", help="start the gRPC server (and, with --http-port, the OpenAI-compatible HTTP API)")
     s.add_argument(
         "--config",
         help="YAML file of ServerConfig keys, engine settings under 'engine:' (configs/serve.yaml); flags override it",
@@ -380,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--warmup-full", action="store_true", help="compile every shape variant before SERVING")
     s.add_argument("--metrics-port", type=port_number, help="Prometheus metrics HTTP port (default 9400; 0 = off)")
+    s.add_argument(
+        "--http-port",
+        type=port_number,
+        help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) "
+        "on this port, beside gRPC (default 0 = off; e.g. 8000)",
+    )
     s.add_argument(
         "--grace-period",
         dest="grace_period_s",

@@ -94,29 +94,46 @@ class Client:
         return self.stub.Generate(request, timeout=timeout_s)
 
     def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> StreamResult:
-        """Run a request to completion and collect the chunks."""
+        """Run a request of one sequence to completion and collect the chunks.
+
+        Raises:
+            ValueError: the request asks for n > 1 sequences (use :meth:`generate_all`).
+        """
+        if request.HasField("n") and request.n > 1:
+            raise ValueError(f"generate collects one sequence; this request asks for n = {request.n}: use generate_all")
+        return self.generate_all(request, timeout_s)[0]
+
+    def generate_all(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> list[StreamResult]:
+        """Run a request to completion; one ``StreamResult`` per sequence, by ``index`` (its
+        ``ttft_s`` and ``total_s`` are that sequence's first token and last chunk)."""
         t0 = time.perf_counter()
-        texts, ids, chunk_ids = [], [], []
-        ttft = None
-        last = pb.GenerateResponse()
+        n = request.n if request.HasField("n") and request.n > 0 else 1
+        texts: list[list[str]] = [[] for _ in range(n)]
+        chunk_ids: list[list[list[int]]] = [[] for _ in range(n)]
+        ttft: list[float | None] = [None] * n
+        total = [0.0] * n
+        last = [pb.GenerateResponse() for _ in range(n)]
         for resp in self.stream(request, timeout_s):
-            if ttft is None and resp.token_ids:
-                ttft = time.perf_counter() - t0
-            texts.append(resp.text)
-            ids.extend(resp.token_ids)
-            chunk_ids.append(list(resp.token_ids))
-            last = resp
-        total = time.perf_counter() - t0
-        return StreamResult(
-            texts=texts,
-            token_ids=ids,
-            chunk_ids=chunk_ids,
-            finish_reason=pb.FinishReason.Name(last.finish_reason),
-            prompt_tokens=last.usage.prompt_tokens,
-            completion_tokens=last.usage.completion_tokens,
-            ttft_s=ttft if ttft is not None else total,
-            total_s=total,
-        )
+            i = resp.index
+            if ttft[i] is None and resp.token_ids:
+                ttft[i] = time.perf_counter() - t0
+            texts[i].append(resp.text)
+            chunk_ids[i].append(list(resp.token_ids))
+            last[i] = resp
+            total[i] = time.perf_counter() - t0
+        return [
+            StreamResult(
+                texts=texts[i],
+                token_ids=[t for ids in chunk_ids[i] for t in ids],
+                chunk_ids=chunk_ids[i],
+                finish_reason=pb.FinishReason.Name(last[i].finish_reason),
+                prompt_tokens=last[i].usage.prompt_tokens,
+                completion_tokens=last[i].usage.completion_tokens,
+                ttft_s=first if (first := ttft[i]) is not None else total[i],
+                total_s=total[i],
+            )
+            for i in range(n)
+        ]
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

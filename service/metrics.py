@@ -26,13 +26,17 @@ Per request, recorded once when it ends:
                                                        error        failed with UNAVAILABLE: the pool's engine
                                                                     loop died or stalled, or the server shut
                                                                     down before it finished
-    meshserve_requests_rejected_total{pool,code}     counter: Generate calls refused before reaching an
-                                                     engine, by gRPC status code (invalid_argument,
-                                                     resource_exhausted, unavailable); pool is the pool
-                                                     the request was for, or "" when it was refused
-                                                     before a pool was chosen (model still loading,
-                                                     server shutting down, unknown layout, request
-                                                     bytes that do not parse)
+    meshserve_requests_rejected_total{pool,code}     counter: Generate calls and HTTP completion requests
+                                                     refused before reaching an engine, by reason
+                                                     (invalid_argument, not_found: an HTTP model id
+                                                     that names no pool, resource_exhausted,
+                                                     unavailable); pool is the pool the request was
+                                                     for, or "" when it was refused before a pool was
+                                                     chosen (model still loading, server shutting
+                                                     down, unknown layout or model, request bytes or
+                                                     an HTTP body that do not parse)
+    (A request with n sequences counts once here when refused, and n times in the per-request
+    metrics above when admitted: each sequence is a request to the engine.)
 
 Per pool, read when scraped (the step histogram when each step ends):
     meshserve_active_slots{pool}                     gauge: slots holding a request
@@ -121,8 +125,8 @@ class Metrics:
         )
         self.rejected = Counter(
             "requests_rejected",
-            "Generate calls refused before reaching an engine, by pool (empty before one was chosen) and gRPC "
-            "status code.",
+            "Generate calls and HTTP completion requests refused before reaching an engine, by pool (empty "
+            "before one was chosen) and reason.",
             ["pool", "code"],
             namespace=NAMESPACE,
             registry=reg,

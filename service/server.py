@@ -1,5 +1,7 @@
 """The gRPC server: Generate (server-streaming), GetModelInfo, grpc.health.v1 and reflection,
-plus Prometheus metrics over HTTP (``service/metrics.py``).
+plus Prometheus metrics over HTTP (``service/metrics.py``) and, with ``http_port``, the
+OpenAI-compatible HTTP API (``service/http_server.py``) in the same event loop, on the same pools.
+Both APIs admit and stream through ``GenerationService.open``.
 
 Status codes, in one place:
     INVALID_ARGUMENT   a malformed or out-of-range field (the message names it), or request bytes
@@ -12,7 +14,8 @@ Status codes, in one place:
                        ``stall_timeout_s`` + 2 x ``watchdog_interval_s``) and streams still
                        running when the shutdown grace period ends
     CANCELLED / DEADLINE_EXCEEDED  set by gRPC when the client cancels or its deadline passes;
-                       the request's slot is freed within one engine step
+                       the request's slots are freed within one engine step
+(The HTTP API's statuses for the same cases: ``service/http_server.py``.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +44,21 @@ from prometheus_client import start_http_server
 from model.config import LlamaConfig
 from model.fetch import resolve_model
 from model.loader import ShardingsFn, load_model, model_format
+from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
 from service.engine import Engine, EngineConfig
+from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
+from service.http_server import HttpServer, bind
 from service.loop import EngineLoop, EngineUnavailable
 from service.metrics import Metrics
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
 from service.request import Chunk, FinishReason, Request, RequestState
 from service.scheduler import QueueFull, Scheduler, StepPlan
 from service.text_stream import TextStream
-from service.validation import InvalidRequest, validate
+from service.validation import InvalidRequest, ValidatedRequest, validate
 from service.wire import add_servicer
 from sharding.layouts import Layout, load_layout
 from sharding.mesh import make_mesh
@@ -99,6 +105,9 @@ class ServerConfig:
         admin_host, admin_port: where the Admin service listens (loopback by default).
         metrics_port: Prometheus metrics over HTTP on ``host:metrics_port`` (path ``/metrics``);
             0 = off.
+        http_port: the OpenAI-compatible HTTP API (and ``/health``, ``/metrics``) on
+            ``host:http_port``; 0 = off, the default: a second public port is opened only when
+            asked for (``serve --http-port 8000``).
     """
 
     model: str | None = None
@@ -118,6 +127,7 @@ class ServerConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 50052
     metrics_port: int = 9400
+    http_port: int = 0
 
 
 class ConfigError(ValueError):
@@ -144,6 +154,7 @@ _KEY_TYPES: dict[str, tuple[type, ...]] = {
     "admin_host": (str,),
     "admin_port": (int,),
     "metrics_port": (int,),
+    "http_port": (int,),
     "num_slots": (int,),
     "max_seq_len": (int,),
     "chunk_size": (int,),
@@ -303,9 +314,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.info: pb.ModelInfo | None = None
         self.accepting = True
         self.metrics = Metrics()
-        # Requests between submit and the end of their RPC, per pool name. Touched only on the
-        # event loop's thread; the watchdog fails them when their pool's loop dies or stalls.
+        # Requests between submit and the end of their RPC or HTTP response, per pool name. Touched
+        # only on the event loop's thread; the watchdog fails them when their pool's loop dies or
+        # stalls.
         self.inflight: dict[str, set[Request]] = {}
+        self.serving = False  # what health reports (RunningServer.set_health), for HTTP's /health
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -581,80 +594,152 @@ class GenerationService(pb_grpc.GenerationServicer):
         info.platform, info.device_kind = device.platform, device.device_kind
         return info
 
-    async def _reject(
-        self, context: grpc.aio.ServicerContext, rid: str, code: grpc.StatusCode, details: str, pool: str = ""
-    ) -> None:
-        """Refuse a Generate call; ``pool`` is the pool it was meant for ("" before one was chosen)."""
-        log.info("request %s: rejected, %s: %s", rid, code.name, details)
-        self.metrics.rejected.labels(pool=pool, code=code.name.lower()).inc()
-        await context.abort(code, details)
-
     def count_undecodable(self, method: str) -> None:
         """Metrics for a Generate call whose bytes did not parse (``service.wire``)."""
         if method.endswith("/Generate"):
-            self.metrics.rejected.labels(pool="", code="invalid_argument").inc()
+            self.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
 
+    # ---- the generation core both APIs share -------------------------------------------------
+    def open(
+        self,
+        rid: str,
+        route: Callable[[], Pool],
+        prepare: Callable[[Tokenizer], ValidatedRequest],
+    ) -> Generation:
+        """Admit one request and start its n sequences; call on the event loop's thread.
+
+        The checks run cheapest first, so that a burst is refused before any tokenizing: the
+        model is loaded, the server is accepting, ``route()`` picks the pool, the pool can serve,
+        its queue has room; only then ``prepare(tokenizer)`` tokenizes and validates. Sequence
+        i gets its own ``Request`` with the seed ``sequence_seed(seed, i)``; all are submitted
+        at once (each prefills the prompt itself: no KV sharing yet) and tracked in
+        ``inflight`` until the ``Generation`` is closed. Each sequence records its own metrics
+        when it ends. A refusal is logged and counted in ``meshserve_requests_rejected_total``
+        under the pool it was meant for ("" before ``route()`` chose one).
+
+        Args:
+            rid: the request's id (logs; sequence i > 0 of n logs as ``rid.i``).
+            route: the pool the request names; raises ``Refused`` (INVALID_ARGUMENT or
+                NOT_FOUND) when it names none.
+            prepare: the validated request; raises ``InvalidRequest`` (or ``Refused``).
+
+        Raises:
+            Refused: UNAVAILABLE (loading, shutting down, the pool's loop died or stalled),
+                RESOURCE_EXHAUSTED (the queue is full, or has no room for all n sequences),
+                INVALID_ARGUMENT or NOT_FOUND (from ``route`` and ``prepare``).
+        """
+        pool_name = ""
+        try:
+            tok = self.tokenizer
+            if tok is None or not self.pools:
+                raise Refused(Refusal.UNAVAILABLE, "the model is still loading")
+            if not self.accepting:
+                raise Refused(Refusal.UNAVAILABLE, "the server is shutting down")
+            pool = route()
+            pool_name = pool.name
+            problem = self.pool_problem(pool)
+            if problem is not None:
+                raise Refused(Refusal.UNAVAILABLE, f"pool {pool.name}: {problem}")
+            full = pool.loop.queue_full()  # before tokenizing: a burst is refused cheaply (submit re-checks)
+            if full is not None:
+                raise Refused(Refusal.RESOURCE_EXHAUSTED, full)
+            try:
+                v = prepare(tok)
+            except InvalidRequest as exc:
+                raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
+            generation = self._start(pool, v, rid, tok)
+        except Refused as exc:
+            log.info("request %s: rejected, %s: %s", rid, exc.code.name, exc.message)
+            self.metrics.rejected.labels(pool=pool_name, code=exc.code.value).inc()
+            raise
+        log.info(
+            "request %s: %d prompt tokens, max_tokens %d, n %d, pool %s",
+            rid, len(v.prompt_ids), v.max_tokens, v.n, pool.name,
+        )  # fmt: skip
+        return generation
+
+    def _start(self, pool: Pool, v: ValidatedRequest, rid: str, tok: Tokenizer) -> Generation:
+        """Submit the n sequences of ``v`` to ``pool`` (see ``open``).
+
+        Raises:
+            Refused: RESOURCE_EXHAUSTED or UNAVAILABLE from the pool's loop; the sequences
+                submitted before it are cancelled (and counted nowhere: the request never ran).
+        """
+        chunks: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        requests: list[Request] = []
+        refused = threading.Event()  # set when a later sequence was refused: the earlier ones record nothing
+
+        def emitter(index: int) -> Callable[[Chunk], None]:
+            recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
+
+            def emit(chunk: Chunk) -> None:  # engine thread (or the watchdog, on the event loop)
+                final = chunk.finish_reason is not None or chunk.error is not None
+                if final and not refused.is_set() and recorded.acquire(blocking=False):
+                    self._record_finished(pool.name, requests[index], chunk)
+                aloop.call_soon_threadsafe(chunks.put_nowait, (index, chunk))
+
+            return emit
+
+        for i in range(v.n):
+            requests.append(
+                Request(
+                    request_id=rid if v.n == 1 else f"{rid}.{i}",
+                    prompt_ids=v.prompt_ids,
+                    max_tokens=v.max_tokens,
+                    sampling=dataclasses.replace(v.sampling, seed=sequence_seed(v.sampling.seed, i)),
+                    text=TextStream(tok.detokenizer(), v.stop),
+                    emit=emitter(i),
+                    eos_ids=tok.eos_ids,
+                    logprobs=v.logprobs,
+                    min_tokens=v.min_tokens,
+                    ignore_eos=v.ignore_eos,
+                )
+            )
+        inflight = self.inflight.setdefault(pool.name, set())
+        for req in requests:
+            try:
+                pool.loop.submit(req)
+            except (QueueFull, EngineUnavailable) as exc:
+                refused.set()
+                for earlier in requests:
+                    earlier.cancel()
+                    inflight.discard(earlier)
+                if isinstance(exc, QueueFull):
+                    more = f" (no room for all {v.n} sequences)" if v.n > 1 else ""
+                    raise Refused(Refusal.RESOURCE_EXHAUSTED, f"{exc}{more}") from None
+                raise Refused(Refusal.UNAVAILABLE, f"pool {pool.name}: {exc}") from None
+            inflight.add(req)
+
+        def forget(g: Generation) -> None:
+            for req in g.requests:
+                inflight.discard(req)
+
+        return Generation(rid, pool.name, requests, chunks, forget)
+
+    # ---- RPCs ---------------------------------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex[:16]
-        tok = self.tokenizer
-        if tok is None or not self.pools:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if not self.accepting:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        assert tok is not None
-        try:
-            pool = self.find_pool(request.layout)
-        except InvalidRequest as exc:
-            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        problem = self.pool_problem(pool)
-        if problem is not None:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {problem}", pool.name)
-        full = pool.loop.queue_full()  # before tokenizing: a burst is refused cheaply (submit re-checks)
-        if full is not None:
-            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, full, pool.name)
-        try:
-            v = validate(request, tok, self.cfg.engine.max_seq_len, self.cfg.default_max_tokens)
-        except InvalidRequest as exc:
-            await self._reject(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), pool.name)
-        chunks: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-        recorded = threading.Lock()  # acquired once: the first final or error chunk records metrics
 
-        def emit(chunk: Chunk) -> None:  # engine thread (or the watchdog, on the event loop)
-            if (chunk.finish_reason is not None or chunk.error is not None) and recorded.acquire(blocking=False):
-                self._record_finished(pool.name, req, chunk)
-            aloop.call_soon_threadsafe(chunks.put_nowait, chunk)
+        def route() -> Pool:
+            try:
+                return self.find_pool(request.layout)
+            except InvalidRequest as exc:
+                raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
 
-        req = Request(
-            request_id=rid,
-            prompt_ids=v.prompt_ids,
-            max_tokens=v.max_tokens,
-            sampling=v.sampling,
-            text=TextStream(tok.detokenizer(), v.stop),
-            emit=emit,
-            eos_ids=tok.eos_ids,
-            logprobs=v.logprobs,
-        )
-        inflight = self.inflight.setdefault(pool.name, set())
+        def prepare(tok: Tokenizer) -> ValidatedRequest:
+            cfg = self.cfg
+            return validate(request, tok, cfg.engine.max_seq_len, cfg.default_max_tokens, cfg.max_queue)
+
         try:
-            pool.loop.submit(req)
-        except QueueFull as exc:
-            await self._reject(context, rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), pool.name)
-        except EngineUnavailable as exc:
-            await self._reject(context, rid, grpc.StatusCode.UNAVAILABLE, f"pool {pool.name}: {exc}", pool.name)
-        inflight.add(req)
-        log.info(
-            "request %s: %d prompt tokens, max_tokens %d, pool %s", rid, len(v.prompt_ids), v.max_tokens, pool.name
-        )
+            generation = self.open(rid, route, prepare)
+        except Refused as exc:
+            await context.abort(GRPC_CODES[exc.code], exc.message)
         try:
-            while True:
-                chunk = await chunks.get()
-                if chunk.error is not None:
-                    log.warning("request %s: failed: %s", rid, chunk.error)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, chunk.error)
-                resp = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=rid)
+            async for index, chunk in generation:
+                resp = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=rid, index=index)
                 for lp in chunk.logprobs:
                     resp.logprobs.add(
                         token_id=lp.token_id,
@@ -662,18 +747,19 @@ class GenerationService(pb_grpc.GenerationServicer):
                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
                     )
                 if chunk.finish_reason is not None:
-                    resp.finish_reason = chunk.finish_reason.value
+                    resp.finish_reason = chunk.finish_reason.value  # type: ignore[assignment]  # the stubs type it as the enum; its values are ints
                     resp.usage.prompt_tokens = chunk.prompt_tokens
                     resp.usage.completion_tokens = chunk.completion_tokens
-                yield resp
-                if chunk.finish_reason is not None:
                     log.info(
-                        "request %s: finished %s, %d tokens", rid, chunk.finish_reason.name, chunk.completion_tokens
-                    )
-                    return
+                        "request %s: sequence %d finished %s, %d tokens",
+                        rid, index, chunk.finish_reason.name, chunk.completion_tokens,
+                    )  # fmt: skip
+                yield resp
+        except StreamFailed as exc:
+            log.warning("request %s: failed: %s", rid, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
-            inflight.discard(req)
-            req.cancel()  # no-op when finished; frees the slot when the client went away
+            generation.close()  # no-op when finished; frees the slots when the client went away
 
 
 class RunningServer:
@@ -692,11 +778,14 @@ class RunningServer:
         self.admin_port: int | None = None
         self.metrics_httpd: Any = None  # the Prometheus HTTP server (None when metrics_port is 0)
         self.metrics_port: int | None = None
+        self.http: HttpServer | None = None  # the OpenAI-compatible API (None when http_port is 0)
+        self.http_port: int | None = None
 
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+        self.service.serving = serving
         self.service.metrics.serving.set(1 if serving else 0)
 
     async def watch(self, interval_s: float | None = None) -> None:
@@ -753,6 +842,8 @@ class RunningServer:
             self._watchdog.cancel()
         if self.admin_server is not None:
             await self.admin_server.stop(1.0)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(1.0)
         if self.metrics_httpd is not None:
             await asyncio.to_thread(self.metrics_httpd.shutdown)
@@ -790,6 +881,13 @@ def grpc_port_message(host: str, port: int) -> str:
     )
 
 
+def http_port_message(host: str, port: int) -> str:
+    return (
+        f"HTTP port {port} on {host} is in use (a second server needs its own HTTP port); "
+        "pick a free one with --http-port, or --http-port 0 for no HTTP API"
+    )
+
+
 def metrics_port_message(host: str, port: int) -> str:
     return (
         f"metrics port {port} on {host} is in use (a second server needs its own metrics port); "
@@ -798,18 +896,21 @@ def metrics_port_message(host: str, port: int) -> str:
 
 
 async def start_server(cfg: ServerConfig) -> RunningServer:
-    """Bind and start the gRPC server (health NOT_SERVING) and the metrics endpoint at once,
-    then load the model and compile; health turns SERVING when warm-up is done.
+    """Bind and start the gRPC server (health NOT_SERVING), the metrics endpoint and the HTTP API
+    at once, then load the model and compile; health turns SERVING when warm-up is done (until
+    then Generate is UNAVAILABLE and the HTTP API answers 503).
 
     Raises:
-        PortInUse: the gRPC or the metrics port is held by another process (checked before gRPC
-            binds, so no gRPC error is logged).
+        PortInUse: the gRPC, metrics, HTTP or Admin port is held by another process (checked
+            before gRPC binds, so no gRPC error is logged).
         RuntimeError: a port could not be bound; any load/compile error of ``service.load``.
     """
     if port_in_use(cfg.host, cfg.port):
         raise PortInUse(grpc_port_message(cfg.host, cfg.port))
     if cfg.metrics_port and port_in_use(cfg.host, cfg.metrics_port):
         raise PortInUse(metrics_port_message(cfg.host, cfg.metrics_port))
+    if cfg.http_port and port_in_use(cfg.host, cfg.http_port):
+        raise PortInUse(http_port_message(cfg.host, cfg.http_port))
     if cfg.admin_token and port_in_use(cfg.admin_host, cfg.admin_port):  # bound after loading: check now
         raise PortInUse(f"admin port {cfg.admin_port} on {cfg.admin_host} is in use; pick a free one with --admin-port")
     server = grpc.aio.server(options=NO_PORT_SHARING)
@@ -842,11 +943,17 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     await server.start()
     log.info("listening on %s:%d (NOT_SERVING until warm-up is done)", cfg.host, port)
     try:
+        if cfg.http_port:
+            running.http = await start_openai_api(service, cfg.host, cfg.http_port)
+            running.http_port = running.http.port
+            log.info("OpenAI-compatible API on http://%s:%d/v1", cfg.host, running.http_port)
         await asyncio.to_thread(service.load)
         if cfg.admin_token:
             running.admin_server, running.admin_port = await start_admin_server(service, cfg)
     except BaseException:
         await server.stop(0)
+        if running.http is not None:
+            await running.http.stop()
         if running.metrics_httpd is not None:
             running.metrics_httpd.shutdown()
             running.metrics_httpd.server_close()
@@ -854,6 +961,28 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
     running._watchdog = asyncio.create_task(running.watch())
     log.info("SERVING on %s:%d", cfg.host, port)
     return running
+
+
+async def start_openai_api(service: GenerationService, host: str, port: int) -> HttpServer:
+    """Bind ``host:port`` and serve the OpenAI-compatible API on it (``service/http_server.py``).
+
+    Raises:
+        PortInUse: the port is held.
+        RuntimeError: it cannot be bound otherwise, or uvicorn failed to start.
+    """
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(http_port_message(host, port)) from exc
+        raise RuntimeError(f"could not bind the HTTP port {host}:{port}: {exc}") from exc
+    http = HttpServer(service, sock)
+    try:
+        await http.start()
+    except BaseException:
+        sock.close()
+        raise
+    return http
 
 
 async def serve_forever(cfg: ServerConfig) -> int:

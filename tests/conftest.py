@@ -67,7 +67,8 @@ def tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
-    """A real gRPC server on the default model (4 slots x 1024 tokens), shared by a session."""
+    """A real server on the default model (4 slots x 1024 tokens; gRPC, and the OpenAI-compatible
+    HTTP API on ``http_port``), shared by a session."""
     from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
 
@@ -77,6 +78,7 @@ def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
         engine=EngineConfig(num_slots=4, max_seq_len=1024),
         max_queue=64,
         metrics_port=free_port(),
+        http_port=free_port(),
     )
     srv = ServerThread(cfg).start()
     yield srv
@@ -110,13 +112,14 @@ def tiny_tokenizer(tiny_gguf: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_gguf: Path) -> Iterator:  # type: ignore[type-arg]
-    """A real gRPC server on the tiny model (2 slots x 128 tokens, queue of 4, metrics on, Admin
-    service with token ``TINY_ADMIN_TOKEN``), shared by a session."""
+    """A real server on the tiny model (2 slots x 128 tokens, queue of 4, metrics and the HTTP API
+    on, Admin service with token ``TINY_ADMIN_TOKEN``), shared by a session."""
     from service.engine import EngineConfig
     from service.server import ServerConfig, ServerThread
 
     cfg = ServerConfig(
-        model=str(tiny_gguf), port=0, metrics_port=free_port(), engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32),
+        model=str(tiny_gguf), port=0, metrics_port=free_port(), http_port=free_port(),
+        engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32),
         max_queue=4, admin_token=TINY_ADMIN_TOKEN, admin_port=0,
     )  # fmt: skip
     srv = ServerThread(cfg).start()

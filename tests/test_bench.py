@@ -341,3 +341,30 @@ def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path, monkeypatch: py
     starts = [r["start_s"] for r in report["requests"]]
     assert starts == sorted(starts)
     assert "hardware 'cpu-this-machine' (20.0 GB/s, 100 GFLOP/s float32)" in report["roofline"]["hardware"]
+
+
+def test_bench_both_apis_side_by_side(tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """The same greedy requests over gRPC and over the OpenAI-compatible HTTP API: the same tokens
+    (counted from usage over HTTP), and the comparison of the two."""
+    from service.cli import main
+
+    out = tmp_path / "both.json"
+    argv = ["bench", "--address", tiny_server.address, "--api", "both", "--http-address",
+            f"127.0.0.1:{tiny_server.running.http_port}", "-n", "4", "--warmup", "1", "--concurrency", "2",
+            "--prompt-len", "4:8", "--output-len", "3:6", "--out", str(out), "--no-progress",
+            "--hardware", "cpu-peers-md"]  # fmt: skip
+    assert main(argv) == 0
+    both = json.loads(out.read_text())
+    for api in ("grpc", "openai"):
+        _check_sane(both[api], 4)
+        assert both[api]["config"]["api"] == api
+    by_api = {
+        api: [(r["prompt_tokens"], r["output_tokens"]) for r in both[api]["requests"]] for api in ("grpc", "openai")
+    }
+    assert by_api["grpc"] == by_api["openai"]  # greedy, the same prompts: the same counts
+    assert set(both["openai"]["finish_reasons"]) <= {"length", "stop"}
+    c = both["comparison"]["ttft_ms"]["p50"]
+    assert c["grpc"] == both["grpc"]["ttft_ms"]["p50"] and c["delta"] == pytest.approx(c["openai"] - c["grpc"])
+    text = capsys.readouterr().out
+    assert "--- over the OpenAI-compatible HTTP API" in text and "meshserve bench over HTTP" in text
+    assert "gRPC and the OpenAI-compatible HTTP API, the same requests" in text and "TPOT" in text

@@ -176,3 +176,22 @@ def test_golden_prompts_encode_like_reference(tok: Tokenizer, i: int) -> None:
     if i == 1:
         france = [{"role": "user", "content": "What is the capital of France?"}]
         assert tok.apply_chat_template(france) == str(golden["prompt_text_1"])
+
+
+def test_token_bytes_join_to_the_text_even_inside_a_character(tiny_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "héllo wörld 你好 🙂"
+    ids = tiny_tokenizer.encode(text)
+    parts = [tiny_tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(parts) == text.encode("utf-8")
+    assert any(not _is_utf8(p) for p in parts)  # some token holds part of a character
+    assert tiny_tokenizer.token_bytes(1) == b"<|im_start|>"  # a control token: its own text
+    with pytest.raises(ValueError):
+        tiny_tokenizer.token_bytes(tiny_tokenizer.vocab_size)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -213,3 +213,65 @@ def test_default_max_tokens_is_capped_by_the_room_left(tokenizer: Tokenizer) -> 
 def test_unset_seeds_differ_between_requests(tokenizer: Tokenizer) -> None:
     seeds = {check(make_request(prompt="Hi"), tokenizer).sampling.seed for _ in range(8)}
     assert len(seeds) > 1
+
+
+# ---- n, penalties, min_p, min_tokens, ignore_eos ---------------------------------------------------
+
+
+def test_new_sampling_fields_default_to_off(tokenizer: Tokenizer) -> None:
+    req = make_request(prompt="Hi")
+    for field in (
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "ignore_eos",
+    ):
+        assert not req.HasField(field)
+    v = check(req, tokenizer)
+    assert (v.n, v.min_tokens, v.ignore_eos) == (1, 0, False)
+    s = v.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.0, 0.0, 1.0, 0.0)
+
+
+def test_new_sampling_fields_reach_the_validated_request(tokenizer: Tokenizer) -> None:
+    v = check(
+        make_request(
+            prompt="Hi", max_tokens=8, n=16, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.5,
+            min_p=1.0, min_tokens=8, ignore_eos=True,
+        ),
+        tokenizer,
+    )  # fmt: skip
+    assert (v.n, v.min_tokens, v.ignore_eos) == (16, 8, True)
+    s = v.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (-2.0, 2.0, 1.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"n": 0}, "n: must be in [1, 16] (at most 16), got 0"),
+        ({"n": 17}, "n: must be in [1, 16] (at most 16), got 17"),
+        ({"presence_penalty": 2.5}, "presence_penalty: must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2], got -2.5"),
+        ({"presence_penalty": math.nan}, "presence_penalty: must be in [-2, 2], got nan"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty: must be a finite number > 0 (1 disables it), got 0.0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty: must be a finite number > 0 (1 disables it), got -1.0"),
+        ({"min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
+        ({"min_p": -0.5}, "min_p: must be in [0, 1], got -0.5"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens: must be <= max_tokens (4), got 5"),
+    ],
+)
+def test_new_sampling_fields_out_of_range_are_rejected(tokenizer: Tokenizer, params: dict, message: str) -> None:
+    assert rejected(make_request(prompt="Hi", **params), tokenizer) == message
+
+
+def test_n_is_bounded_by_the_queue_and_min_tokens_by_the_default_max_tokens(tokenizer: Tokenizer) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate(make_request(prompt="Hi", n=5), tokenizer, MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, max_queue=4)
+    assert str(info.value) == "n: must be in [1, 4] (at most 16 and at most the server's queue of 4), got 5"
+    assert validate(make_request(prompt="Hi", n=4), tokenizer, MAX_SEQ_LEN, DEFAULT_MAX_TOKENS, max_queue=4).n == 4
+    msg = rejected(make_request(token_ids=[5] * 1000, min_tokens=25), tokenizer)  # the default: 24 tokens of room
+    assert msg == "min_tokens: must be <= max_tokens (24), got 25"

@@ -54,7 +54,7 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Streams the answer: one response per generated token (text may be empty while a
         multi-byte character or a possible stop string is held back). The last response carries
-        finish_reason and usage.
+        finish_reason and usage (with n > 1: each sequence's last response, see `index`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,373 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app served by uvicorn in the gRPC server's event loop,
+on the same engine pools (``GenerationService.open``).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
+server-sent events ending with ``data: [DONE]``, or one JSON body), ``GET /health`` (200 while
+health is SERVING, else 503) and ``GET /metrics`` (the server's Prometheus registry, as on
+``--metrics-port``). Request bodies are ``service.openai_api``'s pydantic models.
+
+Errors are OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``:
+
+    400 invalid_request_error  a malformed, out-of-range or refused field (``param`` names it),
+                               or a body that is not JSON of the right types
+    404 invalid_request_error  an unknown model id (code ``model_not_found``) or path
+    429 rate_limit_error       the waiting queue is full (code ``queue_full``)
+    503 server_error           loading, shutting down, or the pool's engine loop died or stalled;
+                               a stream that fails after it started ends with this body as a
+                               ``data:`` event, then ``data: [DONE]``
+
+A client that goes away (a closed connection, mid-stream or while a non-streamed answer is being
+generated) cancels every sequence of its request, which frees their slots within one engine step,
+as gRPC's cancel does; the request is logged as 499 (client closed request) and counted
+``cancelled``.
+
+Library choice: FastAPI for the routes and the pydantic request models, uvicorn (``h11``) as the
+ASGI server, both run as tasks of the asyncio loop that runs grpc.aio, so one process serves both
+APIs from the same pools without threads between them. SSE framing is FastAPI's own encoder
+(``fastapi.sse.format_sse_event``) written through Starlette's ``StreamingResponse``: a FastAPI
+generator endpoint (``EventSourceResponse``) would commit to status 200 before the request is
+admitted, where a refusal must still be answered with its own status; and ``StreamingResponse``
+listens for the client's disconnect while it streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.sse import format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.generation import Generation, Refusal, Refused, StreamFailed
+from service.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Responses,
+    chat_request,
+    completion_request,
+)
+from service.validation import ValidatedRequest
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+    from service.pools import Pool
+    from service.server import GenerationService
+
+log = logging.getLogger("meshserve")
+
+HTTP_STATUS = {
+    Refusal.INVALID_ARGUMENT: 400,
+    Refusal.NOT_FOUND: 404,
+    Refusal.RESOURCE_EXHAUSTED: 429,
+    Refusal.UNAVAILABLE: 503,
+}
+_ERROR_KIND = {  # status -> (OpenAI's error type, code)
+    400: ("invalid_request_error", "invalid_value"),
+    404: ("invalid_request_error", "model_not_found"),
+    429: ("rate_limit_error", "queue_full"),
+    503: ("server_error", "unavailable"),
+}
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")  # the field an InvalidRequest message starts with
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for ``status``; a 400's ``param`` defaults to the field the message
+    starts with."""
+    kind, default_code = _ERROR_KIND.get(status, ("invalid_request_error", None))
+    if param is None and status == 400:
+        m = _FIELD.match(message)
+        param = m.group(1) if m else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or default_code}}
+
+
+class OpenAIError(Exception):
+    """Answered as OpenAI's error body with ``status``."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def _sse(data: Any) -> bytes:
+    """One server-sent event whose ``data`` is ``data`` as compact JSON (or a raw string)."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return format_sse_event(data_str=text)
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: nothing else can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def model_ids(service: GenerationService) -> list[tuple[str, Pool]]:
+    """(model id, pool) per pool: the default pool answers the served model's name, the others
+    their pool names."""
+    assert service.info is not None
+    return [(service.info.name if p.is_default else p.name, p) for p in service.pools]
+
+
+def find_model(service: GenerationService, model: str | None) -> Pool:
+    """The pool a request's ``model`` selects: its id in ``/v1/models``, or a pool's name or its
+    layout's name (as gRPC's ``layout`` field); empty or absent = the default pool.
+
+    Raises:
+        Refused: NOT_FOUND for any other name (the message lists the ids); UNAVAILABLE while the
+            model is loading.
+    """
+    if service.info is None or not service.pools:
+        raise Refused(Refusal.UNAVAILABLE, "the model is still loading")
+    if not model:
+        return service.pools[0]
+    ids = model_ids(service)
+    for name, pool in ids:
+        if model == name:
+            return pool
+    for pool in service.pools:
+        if model in (pool.name, pool.layout.name):
+            return pool
+    raise Refused(Refusal.NOT_FOUND, f"model: {model!r} is not served; models: {', '.join(n for n, _ in ids)}")
+
+
+def create_app(service: GenerationService) -> FastAPI:
+    """The FastAPI app of ``service`` (see the module docstring)."""
+    app = FastAPI(title="meshserve OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, exc.message, code=exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422; OpenAI's servers answer 400, naming the field.
+        first = exc.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        service.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+        return JSONResponse(error_body(400, f"{field}: {first.get('msg', 'invalid')}", param=field), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        serving = service.serving
+        return JSONResponse({"status": "SERVING" if serving else "NOT_SERVING"}, status_code=200 if serving else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        if service.info is None:
+            raise OpenAIError(503, "the model is still loading")
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": started,
+                "owned_by": "meshserve",
+                "root": service.info.name,
+                "max_model_len": service.cfg.engine.max_seq_len,
+                "pool": pool.name,
+                "layout": pool.layout.name,
+            }
+            for name, pool in model_ids(service)
+        ]
+        return {"object": "list", "data": data}
+
+    def admit(
+        request: Request, model: str | None, prepare: Callable[[Tokenizer], ValidatedRequest]
+    ) -> tuple[str, Generation]:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        try:
+            return rid, service.open(rid, lambda: find_model(service, model), prepare)
+        except Refused as exc:
+            raise OpenAIError(HTTP_STATUS[exc.code], exc.message) from None
+
+    async def answer(
+        request: Request, generation: Generation, responses: Responses, stream: bool, include_usage: bool
+    ) -> Response:
+        if stream:
+            return StreamingResponse(
+                _events(generation, responses, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _collect(request, generation, responses)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        cfg = service.cfg
+        rid, generation = admit(
+            request,
+            body.model,
+            lambda tok: completion_request(body, tok, cfg.engine.max_seq_len, cfg.max_queue),
+        )
+        responses = Responses(
+            False, rid, _model_id(service, generation), generation.n, generation.prompt_tokens,
+            body.logprobs is not None, _tokenizer(service),
+        )  # fmt: skip
+        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        cfg = service.cfg
+        rid, generation = admit(
+            request,
+            body.model,
+            lambda tok: chat_request(body, tok, cfg.engine.max_seq_len, cfg.default_max_tokens, cfg.max_queue),
+        )
+        responses = Responses(
+            True, rid, _model_id(service, generation), generation.n, generation.prompt_tokens,
+            bool(body.logprobs), _tokenizer(service),
+        )  # fmt: skip
+        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
+
+    return app
+
+
+def _tokenizer(service: GenerationService) -> Tokenizer:
+    assert service.tokenizer is not None  # open() admitted the request
+    return service.tokenizer
+
+
+def _model_id(service: GenerationService, generation: Generation) -> str:
+    return next(name for name, pool in model_ids(service) if pool.name == generation.pool)
+
+
+async def _events(generation: Generation, responses: Responses, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: one event per chunk, the usage event when asked, then ``[DONE]``. Cancelled
+    (the client went away) or finished, it closes the generation."""
+    rid = generation.request_id
+    try:
+        async for index, chunk in generation:
+            yield _sse(responses.event(index, chunk, include_usage))
+        if include_usage:
+            yield _sse(responses.usage_event())
+        log.info("request %s: finished, %d tokens", rid, responses.completion_tokens)
+    except StreamFailed as exc:
+        log.warning("request %s: failed: %s", rid, exc)
+        yield _sse(error_body(503, str(exc)))
+    except asyncio.CancelledError:
+        log.info("request %s: %d, the client closed the stream", rid, CLIENT_CLOSED)
+        raise
+    finally:
+        generation.close()
+    yield _sse("[DONE]")
+
+
+async def _collect(request: Request, generation: Generation, responses: Responses) -> Response:
+    """Run a non-streamed request to its end, or until the client goes away (then every sequence
+    is cancelled)."""
+    rid = generation.request_id
+
+    async def run() -> None:
+        async for index, chunk in generation:
+            responses.add(index, chunk)
+
+    work = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        generation.close()
+    if not work.done() or work.cancelled():
+        log.info("request %s: %d, the client closed the connection", rid, CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+    try:
+        work.result()
+    except StreamFailed as exc:
+        log.warning("request %s: failed: %s", rid, exc)
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+    log.info("request %s: finished, %d tokens", rid, responses.completion_tokens)
+    return JSONResponse(responses.completion())
+
+
+# ---- the uvicorn server ------------------------------------------------------------------------------
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handling: ``serve_forever`` owns SIGTERM and SIGINT (uvicorn's
+    ``capture_signals`` would replace them, and re-raise them after it stops)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (SO_REUSEADDR, no SO_REUSEPORT, as gRPC binds here),
+    bound before uvicorn starts so that a busy port is this process's error, not uvicorn's exit.
+
+    Raises:
+        OSError: the address cannot be bound (``errno.EADDRINUSE``: the port is held).
+    """
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    return socket.create_server((bare, port), family=family, reuse_port=False)
+
+
+class HttpServer:
+    """The app on a bound socket, served by uvicorn as a task of the running event loop.
+
+    Args:
+        service: the servicer whose pools the app serves.
+        sock: from :func:`bind`.
+    """
+
+    def __init__(self, service: GenerationService, sock: socket.socket):
+        self.sock = sock
+        self.port: int = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(service),
+            log_config=None,  # keep the server's logging configuration
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,  # in-flight streams are drained (or failed) before stop()
+        )
+        self._server = _EmbeddedServer(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start serving; returns once uvicorn listens.
+
+        Raises:
+            RuntimeError: uvicorn stopped during its startup.
+        """
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
+        while not self._server.started:
+            if self._task.done():
+                raise RuntimeError(f"the HTTP server stopped at startup: {self._task.exception()!r}")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop accepting, let responses in progress end (1 s at most), close the socket."""
+        if self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+        self.sock.close()

@@ -1,0 +1,717 @@
+"""The OpenAI-compatible HTTP API (service/http_server.py, service/openai_api.py) through the
+official ``openai`` client and raw HTTP.
+
+Fast tests use the tiny session server (2 slots x 128 tokens, queue of 4, random weights: its
+answers are gibberish, their shapes and counts are not) and servers of their own on the tiny
+model; the ``slow`` ones use the real SmolLM2 session ``server`` (its HTTP port beside gRPC), with
+short generations: the CPU decodes 10-20 tokens/s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from helpers import free_port, scrape, status_of, value, wait_for
+
+from model.sampling import sequence_seed
+from model.tokenizer import Tokenizer
+from service.client import Client, make_request
+from service.engine import EngineConfig
+from service.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from service.scheduler import StepPlan
+from service.server import GenerationService, PortInUse, ServerConfig, ServerThread, start_server
+from service.validation import InvalidRequest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120.0
+HI = [{"role": "user", "content": "hi"}]
+
+
+def api(srv: Any, **kwargs: Any) -> openai.OpenAI:
+    """The official client on ``srv``'s HTTP port; no retries (it retries 429 and 5xx by default)."""
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{srv.running.http_port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=kwargs.pop("timeout", TIMEOUT_S),
+        **kwargs,
+    )
+
+
+def post(port: int, path: str, body: Any, timeout_s: float = TIMEOUT_S) -> tuple[int, str]:
+    """POST ``body`` (JSON, or bytes as they are) with urllib; (status, response text)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def sse_data(text: str) -> list[str]:
+    """The ``data`` of each event of an SSE body (each event here is one ``data:`` line)."""
+    events = [e for e in text.replace("\r\n", "\n").split("\n\n") if e.strip()]
+    out = []
+    for e in events:
+        lines = e.split("\n")
+        assert len(lines) == 1 and lines[0].startswith("data: "), e
+        out.append(lines[0][len("data: ") :])
+    return out
+
+
+@pytest.fixture()
+def client(tiny_server) -> Iterator[openai.OpenAI]:  # type: ignore[no-untyped-def]
+    c = api(tiny_server)
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def grpc_client(tiny_server) -> Iterator[Client]:  # type: ignore[no-untyped-def]
+    c = Client(tiny_server.address)
+    yield c
+    c.close()
+
+
+# ---- endpoints and shapes (tiny server) ---------------------------------------------------------
+
+
+def test_models_lists_the_default_pool_under_the_model_name(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]  # the GGUF's stem, as GetModelInfo.name
+    assert models[0].owned_by == "meshserve" and models[0].object == "model"
+    assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 128
+    status, body = get(tiny_server.running.http_port, "/v1/models")
+    assert status == 200 and json.loads(body)["object"] == "list"
+
+
+def test_health_and_metrics_on_the_http_port(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    port = tiny_server.running.http_port
+    assert get(port, "/health") == (200, '{"status":"SERVING"}')
+    samples = scrape(port)  # the same registry as --metrics-port
+    assert value(samples, "meshserve_num_slots", pool="default") == 2
+    assert value(samples, "meshserve_serving") == 1
+    assert {name for name, _ in samples} == {name for name, _ in scrape(tiny_server.running.metrics_port)}
+
+
+def test_chat_answer_shape_and_usage_counts(client: openai.OpenAI, tiny_tokenizer: Tokenizer) -> None:
+    r = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    rendered = tiny_tokenizer.apply_chat_template(HI, add_generation_prompt=True)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(tiny_tokenizer.encode(rendered))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 6
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 6
+
+
+def test_streamed_chat_equals_the_answer_and_ends_with_done(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    whole = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
+    stream = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()  # type: ignore[union-attr]
+    deltas = [c.choices[0].delta for c in chunks[:-1]]
+    assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks[:-1])
+    # One event per generated token: the finish event carries the last token, or none (EOS).
+    assert len(deltas) - (whole.choices[0].finish_reason == "stop") == whole.usage.completion_tokens  # type: ignore[union-attr]
+    # On the wire: one data line per event, JSON, then [DONE].
+    body = {"model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "stream": True}
+    status, text = post(tiny_server.running.http_port, "/v1/chat/completions", body)
+    data = sse_data(text)
+    assert status == 200 and data[-1] == "[DONE]"
+    assert all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
+
+
+def test_completions_match_grpc_with_token_id_prompts_and_logprobs(
+    client: openai.OpenAI, grpc_client: Client, tiny_tokenizer: Tokenizer
+) -> None:
+    prompt = [5, 17, 42, 99]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    ids, records = [], []
+    for resp in grpc_client.stream(make_request(token_ids=prompt, max_tokens=5, temperature=0.0, logprobs=3), 60):
+        ids.extend(resp.token_ids)
+        records.extend(resp.logprobs)
+    choice = r.choices[0]
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert choice.text == tiny_tokenizer.decode(ids)
+    assert r.usage is not None and r.usage.prompt_tokens == 4 and r.usage.completion_tokens == len(ids)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert lp.tokens == [tiny_tokenizer.token_bytes(i).decode("utf-8", "backslashreplace") for i in ids]
+    assert lp.token_logprobs == [rec.logprob for rec in records]  # float32 values, exactly
+    for top, rec in zip(lp.top_logprobs, records, strict=True):
+        assert list(top.values()) == [t.logprob for t in rec.top][: len(top)] and 1 <= len(top) <= 3
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(ids))]
+    # A one-element list of token-id lists is the same prompt.
+    again = client.completions.create(model="tiny", prompt=[prompt], max_tokens=5, temperature=0)
+    assert again.choices[0].text == choice.text
+
+
+def test_chat_logprobs_shape(client: openai.OpenAI, tiny_tokenizer: Tokenizer) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for item in content:
+        assert item.bytes is not None and bytes(item.bytes).decode("utf-8", "backslashreplace") == item.token
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == item.top_logprobs[0].logprob  # greedy: the most likely id
+    plain = client.chat.completions.create(model="tiny", messages=HI, max_tokens=4, temperature=0, logprobs=True)
+    assert all(item.top_logprobs == [] for item in plain.choices[0].logprobs.content)  # type: ignore[union-attr]
+
+
+def test_n_sequences_have_their_own_seeds_over_http_and_grpc(client: openai.OpenAI, grpc_client: Client) -> None:
+    kwargs: dict[str, Any] = dict(model="tiny", prompt=[7, 8, 9], max_tokens=6, temperature=3.0, seed=11)
+    three = client.completions.create(n=3, **kwargs)
+    again = client.completions.create(n=3, **kwargs)
+    one = client.completions.create(n=1, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.text for c in three.choices] == [c.text for c in again.choices]  # reproducible
+    assert three.choices[0].text == one.choices[0].text  # sequence 0 uses the seed itself
+    assert three.usage is not None and three.usage.prompt_tokens == 3  # the prompt counted once
+    assert 3 <= three.usage.completion_tokens <= 18
+    # gRPC: every chunk says its sequence; each sequence ends once; sequence i's ids are those of
+    # an n = 1 request seeded with sequence_seed(seed, i).
+    req = make_request(token_ids=[7, 8, 9], max_tokens=6, temperature=3.0, seed=11, n=3)
+    finished: list[int] = []
+    for resp in grpc_client.stream(req, 60):
+        if resp.finish_reason:
+            finished.append(resp.index)
+    assert sorted(finished) == [0, 1, 2]
+    runs = grpc_client.generate_all(req, 60)
+    assert [r.completion_tokens for r in runs] == [len(r.token_ids) for r in runs]
+    assert all(r.finish_reason != "FINISH_REASON_UNSPECIFIED" for r in runs)
+    for i in (0, 1, 2):
+        solo = grpc_client.generate(
+            make_request(token_ids=[7, 8, 9], max_tokens=6, temperature=3.0, seed=sequence_seed(11, i)), 60
+        )
+        assert solo.token_ids == runs[i].token_ids
+    with pytest.raises(ValueError, match="use generate_all"):
+        grpc_client.generate(req)
+
+
+def test_streamed_n_interleaves_choices_by_index(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=4, n=2, seed=3, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1}
+    whole = client.chat.completions.create(model="tiny", messages=HI, max_tokens=4, n=2, seed=3)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+    assert usage is not None and whole.usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}],
+        max_tokens=2,
+        user="someone",
+        store=False,
+        metadata={"k": "v"},
+        response_format={"type": "text"},
+        tool_choice="none",
+        extra_body={"frobnicate": 3, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+
+
+# ---- errors (tiny server) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 500}, "max_completion_tokens"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"stop": [""]}, "stop[0]"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"temperature": "warm"}, "temperature"),
+        ({"messages": [{"role": "robot", "content": "beep"}]}, "messages[0].role"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_bad_chat_fields_are_400_naming_the_field(tiny_server, client: openai.OpenAI, extra: dict, field: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.BadRequestError) as info:  # extra_body: sent as given, past the client's types
+        client.chat.completions.create(model="tiny", messages=HI, extra_body=extra)
+    err = info.value
+    assert err.status_code == 400
+    assert isinstance(err.body, dict) and err.body["param"] == field and err.body["message"].startswith(field)
+    assert err.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+    ],
+)
+def test_unsupported_chat_fields_are_refused(client: openai.OpenAI, extra: dict, field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=HI, extra_body=extra)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"echo": True}, "echo"),
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": [1, 10**6]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 200}, "max_tokens"),
+    ],
+)
+def test_bad_or_unsupported_completion_fields_are_refused(client: openai.OpenAI, extra: dict, field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", extra_body=extra)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == field
+
+
+def test_unknown_model_is_404_and_rejections_are_counted(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    port = tiny_server.running.http_port
+    before = scrape(port)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=HI)
+    assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
+    assert "'gpt-4o' is not served; models: tiny" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=HI, temperature=-1)
+    after = scrape(port)
+    for code, pool in (("not_found", ""), ("invalid_argument", "default")):
+        name = "meshserve_requests_rejected_total"
+        assert value(after, name, pool=pool, code=code) == value(before, name, pool=pool, code=code) + 1
+    # The pool's own name and its layout's name select it too, as gRPC's layout field does.
+    for model in ("default", "single"):
+        assert client.completions.create(model=model, prompt="hi", max_tokens=1).model == "tiny"
+
+
+def test_malformed_json_and_unknown_paths(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    port = tiny_server.running.http_port
+    status, text = post(port, "/v1/chat/completions", b"{not json")
+    assert status == 400 and json.loads(text)["error"]["type"] == "invalid_request_error"
+    status, text = post(port, "/v1/chat/completions", {"model": "tiny"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages"
+    status, text = get(port, "/v1/embeddings")
+    assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
+
+
+def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]
+    loop = tiny_server.running.service.pools[0].loop
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(plan: StepPlan) -> None:  # the engine loop waits here: nothing leaves the queue
+        entered.set()
+        release.wait(60)
+
+    loop.step_hook = hold
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            first = pool.submit(status_of, grpc_client, make_request(prompt="a", max_tokens=2), 120)
+            assert entered.wait(30)
+            waiting = [
+                pool.submit(status_of, grpc_client, make_request(prompt="b", max_tokens=2), 120) for _ in range(4)
+            ]
+            assert wait_for(lambda: loop.queue_full() is not None, 30)
+            with pytest.raises(openai.RateLimitError) as info:
+                client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+            assert info.value.status_code == 429
+            assert isinstance(info.value.body, dict) and info.value.body["code"] == "queue_full"
+            assert info.value.body["message"] == "queue full: 4 requests waiting (max 4)"
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
+            release.set()
+            assert first.result() == (grpc.StatusCode.OK, "")
+            assert [f.result() for f in waiting] == [(grpc.StatusCode.OK, "")] * 4
+    finally:
+        loop.step_hook = None
+        release.set()
+
+
+def test_n_larger_than_the_room_left_in_the_queue_is_429(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    loop = tiny_server.running.service.pools[0].loop
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(plan: StepPlan) -> None:
+        entered.set()
+        release.wait(60)
+
+    loop.step_hook = hold
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            # A queue of 4: the step that prefills the first request's first sequence holds the
+            # loop, so its other 3 wait (in the loop's queue or still in its inbox: both count)
+            # and 1 place is left. The server submits all 4 before it reads the next request.
+            first = pool.submit(client.completions.create, model="tiny", prompt="a", max_tokens=2, n=4)
+            assert entered.wait(30)
+            assert loop.queue_full() is None
+            with pytest.raises(openai.RateLimitError) as info:
+                client.completions.create(model="tiny", prompt="b", max_tokens=2, n=3)
+            assert "no room for all 3 sequences" in info.value.message
+            release.set()
+            assert len(first.result(60).choices) == 4
+    finally:
+        loop.step_hook = None
+        release.set()
+    assert wait_for(lambda: loop.scheduler.active_slots == 0 and loop.scheduler.queue_depth == 0, 10)
+
+
+# ---- disconnects free the slots (tiny server) ------------------------------------------------------
+
+
+def test_a_client_that_closes_the_stream_frees_its_slot(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    port = tiny_server.running.http_port
+    loop = tiny_server.running.service.pools[0].loop
+    cancelled = value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled")
+    loop.step_hook = lambda plan: time.sleep(0.05)  # about 20 steps a second: the stream outlives the close
+    try:
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=100, n=2, stream=True)
+        next(iter(stream))
+        assert wait_for(lambda: value(scrape(port), "meshserve_active_slots", pool="default") == 2, 10)
+        stream.close()
+        assert wait_for(lambda: value(scrape(port), "meshserve_active_slots", pool="default") == 0, 10)
+    finally:
+        loop.step_hook = None
+    assert wait_for(
+        lambda: (
+            value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled") == cancelled + 2
+        )
+    )
+    assert not any(tiny_server.running.service.inflight.values())
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    port = tiny_server.running.http_port
+    loop = tiny_server.running.service.pools[0].loop
+    loop.step_hook = lambda plan: time.sleep(0.05)  # 100 tokens: about 5 s
+    impatient = api(tiny_server, timeout=1.0)
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=100)
+        assert wait_for(lambda: value(scrape(port), "meshserve_active_slots", pool="default") == 0, 10)
+        assert loop.scheduler.queue_depth == 0
+    finally:
+        loop.step_hook = None
+        impatient.close()
+
+
+# ---- mapping onto the engine's parameters (no server) ----------------------------------------------
+
+
+def test_chat_fields_map_onto_the_validated_request(tiny_tokenizer: Tokenizer) -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": "x", "seed": -1,
+            "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2, "min_p": 0.05,
+            "top_k": -1, "min_tokens": 3, "ignore_eos": True, "logprobs": True, "top_logprobs": 4,
+        }
+    )  # fmt: skip
+    v = chat_request(body, tiny_tokenizer, max_seq_len=128, default_max_tokens=50, max_queue=4)
+    rendered = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "a\nb"}], add_generation_prompt=True)
+    assert v.prompt_ids == tiny_tokenizer.encode(rendered)
+    assert (v.max_tokens, v.n, v.stop, v.logprobs, v.min_tokens, v.ignore_eos) == (9, 2, ("x",), 4, 3, True)
+    s = v.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.5, 0.9, 0, 2**64 - 1)  # -1 wraps mod 2**64
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.2, 0.05)
+    unset = chat_request(ChatCompletionRequest(messages=HI), tiny_tokenizer, 128, 50, 4)  # type: ignore[arg-type]
+    assert (unset.max_tokens, unset.n, unset.logprobs, unset.min_tokens, unset.ignore_eos) == (50, 1, None, 0, False)
+    assert (unset.sampling.temperature, unset.sampling.repetition_penalty) == (1.0, 1.0)
+    with pytest.raises(InvalidRequest, match=r"^n: must be in \[1, 4\] \(at most 16 and at most the server's queue"):
+        chat_request(ChatCompletionRequest(messages=HI, n=5), tiny_tokenizer, 128, 50, 4)  # type: ignore[arg-type]
+
+
+def test_completions_default_to_16_tokens_as_openai(tiny_tokenizer: Tokenizer) -> None:
+    v = completion_request(CompletionRequest(prompt="hello"), tiny_tokenizer, 128, 4)
+    assert v.max_tokens == 16 and v.prompt_ids == tiny_tokenizer.encode("hello")
+    assert completion_request(CompletionRequest(prompt=["hello"]), tiny_tokenizer, 128, 4).prompt_ids == v.prompt_ids
+    near_the_end = completion_request(CompletionRequest(prompt=[1] * 120), tiny_tokenizer, 128, 4)
+    assert near_the_end.max_tokens == 8  # the room left
+
+
+# ---- servers of their own: loading, a dead engine, ports, signals ----------------------------------
+
+
+def test_503_while_loading_and_after_the_engine_dies(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    loading = threading.Event()
+    original = GenerationService.load
+
+    def held_load(self: GenerationService) -> None:
+        loading.wait(60)
+        original(self)
+
+    monkeypatch.setattr(GenerationService, "load", held_load)
+    http_port = free_port()
+    srv = ServerThread(
+        ServerConfig(
+            model=str(tiny_gguf), port=0, metrics_port=0, http_port=http_port, watchdog_interval_s=0.1,
+            engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32),
+        )
+    )  # fmt: skip
+    starter = threading.Thread(target=srv.start, daemon=True)
+    starter.start()
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0, timeout=30)
+    try:
+        assert wait_for(lambda: _answers(http_port), 30)
+        assert get(http_port, "/health") == (503, '{"status":"NOT_SERVING"}')
+        for call in (
+            lambda: c.chat.completions.create(model="tiny", messages=HI),
+            lambda: c.completions.create(model="tiny", prompt="hi", stream=True),
+            lambda: c.models.list(),
+        ):
+            with pytest.raises(openai.InternalServerError) as info:
+                call()
+            assert info.value.status_code == 503
+            assert isinstance(info.value.body, dict) and info.value.body["message"] == "the model is still loading"
+        loading.set()
+        starter.join(120)
+        assert srv.running is not None and get(http_port, "/health")[0] == 200
+
+        # The engine loop dies mid-stream: the stream ends with an error event, then every
+        # request is 503 and /health follows within a few watchdog intervals.
+        loop = srv.running.service.pools[0].loop
+        armed = threading.Event()
+
+        def hook(plan: StepPlan) -> None:
+            if armed.is_set():
+                raise RuntimeError("injected engine failure")
+
+        loop.step_hook = hook
+        stream = iter(c.completions.create(model="tiny", prompt=[1, 2], max_tokens=50, stream=True))
+        next(stream)
+        armed.set()
+        with pytest.raises(openai.APIError) as failed:
+            for _ in stream:
+                pass
+        assert "injected engine failure" in str(failed.value.message)
+        with pytest.raises(openai.InternalServerError) as info:
+            c.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+        assert "the engine loop died" in str(info.value.body)
+        assert wait_for(lambda: get(http_port, "/health")[0] == 503, 10)
+    finally:
+        loading.set()
+        c.close()
+        starter.join(120)
+        srv.stop()
+
+
+def _answers(port: int) -> bool:
+    try:
+        get(port, "/health")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture()
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_taken_http_port_is_one_clear_line(taken_port: int) -> None:
+    cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, http_port=taken_port)
+    with pytest.raises(PortInUse) as info:
+        asyncio.run(start_server(cfg))  # the model path is never looked at
+    assert str(info.value) == (
+        f"HTTP port {taken_port} on 127.0.0.1 is in use (a second server needs its own HTTP port); "
+        "pick a free one with --http-port, or --http-port 0 for no HTTP API"
+    )
+    assert ServerConfig().http_port == 0  # off unless asked for
+
+
+def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_path: Path) -> None:
+    """uvicorn runs without its own signal handlers: SIGTERM reaches serve_forever's drain, which
+    stops the HTTP server too, and the process exits 0."""
+    http_port = free_port()
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_gguf), "--port", "0",
+           "--metrics-port", "0", "--http-port", str(http_port), "--num-slots", "2", "--max-seq-len", "128",
+           "--chunk-size", "32", "--grace-period", "5"]  # fmt: skip
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        try:
+            assert wait_for(lambda: _answers(http_port) and get(http_port, "/health")[0] == 200, 120), (
+                log_path.read_text()
+            )
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0)
+            stream = iter(c.completions.create(model="tiny", prompt=[1, 2], max_tokens=20, stream=True))
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)  # the in-flight stream finishes within the grace period
+            assert rest[-1].choices[0].finish_reason in ("length", "stop")
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    text = log_path.read_text()
+    assert "signal received: draining" in text and "OpenAI-compatible API on http://127.0.0.1" in text
+
+
+# ---- the real model through the official client (slow) ---------------------------------------------
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture()
+def real(server) -> Iterator[openai.OpenAI]:  # type: ignore[no-untyped-def]
+    c = api(server)
+    yield c
+    c.close()
+
+
+@pytest.mark.slow
+def test_real_streamed_chat_equals_the_answer_with_paris_and_usage(real: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    model = real.models.list().data[0].id  # the served model's name: the default pool
+    whole = real.chat.completions.create(model=model, messages=FRANCE, max_tokens=24, temperature=0)
+    answer = whole.choices[0].message.content
+    assert answer is not None and "Paris" in answer and whole.choices[0].finish_reason == "stop"
+    chunks = list(
+        real.chat.completions.create(
+            model=model, messages=FRANCE, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == answer
+    usage = chunks[-1].usage
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()  # type: ignore[union-attr]
+    rendered = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
+    assert usage.prompt_tokens == len(tokenizer.encode(rendered))
+    assert usage.completion_tokens == len(tokenizer.encode(answer))  # greedy ids re-encode to themselves here
+
+
+@pytest.mark.slow
+def test_real_completions_with_a_stop_list(real: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = real.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0).choices[0]
+    text = plain.text
+    assert len(text) > 6
+    stop = text[4:6]
+    cut = real.completions.create(
+        model="default", prompt=prompt, max_tokens=12, temperature=0, stop=["QZXJ", stop]
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+
+
+@pytest.mark.slow
+def test_real_n3_seeded_answers_differ_and_repeat(real: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="default", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=1.0, n=3,
+        seed=1234,
+    )  # fmt: skip
+    first = [c.message.content for c in real.chat.completions.create(**kwargs).choices]
+    second = [c.message.content for c in real.chat.completions.create(**kwargs).choices]
+    assert first == second
+    assert len(set(first)) == 3, first
+
+
+@pytest.mark.slow
+def test_real_top5_logprobs_equal_grpc(server, real: openai.OpenAI, tokenizer: Tokenizer) -> None:  # type: ignore[no-untyped-def]
+    r = real.chat.completions.create(
+        model="default", messages=FRANCE, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    grpc_client = Client(server.address)
+    try:
+        records, ids = [], []
+        chat = [(m["role"], m["content"]) for m in FRANCE]
+        for resp in grpc_client.stream(make_request(chat=chat, max_tokens=6, temperature=0.0, logprobs=5), TIMEOUT_S):
+            records.extend(resp.logprobs)
+            ids.extend(resp.token_ids)
+    finally:
+        grpc_client.close()
+    assert content is not None and len(content) == len(records) == 6
+    for item, rec in zip(content, records, strict=True):
+        assert item.logprob == rec.logprob
+        assert item.bytes == list(tokenizer.token_bytes(rec.token_id))
+        assert [t.logprob for t in item.top_logprobs] == [t.logprob for t in rec.top]
+        assert [bytes(t.bytes or []) for t in item.top_logprobs] == [tokenizer.token_bytes(t.token_id) for t in rec.top]
+    assert r.choices[0].message.content == tokenizer.decode(ids)
+
+
+@pytest.mark.slow
+def test_real_errors_as_the_client_raises_them(real: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        real.chat.completions.create(model="gpt-4o", messages=FRANCE)
+    with pytest.raises(openai.BadRequestError) as info:
+        real.chat.completions.create(model="default", messages=FRANCE, max_tokens=5000)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as info:
+        real.chat.completions.create(model="default", messages=FRANCE, response_format={"type": "json_object"})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "response_format"

@@ -5,6 +5,8 @@
 * ``benchmarks.roofline``: ``meshserve roofline``, the analytic roofline model.
 * ``benchmarks.peers``, ``benchmarks.cpu_ceilings``, ``benchmarks.native_decode``: scripts run
   as ``python benchmarks/NAME.py`` (peer servers, the CPU's measured ceilings, native kernels).
+* ``benchmarks.dispatch``: ``python -m benchmarks.dispatch``, the decode step's dispatch cost
+  against the KV cache's maximum length.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

@@ -1,0 +1,325 @@
+"""The paged KV cache (``model/paged_kv.py``) and ragged paged attention (``model/paged_attention.py``)
+against a dense reference: numpy float64 softmax attention over each sequence's whole K/V, built
+independently of the pages.
+
+The scenario (``mixed_step``) is one ragged step over five sequences whose pages are scattered
+over the pool in random order: a decode token; a prefill chunk starting mid-page in the middle of
+a sequence that shares its first two pages with the first sequence (prefix sharing); a decode
+token at position 0; a first prefill chunk crossing a page boundary; a sequence with no token in
+the step; and padding tokens of each kind, all shuffled. The earlier positions are written first,
+as earlier steps would have, then the step writes its own tokens' K/V and attends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.config import LlamaConfig
+from model.paged_attention import ragged_paged_attention
+from model.paged_kv import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
+
+CFG = LlamaConfig.tiny(num_heads=6)  # K = 2 KV heads, G = 3 query heads each, H = 16
+K, G, H = CFG.num_kv_heads, CFG.q_per_kv, CFG.head_dim
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bfloat16 (nearest even) and widened back to float32, as the cache holds it."""
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+@dataclasses.dataclass
+class Step:
+    """One ragged step and everything its reference needs (numpy arrays)."""
+
+    page_size: int
+    num_pages: int
+    page_tables: np.ndarray  # [B, max_pages] int32, unused columns -1
+    window_pages: int
+    dense_k: list[np.ndarray]  # per sequence [length, K, H] float32: the whole K it has after the step
+    dense_v: list[np.ndarray]
+    history: list[tuple[int, int]]  # (sequence, position) written before the step
+    seq_of_token: np.ndarray  # [N] int32, padding marked
+    positions: np.ndarray  # [N] int32
+    q: np.ndarray  # [N, K, G, H] float32, scaled
+
+    def new_kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The step's tokens' K and V [N, K, H] (zeros for padding)."""
+        k = np.zeros((len(self.positions), K, H), np.float32)
+        v = np.zeros_like(k)
+        for n, (s, p) in enumerate(zip(self.seq_of_token, self.positions, strict=True)):
+            if 0 <= s < len(self.dense_k) and p >= 0:
+                k[n], v[n] = self.dense_k[s][p], self.dense_v[s][p]
+        return k, v
+
+
+def mixed_step(page_size: int, seed: int = 0) -> Step:
+    ps = page_size
+    rng = np.random.default_rng([seed, ps])
+    # (length after the step, positions of its tokens in the step)
+    seqs = [
+        (2 * ps + 3, [2 * ps + 2]),  # 0: decode
+        (4 * ps + 2, list(range(3 * ps - 2, 4 * ps + 2))),  # 1: a chunk from mid-page, crossing a boundary
+        (1, [0]),  # 2: decode at position 0
+        (ps + 5, list(range(ps + 5))),  # 3: a first chunk, crossing a boundary
+        (3, []),  # 4: no token in this step
+    ]
+    shared = 2  # sequence 1's first two pages are sequence 0's (a cached prefix)
+    pages_of = [-(-n // ps) for n, _ in seqs]
+    own = [n - (shared if s == 1 else 0) for s, n in enumerate(pages_of)]
+    num_pages = sum(own) + 6  # some pages stay free
+    perm = iter(rng.permutation(num_pages).tolist())  # scattered, non-contiguous
+    tables = []
+    for s, n in enumerate(pages_of):
+        tables.append(
+            tables[0][:shared] + [next(perm) for _ in range(n - shared)] if s == 1 else [next(perm) for _ in range(n)]
+        )
+    max_pages = max(pages_of) + 2  # the window bucket may exceed what any sequence needs
+    page_tables = np.full((len(seqs), max_pages), -1, np.int32)
+    for s, t in enumerate(tables):
+        page_tables[s, : len(t)] = t
+
+    dense_k = [rng.standard_normal((n, K, H)).astype(np.float32) for n, _ in seqs]
+    dense_v = [rng.standard_normal((n, K, H)).astype(np.float32) for n, _ in seqs]
+    dense_k[1][: shared * ps], dense_v[1][: shared * ps] = dense_k[0][: shared * ps], dense_v[0][: shared * ps]
+    in_step = {(s, p) for s, (_, ps_) in enumerate(seqs) for p in ps_}
+    history = [
+        (s, p)
+        for s, (n, _) in enumerate(seqs)
+        for p in range(n)
+        if (s, p) not in in_step and not (s == 1 and p < shared * ps)  # shared pages: written once, by 0
+    ]
+
+    tokens = [(s, p) for s, (_, ps_) in enumerate(seqs) for p in ps_]
+    tokens += [(-1, 5), (len(seqs), 0), (0, -1)]  # padding: below, at B, and a negative position
+    order = rng.permutation(len(tokens))
+    seq_of_token = np.array([tokens[i][0] for i in order], np.int32)
+    positions = np.array([tokens[i][1] for i in order], np.int32)
+    q = (rng.standard_normal((len(tokens), K, G, H)) * H**-0.5).astype(np.float32)
+    return Step(ps, num_pages, page_tables, max_pages, dense_k, dense_v, history, seq_of_token, positions, q)
+
+
+def dense_attention(step: Step, dense_k: list[np.ndarray], dense_v: list[np.ndarray]) -> np.ndarray:
+    """[N, K, G, H] float64: token n attends to its sequence's positions 0..positions[n]; padding 0."""
+    out = np.zeros(step.q.shape, np.float64)
+    for n, (s, p) in enumerate(zip(step.seq_of_token, step.positions, strict=True)):
+        if not (0 <= s < len(dense_k) and p >= 0):
+            continue
+        k = dense_k[s][: p + 1].astype(np.float64)  # [S, K, H]
+        v = dense_v[s][: p + 1].astype(np.float64)
+        scores = np.einsum("kgh,skh->kgs", step.q[n].astype(np.float64), k)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[n] = np.einsum("kgs,skh->kgh", probs, v)
+    return out
+
+
+def run_step(step: Step, dtype: jnp.dtype, query_block: int | None = None) -> tuple[np.ndarray, jax.Array, jax.Array]:
+    """Write the history, then the step's tokens, through ``write_kv`` at ``slot_mapping``'s
+    slots; attend. Returns (attention [N, K, G, H], key pages, value pages)."""
+    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)
+    kp, vp = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    tables = jnp.asarray(step.page_tables)
+    hs = np.array([s for s, _ in step.history], np.int32)
+    hp = np.array([p for _, p in step.history], np.int32)
+    hk = np.stack([step.dense_k[s][p] for s, p in step.history])
+    hv = np.stack([step.dense_v[s][p] for s, p in step.history])
+    kp, vp = write_kv(kp, vp, slot_mapping(tables, jnp.asarray(hs), jnp.asarray(hp), step.page_size), hk, hv)
+    k_new, v_new = step.new_kv()
+    seq, pos = jnp.asarray(step.seq_of_token), jnp.asarray(step.positions)
+
+    @jax.jit
+    def attend(kp, vp, q, seq, pos):  # type: ignore[no-untyped-def]
+        kp, vp = write_kv(kp, vp, slot_mapping(tables, seq, pos, step.page_size), k_new, v_new)
+        out = ragged_paged_attention(
+            q, kp, vp, tables, seq, pos, window_pages=step.window_pages, query_block=query_block
+        )
+        return out, kp, vp
+
+    out, kp, vp = attend(kp, vp, jnp.asarray(step.q), seq, pos)
+    return np.asarray(out), kp, vp
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 128])
+def test_float32_matches_dense_attention(page_size: int) -> None:
+    step = mixed_step(page_size)
+    out, _, _ = run_step(step, jnp.float32)
+    ref = dense_attention(step, step.dense_k, step.dense_v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
+    assert padding.sum() == 3 and not out[padding].any()  # padding tokens give exact zeros
+
+
+def rounding_bound(step: Step) -> np.ndarray:
+    """[N, K, G] first-order bound on how far bfloat16 rounding of the keys and values moves
+    each output row: with dk, dv = rounded - exact over the token's positions, a convex
+    combination of value rows moves by at most max |dv|, and the softmax weights' total change
+    is at most 2 max_s |q . dk_s| (each score moves by q . dk_s; the weights' first-order change
+    p_s (d_s - sum p d) sums in absolute value to at most twice the largest |d_s|), which moves
+    the output by at most that times max |v|. 1.25x covers the second-order terms."""
+    bound = np.zeros(step.q.shape[:3])
+    for n, (s, p) in enumerate(zip(step.seq_of_token, step.positions, strict=True)):
+        if not (0 <= s < len(step.dense_k) and p >= 0):
+            continue
+        k, v = step.dense_k[s][: p + 1], step.dense_v[s][: p + 1]  # [S, K, H]
+        dk, dv = as_bf16(k) - k, as_bf16(v) - v
+        score_moves = np.abs(np.einsum("kgh,skh->kgs", step.q[n], dk)).max(-1)  # [K, G]
+        bound[n] = 1.25 * (np.abs(dv).max((0, 2))[:, None] + 2 * score_moves * np.abs(v).max((0, 2))[:, None])
+    return bound
+
+
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_bfloat16_cache(page_size: int) -> None:
+    """A bfloat16 cache: against the reference over the same rounded K/V to 1e-5 (attention
+    widens them exactly and computes in float32), and against the unrounded K/V within the
+    first-order bound of the rounding (``rounding_bound``), row by row."""
+    step = mixed_step(page_size, seed=1)
+    out, kp, _ = run_step(step, jnp.bfloat16)
+    assert kp.dtype == jnp.bfloat16
+    rounded_k, rounded_v = [as_bf16(k) for k in step.dense_k], [as_bf16(v) for v in step.dense_v]
+    np.testing.assert_allclose(out, dense_attention(step, rounded_k, rounded_v), rtol=1e-5, atol=1e-5)
+
+    err = np.abs(out - dense_attention(step, step.dense_k, step.dense_v)).max(-1)  # [N, K, G]
+    bound = rounding_bound(step)
+    assert (err <= bound).all(), (err / np.maximum(bound, 1e-30)).max()
+    assert err.max() > 0  # the rounding did change the result: the cache really is bfloat16
+
+
+def test_query_blocks_give_the_same_result() -> None:
+    """Blocks of 7 tokens (N is not a multiple: the last block is padded) equal all at once."""
+    step = mixed_step(8, seed=2)
+    whole, _, _ = run_step(step, jnp.float32)
+    blocked, _, _ = run_step(step, jnp.float32, query_block=7)
+    assert len(step.positions) % 7 != 0
+    np.testing.assert_allclose(blocked, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_the_pages_hold_each_sequence_at_its_slots() -> None:
+    """After the step every sequence's dense K/V is where its page table says, shared pages once."""
+    step = mixed_step(16, seed=3)
+    _, kp, vp = run_step(step, jnp.float32)
+    kp, vp = np.asarray(kp), np.asarray(vp)
+    for s, (k, v) in enumerate(zip(step.dense_k, step.dense_v, strict=True)):
+        for p in range(len(k)):
+            page, off = step.page_tables[s, p // 16], p % 16
+            np.testing.assert_array_equal(kp[page, :, off], k[p])
+            np.testing.assert_array_equal(vp[page, :, off], v[p])
+
+
+def test_slot_mapping() -> None:
+    tables = jnp.asarray([[5, 2, 7], [1, 0, 3]], jnp.int32)
+    seq = jnp.asarray([0, 0, 1, 1, -1, 2, 0], jnp.int32)
+    pos = jnp.asarray([0, 9, 4, 11, 3, 0, -2], jnp.int32)
+    # page size 4: (0, 0) -> page 5 offset 0; (0, 9) -> page 7 offset 1; (1, 4) -> page 0 offset 0;
+    # (1, 11) -> page 3 offset 3; then three padding tokens
+    assert slot_mapping(tables, seq, pos, 4).tolist() == [20, 29, 0, 15, -1, -1, -1]
+
+
+def test_write_kv_drops_out_of_range_slots() -> None:
+    """-1, P * page_size and beyond are dropped: never clamped onto the last slot, never wrapped
+    (a scatter would send -1 to the last page's last offset)."""
+    num_pages, ps = 3, 4
+    shape = PagedKVCache.shape(CFG, num_pages, ps)
+    kp, vp = jnp.zeros(shape), jnp.zeros(shape)
+    slots = jnp.asarray([-1, num_pages * ps, 5, num_pages * ps + 7, -ps - 1, 11], jnp.int32)
+    new = jnp.arange(1, 7, dtype=jnp.float32)[:, None, None] * jnp.ones((6, K, H))
+    kp, vp = jax.jit(write_kv)(kp, vp, slots, new, -new)
+    expected = np.zeros(shape, np.float32)
+    expected[1, :, 1] = 3.0  # slot 5
+    expected[2, :, 3] = 6.0  # slot 11, the last one: written once, by its own token only
+    np.testing.assert_array_equal(np.asarray(kp), expected)
+    np.testing.assert_array_equal(np.asarray(vp), -expected)
+
+
+def test_a_jitted_step_has_2L_plus_metadata_leaves_whatever_the_pool() -> None:
+    """A step over L layers (each: write the new tokens, attend) takes 2L cache arrays and six
+    metadata arrays, for a pool of 16 pages as for 256; and its result is dense attention over the
+    new tokens (two first chunks, nothing cached before)."""
+    L, ps = 3, 8
+    cfg = dataclasses.replace(CFG, num_layers=L)
+    rng = np.random.default_rng(4)
+    lens = [5, 11]
+    seq = np.array([0] * lens[0] + [1] * lens[1] + [-1], np.int32)
+    pos = np.array([*range(lens[0]), *range(lens[1]), 0], np.int32)
+    N = len(seq)
+    q = (rng.standard_normal((N, K, G, H)) * H**-0.5).astype(np.float32)
+    k_new = rng.standard_normal((N, K, H)).astype(np.float32)
+    v_new = rng.standard_normal((N, K, H)).astype(np.float32)
+    tables = np.array([[6, 1], [3, 9]], np.int32)
+
+    def step(cache, q, k_new, v_new, page_tables, seq_of_token, positions):  # type: ignore[no-untyped-def]
+        slots = slot_mapping(page_tables, seq_of_token, positions, cache.page_size)
+        outs, ks, vs = [], [], []
+        for i in range(cache.num_layers):
+            k, v = write_kv(cache.k[i], cache.v[i], slots, k_new * (i + 1), v_new)
+            outs.append(ragged_paged_attention(q, k, v, page_tables, seq_of_token, positions, window_pages=2))
+            ks.append(k)
+            vs.append(v)
+        return jnp.stack(outs), PagedKVCache(k=tuple(ks), v=tuple(vs))
+
+    fn = jax.jit(step, donate_argnums=0)
+    for num_pages in (16, 256):
+        cache = PagedKVCache.zeros(cfg, num_pages, ps)
+        args = (cache, q, k_new, v_new, tables, seq, pos)
+        assert len(jax.tree.leaves(args)) == 2 * L + 6
+        out, cache = fn(*args)
+        assert cache.num_pages == num_pages and len(jax.tree.leaves(cache)) == 2 * L
+    for i in range(L):
+        ref_step = Step(ps, 256, tables, 2, [], [], [], seq, pos, q)
+        dense_k = [k_new[seq == s] * (i + 1) for s in range(2)]
+        dense_v = [v_new[seq == s] for s in range(2)]
+        np.testing.assert_allclose(
+            np.asarray(out[i]), dense_attention(ref_step, dense_k, dense_v), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_the_cache_container() -> None:
+    cache = PagedKVCache.zeros(CFG, num_pages=10, page_size=16, dtype=jnp.bfloat16)
+    assert (cache.num_layers, cache.num_pages, cache.page_size, cache.num_slots) == (CFG.num_layers, 10, 16, 160)
+    assert all(a.shape == (10, K, 16, H) and a.dtype == jnp.bfloat16 for a in (*cache.k, *cache.v))
+    assert cache.nbytes() == 2 * CFG.num_layers * 10 * K * 16 * H * 2
+    assert cache.nbytes() == CFG.kv_bytes_per_token(2) * cache.num_slots
+    abstract = PagedKVCache.abstract(CFG, 10, 16, jnp.bfloat16)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+    assert len(jax.tree.leaves(cache)) == 2 * CFG.num_layers
+    for bad in ((0, 16), (10, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            PagedKVCache.zeros(CFG, *bad)
+    with pytest.raises(ValueError, match="window_pages"):
+        ragged_paged_attention(jnp.zeros((1, K, G, H)), cache.k[0], cache.v[0], jnp.zeros((1, 2), jnp.int32),
+                               jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), window_pages=3)  # fmt: skip
+
+
+def test_kv_heads_split_over_the_model_axis() -> None:
+    """With a 1x2 layout the rules split the pages' kv_heads axis over ``model`` and nothing else;
+    the step on pages sharded that way gives the unsharded result."""
+    from sharding.layouts import load_layout
+    from sharding.mesh import make_mesh
+    from sharding.plan import make_plan
+    from sharding.rules import spec_for
+
+    layout = load_layout("1x2")
+    mesh = make_mesh(layout)
+    step = mixed_step(8, seed=5)
+    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)
+    spec = spec_for(PAGE_AXES, shape, make_plan(layout, CFG).rules, mesh, "pages")
+    assert spec == P(None, "model", None, None)
+    whole, kp, vp = run_step(step, jnp.float32)
+    sharding = NamedSharding(mesh, spec)
+    kp, vp = jax.device_put(kp, sharding), jax.device_put(vp, sharding)
+    fn = jax.jit(
+        lambda q, kp, vp: ragged_paged_attention(
+            q, kp, vp, jnp.asarray(step.page_tables), jnp.asarray(step.seq_of_token), jnp.asarray(step.positions),
+            window_pages=step.window_pages,
+        )
+    )  # fmt: skip
+    out = fn(jnp.asarray(step.q), kp, vp)
+    assert math.prod(mesh.devices.shape) == 2 and len(kp.addressable_shards) == 2
+    np.testing.assert_allclose(np.asarray(out), whole, rtol=1e-6, atol=1e-6)

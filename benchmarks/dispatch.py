@@ -143,15 +143,17 @@ def argument_leaves(engine: Any, sampling_leaves: int) -> dict[str, int]:
     """The leaves of the jitted decode step's arguments, by group: "params" (the weights),
     "panels" (the weights packed for the native matmuls, 0 when decode does not read them),
     "cache" (the KV cache's arrays), "other" (token ids, sources, the two previous outputs,
-    positions and the ``sampling_leaves`` sampling arrays), and "total"."""
+    positions, the ``sampling_leaves`` sampling arrays and the token history of the penalties),
+    and "total"."""
     import jax
 
     counts = {
         "params": len(jax.tree.leaves(engine.params)),
         # The packed copy Engine.decode passes (None, no leaves, when decode keeps XLA's matmuls).
-        "panels": len(jax.tree.leaves(engine._decode_panels)),
+        "panels": len(jax.tree.leaves(engine.decode_panels)),
         "cache": len(jax.tree.leaves(engine.cache)),
-        "other": 5 + sampling_leaves,  # tokens, source, prev_decode, prev_prefill, positions
+        # tokens, source, prev_decode, prev_prefill, positions; the sampling arrays; the history
+        "other": 5 + sampling_leaves + len(jax.tree.leaves(engine.history)),
     }
     counts["total"] = sum(counts.values())
     return counts
@@ -213,7 +215,7 @@ def measure(
         "position": position,
         "status": "ok",
         "native_attention": engine.native_attention,
-        "native_matmul": engine._decode_panels is not None,
+        "native_matmul": engine.decode_panels is not None,
         "leaves": leaves,
         "cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(engine.cache))),
         "setup_s": setup_s,

@@ -612,6 +612,12 @@ class Engine:
         self._sp = {k: v.copy() for k, v in old._sp.items()}
 
     # ---- facts -------------------------------------------------------------------------------
+    @property
+    def decode_panels(self) -> dict[str, Any] | None:
+        """The packed weights decode steps read (a jit argument of every decode call), or None
+        when decode multiplies by the module's weights (XLA's dots)."""
+        return self._decode_panels
+
     def panel_bytes(self) -> int:
         """Bytes of the panel-packed weight copy the native matmuls read (0 without it)."""
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self.panels))

@@ -6,6 +6,7 @@ cache's structure says, and one ratio per layer form."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ import pytest
 
 from benchmarks.dispatch import CONFIGS, config, main, parse_max_lens
 from model.kv_cache import BLOCK_LEN
+from model.sampling import SamplingParams
 
 MAX_LENS = [64, 256]  # one and two 128-position blocks per layer in the unrolled form
 
@@ -47,7 +49,8 @@ def test_argument_leaves_follow_the_cache_structure(results: dict) -> None:  # t
         blocks = -(-r["max_seq_len"] // BLOCK_LEN)
         assert lv["cache"] == (2 * cfg.num_layers * blocks if r["layers"] == "unrolled" else 2)
         assert lv["total"] == lv["params"] + lv["panels"] + lv["cache"] + lv["other"]
-        assert lv["other"] == 5 + 5  # tokens, source, two previous outputs, positions; 5 sampling arrays
+        # tokens, source, two previous outputs, positions; the sampling arrays; counts and prompt mask
+        assert lv["other"] == 5 + len(dataclasses.fields(SamplingParams)) + 2
         assert r["cache_bytes"] == cfg.kv_bytes_per_token(4) * r["max_seq_len"] * r["slots"]
     for form in ("unrolled", "scan"):
         same = {(r["leaves"]["params"], r["leaves"]["panels"]) for r in results["rows"] if r["layers"] == form}

@@ -78,6 +78,7 @@ _ERROR_KIND = {  # status -> (OpenAI's error type, code)
     400: ("invalid_request_error", "invalid_value"),
     404: ("invalid_request_error", "model_not_found"),
     429: ("rate_limit_error", "queue_full"),
+    500: ("server_error", "internal_error"),
     503: ("server_error", "unavailable"),
 }
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
@@ -116,6 +117,21 @@ async def _client_gone(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _field_of(error: Any, body: Any) -> str:
+    """The field a pydantic error's ``loc`` points at, spelled as ``InvalidRequest`` messages spell
+    it (``messages[0].content``). Only the steps that index into the body are kept: pydantic puts
+    the union member it tried into ``loc`` too (``stop.str``, ``prompt.list[int]``), which names
+    nothing the client sent."""
+    loc = [x for x in error.get("loc", ()) if x != "body"]
+    field, value = "", body
+    for i, x in enumerate(loc):
+        if isinstance(value, dict) and isinstance(x, str) and (x in value or i == len(loc) - 1):
+            field, value = f"{field}.{x}" if field else x, value.get(x)  # a missing field is named too
+        elif isinstance(value, list) and isinstance(x, int) and 0 <= x < len(value):
+            field, value = f"{field}[{x}]", value[x]
+    return field or "body"
 
 
 def model_ids(service: GenerationService) -> list[tuple[str, Pool]]:
@@ -160,15 +176,23 @@ def create_app(service: GenerationService) -> FastAPI:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI's servers answer 400, naming the field.
         first = exc.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        field = ".".join(loc) or "body"
         service.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+        if first.get("type") == "json_invalid":  # its loc is ("body", offset): no field to name
+            why = first.get("ctx", {}).get("error", first.get("msg", "invalid"))
+            return JSONResponse(error_body(400, f"body: not valid JSON: {why}", param="body"), status_code=400)
+        field = _field_of(first, exc.body)
         return JSONResponse(error_body(400, f"{field}: {first.get('msg', 'invalid')}", param=field), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug still answers OpenAI's shape (Starlette's default is a text/plain 500), so that
+        # clients parse it as an error; Starlette logs the traceback after this.
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:

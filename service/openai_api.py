@@ -127,6 +127,16 @@ def _refuse(field: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {why}")
 
 
+def _text(field: str, text: str) -> str:
+    """``text``, refused when it holds a lone surrogate: JSON's ``"\\ud800"`` escape decodes to
+    one, and the tokenizer raises TypeError on it (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _refuse(field, f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
 def _check_common(body: _Common) -> None:
     if body.logit_bias:
         raise _refuse("logit_bias", "not supported (the engine has no logit bias); remove the field")
@@ -162,14 +172,14 @@ def _message_text(i: int, m: ChatMessage) -> str:
     if m.content is None:
         return ""
     if isinstance(m.content, str):
-        return m.content
+        return _text(f"messages[{i}].content", m.content)
     texts = []
     for j, part in enumerate(m.content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise _refuse(
                 f"messages[{i}].content[{j}].type", f"only text parts are supported, got {part.get('type')!r}"
             )
-        texts.append(part["text"])
+        texts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
     return "\n".join(texts)  # as vLLM joins a message's text parts
 
 
@@ -248,7 +258,11 @@ def completion_request(
         if len(prompt) != 1:
             raise _refuse("prompt", f"a list of {len(prompt)} prompts is not supported; send one request per prompt")
         prompt = prompt[0]
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else checked_token_ids(prompt, tokenizer, "prompt")
+    ids = (
+        tokenizer.encode(_text("prompt", prompt))
+        if isinstance(prompt, str)
+        else checked_token_ids(prompt, tokenizer, "prompt")
+    )
     if not ids:
         raise InvalidRequest("prompt: the prompt is empty (0 tokens)")
     return validate_params(

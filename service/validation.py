@@ -15,6 +15,8 @@ import math
 import secrets
 from collections.abc import Mapping, Sequence
 
+import jinja2
+
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from service.engine import TOP_LOGPROBS
@@ -33,6 +35,7 @@ MAX_STOP_CHARS = 256
 # the server's queue (``--max-queue``): a larger one could never be admitted.
 MAX_N = 16
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
+INT32_MAX = 2**31 - 1
 _SEED_RANGE = (-(2**63), 2**64)  # uint64 (gRPC) or int64 (OpenAI's clients); negatives wrap mod 2**64
 
 
@@ -114,17 +117,27 @@ def chat_prompt_ids(messages: Sequence[tuple[str, str]], tokenizer: Tokenizer, f
     with an assistant turn opened for the answer.
 
     Raises:
-        InvalidRequest: no message, or a role that is not one of ``CHAT_ROLES`` (the message
-            names ``field``, e.g. ``chat.messages[1].role``).
+        InvalidRequest: no message, a role that is not one of ``CHAT_ROLES`` (the message
+            names ``field``, e.g. ``chat.messages[1].role``), or the chat template raised on the
+            messages (or the model has none).
     """
     if not messages:
         raise InvalidRequest(f"{field}: at least one message is required")
     for i, (role, _) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"{field}[{i}].role: {role!r} is not one of {', '.join(CHAT_ROLES)}")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
-    )
+    # A template that raises on the messages (``raise_exception``: roles that do not alternate,
+    # a system message it does not take) and a model without one refuse the request: the client
+    # can change it, and the error would otherwise escape as an internal error (gRPC UNKNOWN,
+    # HTTP 500). A template that does not parse is the server's fault and stays one.
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
+        )
+    except jinja2.TemplateSyntaxError:
+        raise
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise InvalidRequest(f"{field}: the model's chat template refused the messages: {exc}") from None
     return tokenizer.encode(rendered)
 
 
@@ -231,6 +244,10 @@ def validate_params(
     top_k = p.top_k if p.top_k is not None else DEFAULT_TOP_K
     if top_k < 0:
         raise InvalidRequest(f"{p.name('top_k')}: must be >= 0 (0 disables it), got {top_k}")
+    # The engine keeps top_k in an int32 slot array: a larger k (HTTP allows any integer) would
+    # raise in the engine loop and kill the pool. Any k >= the vocabulary disables the filter, so
+    # clamping changes no answer.
+    top_k = min(top_k, INT32_MAX)
     if p.seed is None:
         seed = secrets.randbits(63)
     elif _SEED_RANGE[0] <= p.seed < _SEED_RANGE[1]:

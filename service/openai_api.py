@@ -54,8 +54,10 @@ FINISH_REASONS = {
 
 # ---- request bodies ---------------------------------------------------------------------------------
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI's servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI's servers do. Types are strict, as OpenAI's are:
+    # pydantic's lax mode would take "n": "3", "stream": "yes", "max_tokens": true and the token
+    # ids [true, 2] as 3, True, 1 and [1, 2] (an int is still a valid float).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):

@@ -123,6 +123,12 @@ def test_a_prompt_past_max_seq_len_is_400_with_its_count_and_the_limit(port: int
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"7": "up"}}, "logit_bias.7"),
         (COMPLETIONS, [1, 2], "body"),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+        # Strict types (was: lax pydantic took these as 3, True, 1 and the ids [1, 2]).
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": "3"}, "n"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        (COMPLETIONS, {"prompt": [True, 2]}, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "seed": "7"}, "seed"),
     ],
 )
 def test_a_body_of_wrong_types_is_400_naming_the_field(port: int, path: str, body: Any, field: str) -> None:

@@ -129,6 +129,7 @@ def test_a_prompt_past_max_seq_len_is_400_with_its_count_and_the_limit(port: int
         (COMPLETIONS, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
         (COMPLETIONS, {"prompt": [True, 2]}, "prompt"),
         (COMPLETIONS, {"prompt": "hi", "seed": "7"}, "seed"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs"),
     ],
 )
 def test_a_body_of_wrong_types_is_400_naming_the_field(port: int, path: str, body: Any, field: str) -> None:
@@ -148,8 +149,8 @@ def test_a_body_that_is_not_json_is_400(port: int, raw: bytes) -> None:
 # ---- streams ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("matches", [True, False])
-def test_a_stop_string_across_tokens_never_leaks_into_the_stream(port: int, matches: bool) -> None:
+@pytest.mark.parametrize("case", ["matches", "diverges", "cut"])
+def test_a_stop_string_across_tokens_never_leaks_into_the_stream(port: int, case: str) -> None:
     # The tiny model's logits are peaked (a greedy answer repeats one id): a hot seeded draw
     # gives varied ids.
     body: dict[str, Any] = {
@@ -162,13 +163,17 @@ def test_a_stop_string_across_tokens_never_leaks_into_the_stream(port: int, matc
     printable = [len(t) == 1 and t.isprintable() and t.isascii() for t in tokens]
     k = next(k for k in range(2, len(tokens) - 1) if printable[k] and printable[k + 1])
     stop = tokens[k] + tokens[k + 1]
-    if not matches:  # its start matches, its end never does: the held-back text is sent after all
+    expected, finish = text[: text.index(stop)], "stop"
+    if case == "diverges":  # its start matches, its end never does: the held-back text is sent after all
         stop += "\x00"
-    assert (stop in text) == matches
-    expected = text[: text.index(stop)] if matches else text
+        expected, finish = text, "length"
+    elif case == "cut":  # the answer ends (max_tokens) on the stop string's first character: sent at the end
+        body["max_tokens"] = k + 1
+        stop, finish = stop + "\x00", "length"
+        expected = json.loads(post(port, COMPLETIONS, {**body, "logprobs": None})[1])["choices"][0]["text"]
+        assert expected.endswith(tokens[k])
     del body["logprobs"]
     answer = json.loads(post(port, COMPLETIONS, {**body, "stop": [stop]})[1])["choices"][0]
-    finish = "stop" if matches else "length"
     assert (answer["text"], answer["finish_reason"]) == (expected, finish)
     status, raw = post(port, COMPLETIONS, {**body, "stop": [stop], "stream": True})
     events = [json.loads(d) for d in sse_data(raw)[:-1]]

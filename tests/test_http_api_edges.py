@@ -304,3 +304,28 @@ def test_an_internal_error_is_a_500_in_openais_shape(
         m.setattr(service.http_server, "completion_request", broken)
         err = error_of(*post(port, COMPLETIONS, {"model": "tiny", "prompt": "hi"}), 500)
     assert err["type"] == "server_error" and "injected" in err["message"], err
+
+
+# ---- penalties stay in their own slot -------------------------------------------------------------------
+
+
+def test_a_penalized_neighbour_changes_no_other_answer(tiny_server, port: int) -> None:  # type: ignore[no-untyped-def]
+    plain = {"model": "tiny", "prompt": [50, 60, 70, 80], "max_tokens": 12, "temperature": 0}
+    penalized = {
+        "model": "tiny", "prompt": [5, 17, 42, 99], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "presence_penalty": 2, "frequency_penalty": 2, "repetition_penalty": 100.0, "min_tokens": 12,
+    }  # fmt: skip
+    alone = [json.loads(post(port, COMPLETIONS, b)[1])["choices"] for b in (plain, penalized)]
+    unpenalized = {k: v for k, v in penalized.items() if not k.endswith("_penalty")}
+    assert json.loads(post(port, COMPLETIONS, unpenalized)[1])["choices"] != alone[1]  # the penalties bite
+    loop = tiny_server.running.service.pools[0].loop
+    loop.step_hook = lambda plan: time.sleep(0.01)  # both in the batch at once
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            together = [f.result() for f in [pool.submit(post, port, COMPLETIONS, b) for b in (plain, penalized)]]
+    finally:
+        loop.step_hook = None
+    assert [json.loads(t)["choices"] for _, t in together] == alone
+    # n = 2 greedy: both sequences penalized alike, each by its own history.
+    both = json.loads(post(port, COMPLETIONS, {**penalized, "n": 2})[1])["choices"]
+    assert [c["text"] for c in both] == [alone[1][0]["text"]] * 2

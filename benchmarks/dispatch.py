@@ -62,23 +62,10 @@ CACHE_COPIES = {"unrolled": 1, "scan": 3}
 
 
 def smollm2_135m(num_layers: int = 30) -> Any:
-    """SmolLM2-135M's ``LlamaConfig`` (the values its GGUF's metadata gives), optionally with
-    another layer count."""
+    """SmolLM2-135M's ``LlamaConfig``, optionally with another layer count."""
     from model.config import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=num_layers,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
+    return LlamaConfig.smollm2_135m(num_layers=num_layers)
 
 
 def config(name: str) -> Any:

@@ -156,6 +156,27 @@ class LlamaConfig:
         )
 
     @classmethod
+    def smollm2_135m(cls, **overrides: object) -> LlamaConfig:
+        """SmolLM2-135M's config (the values its GGUF's metadata gives: 30 layers, hidden 576,
+        9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings), for benchmarks
+        and tests that need its shapes without the file; ``overrides`` replace fields."""
+        base: dict[str, object] = dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        )
+        base.update(overrides)
+        return cls(**base)  # type: ignore[arg-type]
+
+    @classmethod
     def tiny(cls, **overrides: object) -> LlamaConfig:
         """A small random-weight config for fast tests (2 layers, GQA with 4 query / 2 KV heads)."""
         base: dict[str, object] = dict(

@@ -14,18 +14,7 @@ from model.config import LlamaConfig
 
 # SmolLM2-135M from peers.md: 30 layers, hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
 # vocabulary 49152, tied embeddings; 134.5 M parameters.
-SMOLLM2 = LlamaConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-)
+SMOLLM2 = LlamaConfig.smollm2_135m()
 # peers.md: numpy read bandwidth ≈ 25 GB/s, fp32 sgemm ≈ 148 GFLOP/s on the 2-core build machine.
 PEERS_CPU = Hardware(
     name="peers-cpu", hbm_bytes_per_s=25e9, peak_flops={"float32": 148e9}, interconnect_bytes_per_s=25e9

@@ -368,8 +368,12 @@ class Engine:
         self._prefill_fns: dict[int, Any] = {}
         self._decode_fns: dict[int, Any] = {}
 
-        # Host copies of the per-slot sampling parameters (sent with every decode step).
+        # The per-slot sampling parameters but ``ban_eos`` (which changes every step): host
+        # arrays, which ``set_sampling`` writes and prefill reads a row of, and their replicated
+        # device copy, which decode steps read (device arrays skip a host transfer per step).
         self._sp = SamplingParams.host(S)
+        del self._sp["ban_eos"]
+        self._sampling = self._upload(self._sp)
         # Stand-ins for "no previous step" outputs: device arrays with the outputs' sharding, so
         # a decode step's argument signature is the same whether or not the previous step's
         # outputs are passed (a numpy stand-in made the loop's second step compile again).
@@ -419,7 +423,7 @@ class Engine:
             graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
             idle = self.ecfg.max_seq_len  # the position of an idle slot
 
-            def run(params, panels, cache, history, host_tokens, source, prev_decode, prev_prefill, positions, sp):  # type: ignore[no-untyped-def]
+            def run(params, panels, cache, history, host_tokens, source, prev_decode, prev_prefill, positions, sp, ban):  # type: ignore[no-untyped-def]
                 # Each slot's input id comes from the host (source 0), from the previous decode
                 # step's output (1) or from the previous prefill's output (2), so the next step
                 # can be dispatched before the previous one's ids reach the host.
@@ -438,13 +442,14 @@ class Engine:
                     native_attention=native_attention,
                     panels=panels,
                 )
+                sp = SamplingParams(**sp, ban_eos=ban)  # the device parameters and this step's bans
                 next_ids = sample(logits, sp, positions + 1, argmax, history)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
 
             r = self.repl
             self._decode_fns[kv_len] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r, r),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, r, r, r, r, r, r),
                 out_shardings=(r, r, self._cache_sh, r),
                 donate_argnums=(2, 3),
             )
@@ -454,12 +459,13 @@ class Engine:
     def set_sampling(
         self, slot: int, options: SamplingOptions, logprobs: bool = False, eos_ids: Collection[int] = ()
     ) -> None:
-        """Install a request's sampling parameters in its slot (host arrays; no recompile);
-        ``logprobs``: the request wants log-probabilities computed; ``eos_ids``: the ids a step
-        called with ``ban_eos`` set for the slot may not pick (the request's ``eos_ids``).
+        """Install a request's sampling parameters in its slot (no recompile); ``logprobs``: the
+        request wants log-probabilities computed; ``eos_ids``: the ids a step called with
+        ``ban_eos`` set for the slot may not pick (the request's ``eos_ids``).
 
-        More EOS ids than any request so far widens the per-slot array to the next power of two
-        (the steps then compile once more for the new shape)."""
+        Writes the host arrays, then uploads them once for the decode steps to read. More EOS
+        ids than any request so far widens the per-slot array to the next power of two (the
+        steps then compile once more for the new shape)."""
         self._sp["temperature"][slot] = options.temperature
         self._sp["top_k"][slot] = options.top_k
         self._sp["top_p"][slot] = options.top_p
@@ -477,11 +483,18 @@ class Engine:
             self._sp["eos_ids"] = wider
         self._sp["eos_ids"][slot] = -1
         self._sp["eos_ids"][slot, : len(ids)] = ids
+        self._sampling = self._upload(self._sp)
+
+    def _upload(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Replicated device copies of the host sampling arrays (``SamplingParams``'s fields but
+        ``ban_eos``; shapes and dtypes kept). Copies first: ``set_sampling`` writes the host
+        arrays in place, and a CPU ``device_put`` may alias numpy memory."""
+        return jax.device_put({k: v.copy() for k, v in host.items()}, self.repl)
 
     def _slot_sampling(self, slot: int, ban_eos: bool) -> SamplingParams:
+        """Row ``slot`` of the host sampling arrays ([1, ...] each) with ``ban_eos`` [1] bool."""
         sp = {k: v[slot : slot + 1] for k, v in self._sp.items()}
-        sp["ban_eos"] = np.array([ban_eos])
-        return SamplingParams(**sp)
+        return SamplingParams(**sp, ban_eos=np.array([ban_eos]))
 
     def prefill(self, slot: int, tokens: list[int], start: int, ban_eos: bool = False) -> StepOutput:
         """Write prompt tokens at positions [start, start + len(tokens)) of ``slot``.
@@ -547,8 +560,6 @@ class Engine:
         live = positions[positions < self.ecfg.max_seq_len]
         need = int(live.max()) + 1 if live.size else 1
         kv_len = pick_bucket(need, self.decode_windows)
-        sp = {k: v.copy() for k, v in self._sp.items()}
-        sp["ban_eos"] = np.zeros(S, bool) if ban_eos is None else ban_eos.astype(bool)
         packed, logits, self.cache, self.history = self._decode_fn(kv_len)(
             self.params,
             self._decode_panels,
@@ -559,7 +570,8 @@ class Engine:
             prev_decode.packed if prev_decode is not None else self._no_decode,
             prev_prefill.packed if prev_prefill is not None else self._no_prefill,
             positions.astype(np.int32),
-            SamplingParams(**sp),
+            self._sampling,
+            np.zeros(S, bool) if ban_eos is None else ban_eos.astype(bool),
         )
         return StepOutput(packed, logits)
 
@@ -605,11 +617,13 @@ class Engine:
         return Engine(self.cfg, self.graphdef, self.params if params is None else params, layout, self.ecfg, devices)
 
     def adopt_state(self, old: Engine) -> None:
-        """Take over ``old``'s live KV cache and token history (moved to this mesh) and per-slot
-        sampling state. Call between two steps of ``old``, on the thread that steps it."""
+        """Take over ``old``'s live KV cache, token history and per-slot sampling parameters
+        (host arrays copied, device ones moved to this mesh). Call between two steps of ``old``,
+        on the thread that steps it."""
         self.cache = jax.device_put(old.cache, self._cache_sh)
         self.history = jax.device_put(old.history, self.repl)
         self._sp = {k: v.copy() for k, v in old._sp.items()}
+        self._sampling = jax.device_put(old._sampling, self.repl)
 
     # ---- facts -------------------------------------------------------------------------------
     @property

@@ -17,7 +17,6 @@ import pytest
 
 from model.config import LlamaConfig
 from model.loader import abstract_llama, load_gguf_model
-from model.sampling import SamplingParams
 from service import engine as engine_module
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
@@ -139,7 +138,6 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Eng
     graphdef, abstract = abstract_llama(cfg)  # only shapes matter here: zero weights
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract)
     engine = Engine(cfg, graphdef, params, layout, dataclasses.replace(ECFG, layers=layers))
-    sp = SamplingParams(**engine._sp)
     S = ECFG.num_slots
     width = engine_module.pack_step(np.zeros((1, cfg.vocab_size), np.float32), np.zeros(1, np.int32)).shape[-1]
     zeros_i = np.zeros(S, np.int32)
@@ -153,7 +151,8 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layers: str) -> tuple[Eng
         np.zeros((S, width), np.float32),  # previous decode output
         np.zeros((1, width), np.float32),  # previous prefill output
         zeros_i,  # positions
-        sp,
+        engine._sampling,  # the device sampling parameters
+        np.zeros(S, bool),  # ban_eos
     )
     return engine, hlo.compile().as_text(), params
 

@@ -28,6 +28,8 @@ import signal
 import socket
 import threading
 import time
+import types
+import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -136,34 +138,32 @@ class ConfigError(ValueError):
 
 
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-# The type each key of a config file must have (YAML's int is a float too; a bool is no number).
-_KEY_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str, type(None)),
-    "cache_dir": (str, type(None)),
-    "host": (str,),
-    "port": (int,),
-    "layout": (str,),
-    "max_queue": (int,),
-    "default_max_tokens": (int,),
-    "warmup_full": (bool,),
-    "stall_timeout_s": (int, float),
-    "watchdog_interval_s": (int, float),
-    "grace_period_s": (int, float),
-    "pools": (list,),
-    "admin_token": (str, type(None)),
-    "admin_host": (str,),
-    "admin_port": (int,),
-    "metrics_port": (int,),
-    "http_port": (int,),
-    "num_slots": (int,),
-    "max_seq_len": (int,),
-    "chunk_size": (int,),
-    "dtype": (str,),
-    "kv_dtype": (str,),
-    "layers": (str,),
-    "decode_attention": (str,),
-    "matmul": (str,),
-}
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...]:
+    """The types a config file's value may have for a field annotated ``hint``: each member of a
+    union (``str | None`` -> (str, NoneType)), a generic's origin (``list[str]`` -> (list,)), and
+    (int, float) for ``float`` (YAML's int is a float too); any other class as it is."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(t for arg in typing.get_args(hint) for t in _accepted_types(arg))
+    if hint is float:
+        return (int, float)
+    return (typing.get_origin(hint) or hint,)
+
+
+def _key_types() -> dict[str, tuple[type, ...]]:
+    """Each config key's accepted types (``_accepted_types``), from the annotations of
+    ``ServerConfig``'s fields (but ``engine``) and ``EngineConfig``'s."""
+    out: dict[str, tuple[type, ...]] = {}
+    for cls in (ServerConfig, EngineConfig):
+        hints = typing.get_type_hints(cls)
+        out.update({f.name: _accepted_types(hints[f.name]) for f in dataclasses.fields(cls)})
+    del out["engine"]  # a mapping of EngineConfig's keys, checked key by key
+    return out
+
+
+# The type each key of a config file must have (a bool is no number: ``_checked``).
+_KEY_TYPES = _key_types()
 
 
 def _checked(key: str, value: Any, where: str) -> Any:

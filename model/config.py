@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,11 +157,20 @@ class LlamaConfig:
         )
 
     @classmethod
+    def _preset(cls, base: Mapping[str, object], overrides: Mapping[str, object]) -> LlamaConfig:
+        """The config of ``base``'s fields with ``overrides`` replacing some of them.
+
+        Raises:
+            TypeError: a key that is not a field. ValueError: as the constructor.
+        """
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+    @classmethod
     def smollm2_135m(cls, **overrides: object) -> LlamaConfig:
         """SmolLM2-135M's config (the values its GGUF's metadata gives: 30 layers, hidden 576,
         9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings), for benchmarks
         and tests that need its shapes without the file; ``overrides`` replace fields."""
-        base: dict[str, object] = dict(
+        base = dict(
             vocab_size=49152,
             hidden_size=576,
             intermediate_size=1536,
@@ -173,13 +183,12 @@ class LlamaConfig:
             max_position_embeddings=8192,
             tie_word_embeddings=True,
         )
-        base.update(overrides)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls._preset(base, overrides)
 
     @classmethod
     def tiny(cls, **overrides: object) -> LlamaConfig:
         """A small random-weight config for fast tests (2 layers, GQA with 4 query / 2 KV heads)."""
-        base: dict[str, object] = dict(
+        base = dict(
             vocab_size=256,
             hidden_size=64,
             intermediate_size=128,
@@ -192,5 +201,4 @@ class LlamaConfig:
             max_position_embeddings=512,
             tie_word_embeddings=True,
         )
-        base.update(overrides)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls._preset(base, overrides)

@@ -242,33 +242,48 @@ def create_app(service: GenerationService) -> FastAPI:
             )
         return await _collect(request, generation, responses)
 
+    async def respond(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prepare: Callable[[Tokenizer], ValidatedRequest],
+        chat: bool,
+        logprobs: bool,
+    ) -> Response:
+        """Admit ``body`` (``prepare`` validates it with the tokenizer) and answer it, streamed or
+        whole: chat completion objects if ``chat``, else text completions; ``logprobs``: the body
+        asks for log-probabilities.
+
+        Raises:
+            OpenAIError: the request was refused (its HTTP status and message).
+        """
+        rid, generation = admit(request, body.model, prepare)
+        responses = Responses(
+            chat, rid, _model_id(service, generation), generation.n, generation.prompt_tokens, logprobs,
+            _tokenizer(service),
+        )  # fmt: skip
+        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         cfg = service.cfg
-        rid, generation = admit(
+        return await respond(
             request,
-            body.model,
+            body,
             lambda tok: completion_request(body, tok, cfg.engine.max_seq_len, cfg.max_queue),
+            chat=False,
+            logprobs=body.logprobs is not None,
         )
-        responses = Responses(
-            False, rid, _model_id(service, generation), generation.n, generation.prompt_tokens,
-            body.logprobs is not None, _tokenizer(service),
-        )  # fmt: skip
-        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         cfg = service.cfg
-        rid, generation = admit(
+        return await respond(
             request,
-            body.model,
+            body,
             lambda tok: chat_request(body, tok, cfg.engine.max_seq_len, cfg.default_max_tokens, cfg.max_queue),
+            chat=True,
+            logprobs=bool(body.logprobs),
         )
-        responses = Responses(
-            True, rid, _model_id(service, generation), generation.n, generation.prompt_tokens,
-            bool(body.logprobs), _tokenizer(service),
-        )  # fmt: skip
-        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
 
     return app
 

@@ -1,18 +1,24 @@
 """Helpers shared by the test modules (``tests/`` is on ``sys.path`` under pytest):
-``from helpers import free_port, status_of, scrape, value, wait_for, cpu_flags, penalized``."""
+``from helpers import free_port, held_port, status_of, full_queue, scrape, value, wait_for, cpu_flags,
+penalized``."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from service.client import make_request
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -24,6 +30,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A port of 127.0.0.1 held while the block runs: bound (SO_REUSEADDR, no SO_REUSEPORT, as
+    gRPC binds) and listening, as another server would hold it."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
 def status_of(client, req, timeout_s: float = 180.0) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
     """Run a Generate request to the end; its final status code and details."""
     try:
@@ -31,6 +48,41 @@ def status_of(client, req, timeout_s: float = 180.0) -> tuple[grpc.StatusCode, s
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
+
+
+@contextlib.contextmanager
+def full_queue(loop, client) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """An engine loop whose waiting queue is full while the block runs.
+
+    The loop is held in its next step (``loop.step_hook``) with one gRPC request of ``client``
+    in it and ``loop.scheduler.max_queue`` more waiting. When the block ends the loop is let go
+    and the hook removed; after a block that did not raise, every one of those requests must have
+    ended OK.
+    """
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(plan: object) -> None:  # the engine loop waits here: nothing leaves the queue
+        entered.set()
+        release.wait(60)
+
+    waiting = loop.scheduler.max_queue
+    loop.step_hook = hold
+    try:
+        with ThreadPoolExecutor(1 + waiting) as pool:
+            try:
+                first = pool.submit(status_of, client, make_request(prompt="a", max_tokens=2), 120)
+                assert entered.wait(30)
+                rest = [
+                    pool.submit(status_of, client, make_request(prompt="b", max_tokens=2), 120) for _ in range(waiting)
+                ]
+                assert wait_for(lambda: loop.queue_full() is not None, 30)
+                yield
+            finally:
+                release.set()  # before the pool's exit waits for the requests
+            assert first.result() == (grpc.StatusCode.OK, "")
+            assert [f.result() for f in rest] == [(grpc.StatusCode.OK, "")] * waiting
+    finally:
+        loop.step_hook = None
 
 
 def scrape(port: int) -> Samples:

@@ -4,15 +4,11 @@ beyond their bounds are INVALID_ARGUMENT; rejections are counted under the pool 
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import grpc
 import pytest
-from helpers import scrape, status_of, value, wait_for
+from helpers import full_queue, scrape, status_of, value, wait_for
 
 from service.client import Client, make_request
-from service.scheduler import StepPlan
 
 
 @pytest.fixture()
@@ -31,36 +27,18 @@ def test_a_full_queue_is_refused_before_any_tokenizing(tiny_server, client: Clie
     real_encode, real_render = tok.encode, tok.apply_chat_template
     monkeypatch.setattr(tok, "encode", lambda text: encoded.append(text) or real_encode(text))
     monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: rendered.append(a) or real_render(*a, **k))
-    entered, release = threading.Event(), threading.Event()
-
-    def hold(plan: StepPlan) -> None:  # the engine loop waits here: nothing leaves the queue
-        entered.set()
-        release.wait(60)
-
-    loop.step_hook = hold
     port = tiny_server.running.metrics_port
-    try:
-        with ThreadPoolExecutor(5) as pool:
-            first = pool.submit(status_of, client, make_request(prompt="a", max_tokens=2), 120)
-            assert entered.wait(30)
-            waiting = [pool.submit(status_of, client, make_request(prompt="b", max_tokens=2), 120) for _ in range(4)]
-            assert wait_for(lambda: loop.queue_full() is not None, 30)
-            assert loop.scheduler.max_queue == 4
-            before = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="resource_exhausted")
-            n_encoded, n_rendered = len(encoded), len(rendered)
-            for req in (make_request(chat=[("user", "hello " * 20)], max_tokens=2), make_request(prompt="c" * 100)):
-                code, details = status_of(client, req, 30)
-                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert details == "queue full: 4 requests waiting (max 4)"
-            assert (len(encoded), len(rendered)) == (n_encoded, n_rendered)  # refused without the work
-            after = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="resource_exhausted")
-            assert after == before + 2
-            release.set()
-            assert first.result() == (grpc.StatusCode.OK, "")
-            assert [f.result() for f in waiting] == [(grpc.StatusCode.OK, "")] * 4
-    finally:
-        loop.step_hook = None
-        release.set()
+    with full_queue(loop, client):
+        assert loop.scheduler.max_queue == 4
+        before = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="resource_exhausted")
+        n_encoded, n_rendered = len(encoded), len(rendered)
+        for req in (make_request(chat=[("user", "hello " * 20)], max_tokens=2), make_request(prompt="c" * 100)):
+            code, details = status_of(client, req, 30)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert details == "queue full: 4 requests waiting (max 4)"
+        assert (len(encoded), len(rendered)) == (n_encoded, n_rendered)  # refused without the work
+        after = value(scrape(port), "meshserve_requests_rejected_total", pool="default", code="resource_exhausted")
+        assert after == before + 2
     assert (len(encoded), len(rendered)) == (n_encoded, n_rendered)
     # With room again, a request is tokenized and served.
     assert status_of(client, make_request(chat=[("user", "hi")], max_tokens=2), 60) == (grpc.StatusCode.OK, "")

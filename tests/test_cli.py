@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import held_port
 
 from service.cli import _end_line, build_parser, main
 
@@ -111,12 +111,9 @@ def test_end_line_adds_a_newline_only_when_missing(capsys: pytest.CaptureFixture
 
 @pytest.fixture()
 def taken_port() -> Iterator[int]:
-    """A port another process-like listener holds (bound as gRPC binds, listening)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    """A port another process-like listener holds (``helpers.held_port``)."""
+    with held_port() as port:
+        yield port
 
 
 def serve(tiny_gguf: Path, *flags: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,10 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import openai
 import pytest
-from helpers import free_port, scrape, status_of, value, wait_for
+from helpers import free_port, full_queue, held_port, scrape, value, wait_for
 
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
@@ -369,35 +367,14 @@ def test_malformed_json_and_unknown_paths(tiny_server) -> None:  # type: ignore[
 
 
 def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]
-    loop = tiny_server.running.service.pools[0].loop
-    entered, release = threading.Event(), threading.Event()
-
-    def hold(plan: StepPlan) -> None:  # the engine loop waits here: nothing leaves the queue
-        entered.set()
-        release.wait(60)
-
-    loop.step_hook = hold
-    try:
-        with ThreadPoolExecutor(5) as pool:
-            first = pool.submit(status_of, grpc_client, make_request(prompt="a", max_tokens=2), 120)
-            assert entered.wait(30)
-            waiting = [
-                pool.submit(status_of, grpc_client, make_request(prompt="b", max_tokens=2), 120) for _ in range(4)
-            ]
-            assert wait_for(lambda: loop.queue_full() is not None, 30)
-            with pytest.raises(openai.RateLimitError) as info:
-                client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
-            assert info.value.status_code == 429
-            assert isinstance(info.value.body, dict) and info.value.body["code"] == "queue_full"
-            assert info.value.body["message"] == "queue full: 4 requests waiting (max 4)"
-            with pytest.raises(openai.RateLimitError):
-                client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
-            release.set()
-            assert first.result() == (grpc.StatusCode.OK, "")
-            assert [f.result() for f in waiting] == [(grpc.StatusCode.OK, "")] * 4
-    finally:
-        loop.step_hook = None
-        release.set()
+    with full_queue(tiny_server.running.service.pools[0].loop, grpc_client):
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+        assert info.value.status_code == 429
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "queue_full"
+        assert info.value.body["message"] == "queue full: 4 requests waiting (max 4)"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
 
 
 def test_n_larger_than_the_room_left_in_the_queue_is_429(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
@@ -575,19 +552,11 @@ def _answers(port: int) -> bool:
     return True
 
 
-@pytest.fixture()
-def taken_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-def test_a_taken_http_port_is_one_clear_line(taken_port: int) -> None:
-    cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, http_port=taken_port)
-    with pytest.raises(PortInUse) as info:
-        asyncio.run(start_server(cfg))  # the model path is never looked at
+def test_a_taken_http_port_is_one_clear_line() -> None:
+    with held_port() as taken_port:
+        cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, http_port=taken_port)
+        with pytest.raises(PortInUse) as info:
+            asyncio.run(start_server(cfg))  # the model path is never looked at
     assert str(info.value) == (
         f"HTTP port {taken_port} on 127.0.0.1 is in use (a second server needs its own HTTP port); "
         "pick a free one with --http-port, or --http-port 0 for no HTTP API"

@@ -28,7 +28,7 @@ from model.paged_kv import PagedKVCache
 
 CFG = LlamaConfig.tiny()
 GRAPHDEF, PARAMS = random_llama(CFG, seed=0)
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL: dict = dict(rtol=1e-5, atol=1e-5)
 
 
 def _ragged(params, cache, tokens, positions, seq, tables, last, window_pages, prefill_from, seq_block):  # type: ignore[no-untyped-def]

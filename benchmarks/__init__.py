@@ -7,6 +7,8 @@
   as ``python benchmarks/NAME.py`` (peer servers, the CPU's measured ceilings, native kernels).
 * ``benchmarks.dispatch``: ``python -m benchmarks.dispatch``, the decode step's dispatch cost
   against the KV cache's maximum length.
+* ``benchmarks.ragged_step``: ``python -m benchmarks.ragged_step``, the paged engine's ragged
+  step against today's decode and prefill steps.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

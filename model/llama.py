@@ -1,4 +1,5 @@
-"""A Llama decoder in Flax NNX, with the two pure entry points the engine jits: prefill and decode.
+"""A Llama decoder in Flax NNX, with the pure entry points the engine jits: prefill and decode, and
+the paged engine's ragged step (issue 19; not yet used by the engine).
 
 Architecture (Touvron et al. 2023, "LLaMA", §2.2): pre-norm RMSNorm (Zhang & Sennrich 2019),
 rotary position embeddings (Su et al. 2021, "RoFormer", §3.4.2, in Hugging Face's rotate-half
@@ -14,8 +15,9 @@ Einsum letters used throughout:
 Layers are stored stacked (every parameter has a leading L axis) and run with ``jax.lax.scan``,
 so a 30-layer model compiles one block, not thirty, over a ``KVCache`` [L, S, K, T, H]. The
 per-layer form (``unstack_layers``) runs them as an unrolled loop over a ``BlockedKVCache``,
-the faster steps on XLA:CPU. Every parameter carries ``logical_axes`` metadata;
-``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
+the faster steps on XLA:CPU. ``ragged_step`` runs the stacked form over a ``PagedKVCache``
+[L, P, K, page_size, H] (``Llama.run_layers_paged``). Every parameter carries ``logical_axes``
+metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from flax import nnx
 from model import cpu_attention, cpu_matmul
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
+from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
+from model.paged_kv import PagedKVCache, slot_mapping, write_kv
 
 Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 # (q, new k, new v, key blocks, value blocks) -> (attention, written key blocks, value blocks)
 WriteAndAttend = Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], tuple[jax.Array, Blocks, Blocks]]
+# (q [N, K, G, H], stacked key pages, value pages [L, P, K, page_size, H], layer index) -> attention [N, K, G, H]
+PagedAttend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def write_then_attend(
@@ -248,6 +254,56 @@ class Llama(nnx.Module):
 
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
         return x, new_k, new_v
+
+    def run_layers_paged(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: PagedKVCache,
+        slots: jax.Array,
+        attend: PagedAttend,
+    ) -> tuple[jax.Array, PagedKVCache]:
+        """All decoder blocks over a flat batch of N tokens and a paged cache, as one
+        ``lax.scan`` over the stacked weights that carries (x, key pages, value pages): block l
+        writes its N new keys and values into layer l of the carried pages (a scatter in place,
+        ``paged_kv.write_kv`` with the layer index) *before* attending, then attends through
+        ``attend``, which reads the pages it was given, so a token sees its own key and every
+        key written for its sequence in this step, and each read depends on the write before it
+        (the order ``run_layers_in_place`` explains).
+
+        Args:
+            tokens: [N] int32 token ids in [0, V) (padding tokens too: any valid id).
+            positions: [N] int32 absolute positions (RoPE angles; padding any value).
+            cache: the paged cache [L, P, K, page_size, H] (donated by the caller's jit).
+            slots: [N] int32 flat slots (``paged_kv.slot_mapping``); out of range = not written.
+            attend: (q [N, K, G, H] f32 scaled, key pages, value pages [L, P, K, page_size, H]
+                with this block's keys written, layer int32 scalar) -> attention [N, K, G, H]
+                f32, e.g. ``ragged_paged_attention(..., layer=layer)``.
+
+        Returns:
+            hidden [N, D] float32 after the last block, and the cache with every token whose
+            slot is in range written in every layer (keys and values rounded to the cache dtype;
+            attention read exactly those).
+        """
+        cfg = self.cfg
+        assert not self.layers.per_layer(), "run_layers_paged runs the stacked weights (lax.scan)"
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)[None]  # [1, N, D]: B = 1, T = N
+        cos, sin = rope_tables(positions[None], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cdt = cache.k.dtype
+
+        def body(
+            carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[dict[str, Any], jax.Array]
+        ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+            x, k, v = carry
+            p, layer = xs
+            q, k_new, v_new = project_qkv(cfg, x, p, cos, sin, cdt)
+            k, v = write_kv(k, v, slots, k_new[0], v_new[0], layer)
+            attn = attend(q[0], k, v, layer)
+            return (out_and_mlp(cfg, x, p, attn[None]), k, v), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (self.layers.weights(), layers))
+        return x[0], PagedKVCache(k=k, v=v)
 
     def run_layers_in_place(
         self,
@@ -596,7 +652,7 @@ def panel_weights(model: Llama, lm_head: bool = True, format: str = "f32") -> di
     return out
 
 
-# ---- the two entry points -------------------------------------------------------------------
+# ---- the entry points ------------------------------------------------------------------------
 def prefill(
     model: Llama,
     cache: KVCache | BlockedKVCache,
@@ -792,3 +848,93 @@ def decode_step(
         v=cache.v.at[:, slots, :, positions, :].set(v_vals.astype(cache.v.dtype), mode="drop"),
     )
     return logits, cache
+
+
+SEQ_BLOCK = 64  # tokens per block of ragged_step's prefill region (one gathered window each)
+
+
+def ragged_step(
+    model: Llama,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    seq_of_token: jax.Array,
+    page_tables: jax.Array,
+    last_index: jax.Array,
+    *,
+    window_pages: int,
+    prefill_from: int | None = None,
+    seq_block: int = SEQ_BLOCK,
+) -> tuple[jax.Array, PagedKVCache]:
+    """One step of the paged engine over a flat batch of N tokens mixing decode tokens and
+    prefill chunks of several sequences: every real token's key and value is written into its
+    pages, then it attends causally by position to its sequence's cached keys and this step's
+    (``model.paged_attention``; the metadata as described there).
+
+    Args:
+        model: the Llama module with stacked weights (not ``unstack_layers``' form).
+        cache: the paged cache (donated by the caller's jit).
+        tokens: [N] int32 token ids in [0, V); padding tokens carry any valid id (e.g. 0).
+        positions: [N] int32 absolute positions; negative = padding. Real positions must be
+            below ``window_pages * page_size`` and the slots of real tokens distinct.
+        seq_of_token: [N] int32, each token's row of ``page_tables``; outside [0, B) = padding.
+        page_tables: [B, max_pages] int32, each sequence's pages in order (unused entries any
+            value, e.g. 0). Pages of positions a token attends to must have been written by an
+            earlier step or hold a token of this one.
+        last_index: [B] int32 in [0, N): row b's logits are those of token ``last_index[b]``
+            (rows that sample nothing pass any valid index, e.g. 0).
+        window_pages: static, in [1, max_pages]: the leading pages of each table read, a bucket
+            covering every real token's position.
+        prefill_from: static, None or in [0, N]. None: every token attends on its own, gathering
+            its sequence's window (right for any layout). An int: tokens [0, prefill_from) do
+            so (the decode tokens), and tokens [prefill_from, N) go in blocks of ``seq_block``
+            consecutive tokens, each block gathering one window
+            (``ragged_paged_attention_blocks``). The caller promises that every block's real
+            tokens belong to one sequence: each prefill chunk starts at a block boundary (an
+            offset from ``prefill_from`` that is a multiple of ``seq_block``), padding fills the
+            rest of its last block. A real token of another sequence than its block's first is
+            attended as padding (zero attention output): a broken promise gives that token
+            wrong hidden states and keys, never another sequence's keys or NaN.
+        seq_block: static, >= 1: tokens per block of the prefill region.
+
+    Returns:
+        logits [B, V] float32 (row b: token ``last_index[b]``'s), and the cache with every real
+        token's keys and values written in every layer, rounded to the cache dtype before
+        attention reads them (so a chunk's tokens see each other's rounded keys, as later steps
+        will).
+
+    Raises:
+        ValueError: ``window_pages`` outside [1, max_pages], ``prefill_from`` outside [0, N],
+            or ``seq_block`` below 1.
+    """
+    assert not model.layers.per_layer(), "ragged_step runs the stacked weights (lax.scan)"
+    N = tokens.shape[0]
+    split = N if prefill_from is None else prefill_from
+    if not 0 <= split <= N:
+        raise ValueError(f"prefill_from must be in [0, {N}], got {prefill_from}")
+    if seq_block < 1:
+        raise ValueError(f"seq_block must be >= 1, got {seq_block}")
+    if not 1 <= window_pages <= page_tables.shape[1]:  # checked here too: attend runs only when traced by the scan
+        raise ValueError(f"window_pages must be in [1, {page_tables.shape[1]}], got {window_pages}")
+    slots = slot_mapping(page_tables, seq_of_token, positions, cache.page_size)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
+        parts = []
+        if split > 0:
+            parts.append(
+                ragged_paged_attention(
+                    q[:split], k, v, page_tables, seq_of_token[:split], positions[:split],
+                    window_pages=window_pages, layer=layer,
+                )
+            )  # fmt: skip
+        if split < N:
+            parts.append(
+                ragged_paged_attention_blocks(
+                    q[split:], k, v, page_tables, seq_of_token[split:], positions[split:],
+                    window_pages=window_pages, block=seq_block, layer=layer,
+                )
+            )  # fmt: skip
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    h, cache = model.run_layers_paged(tokens, positions, cache, slots, attend)
+    return model.logits(h[last_index]), cache

@@ -7,7 +7,9 @@ over the pool in random order: a decode token; a prefill chunk starting mid-page
 a sequence that shares its first two pages with the first sequence (prefix sharing); a decode
 token at position 0; a first prefill chunk crossing a page boundary; a sequence with no token in
 the step; and padding tokens of each kind, all shuffled. The earlier positions are written first,
-as earlier steps would have, then the step writes its own tokens' K/V and attends.
+as earlier steps would have, then the step writes its own tokens' K/V and attends. The pages are
+one layer's [P, K, page_size, H] array or, ``stacked``, layer 1 of a stacked [3, P, K, page_size,
+H] array whose other layers hold other values (``write_kv``/attention with ``layer=1``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import LlamaConfig
-from model.paged_attention import ragged_paged_attention
+from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
 from model.paged_kv import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
 
 CFG = LlamaConfig.tiny(num_heads=6)  # K = 2 KV heads, G = 3 query heads each, H = 16
@@ -121,36 +123,85 @@ def dense_attention(step: Step, dense_k: list[np.ndarray], dense_v: list[np.ndar
     return out
 
 
-def run_step(step: Step, dtype: jnp.dtype, query_block: int | None = None) -> tuple[np.ndarray, jax.Array, jax.Array]:
+STACK_LAYERS, LAYER = 3, 1  # the stacked form: layer 1 of 3
+
+
+def run_step(
+    step: Step, dtype: jnp.dtype, query_block: int | None = None, stacked: bool = False, block: int | None = None
+) -> tuple[np.ndarray, jax.Array, jax.Array]:
     """Write the history, then the step's tokens, through ``write_kv`` at ``slot_mapping``'s
-    slots; attend. Returns (attention [N, K, G, H], key pages, value pages)."""
-    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)
-    kp, vp = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    slots; attend (``ragged_paged_attention``, or ``ragged_paged_attention_blocks`` with
+    ``block``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
+    ``stacked``: the pages are layer ``LAYER`` of a stacked array whose other layers are
+    filled with 7s (so reading the wrong layer shows)."""
+    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)[1:]
+    layer = LAYER if stacked else None
+    if stacked:
+        kp = jnp.full((STACK_LAYERS, *shape), 7, dtype).at[LAYER].set(0)
+        vp = jnp.full((STACK_LAYERS, *shape), 7, dtype).at[LAYER].set(0)
+    else:
+        kp, vp = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
     tables = jnp.asarray(step.page_tables)
     hs = np.array([s for s, _ in step.history], np.int32)
     hp = np.array([p for _, p in step.history], np.int32)
     hk = np.stack([step.dense_k[s][p] for s, p in step.history])
     hv = np.stack([step.dense_v[s][p] for s, p in step.history])
-    kp, vp = write_kv(kp, vp, slot_mapping(tables, jnp.asarray(hs), jnp.asarray(hp), step.page_size), hk, hv)
+    history = slot_mapping(tables, jnp.asarray(hs), jnp.asarray(hp), step.page_size)
+    kp, vp = write_kv(kp, vp, history, hk, hv, layer)
     k_new, v_new = step.new_kv()
     seq, pos = jnp.asarray(step.seq_of_token), jnp.asarray(step.positions)
 
     @jax.jit
     def attend(kp, vp, q, seq, pos):  # type: ignore[no-untyped-def]
-        kp, vp = write_kv(kp, vp, slot_mapping(tables, seq, pos, step.page_size), k_new, v_new)
-        out = ragged_paged_attention(
-            q, kp, vp, tables, seq, pos, window_pages=step.window_pages, query_block=query_block
-        )
+        kp, vp = write_kv(kp, vp, slot_mapping(tables, seq, pos, step.page_size), k_new, v_new, layer)
+        if block is not None:
+            out = ragged_paged_attention_blocks(
+                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, block=block, layer=layer
+            )
+        else:
+            out = ragged_paged_attention(
+                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, query_block=query_block, layer=layer
+            )
         return out, kp, vp
 
     out, kp, vp = attend(kp, vp, jnp.asarray(step.q), seq, pos)
+    if stacked:
+        others = np.delete(np.asarray(kp), LAYER, axis=0)
+        assert (others == 7).all()  # the other layers were not written
+        kp, vp = kp[LAYER], vp[LAYER]
     return np.asarray(out), kp, vp
 
 
+def in_sequence_blocks(step: Step, block: int) -> Step:
+    """The step's tokens reordered for ``ragged_paged_attention_blocks``: each sequence's
+    tokens in one run (positions shuffled within it) starting at a block boundary, the run's
+    last block filled with padding tokens of every kind, the step's own padding tokens in a
+    block of their own."""
+    rng = np.random.default_rng(block)
+    real = (step.seq_of_token >= 0) & (step.seq_of_token < len(step.dense_k)) & (step.positions >= 0)
+    order: list[int] = []
+    fillers = [(-1, 3), (len(step.dense_k), 0), (0, -1)]
+    seq_pad: list[tuple[int, int]] = []
+    for s in range(len(step.dense_k)):
+        run = rng.permutation(np.flatnonzero(real & (step.seq_of_token == s))).tolist()
+        if not run:
+            continue
+        order += run
+        while len(order) % block:
+            order.append(-1 - len(seq_pad))
+            seq_pad.append(fillers[len(seq_pad) % 3])
+    order += np.flatnonzero(~real).tolist()
+    seq = [int(step.seq_of_token[i]) if i >= 0 else seq_pad[-1 - i][0] for i in order]
+    pos = [int(step.positions[i]) if i >= 0 else seq_pad[-1 - i][1] for i in order]
+    q = np.stack([step.q[i] if i >= 0 else step.q[0] for i in order])
+    return dataclasses.replace(step, seq_of_token=np.array(seq, np.int32), positions=np.array(pos, np.int32), q=q)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
 @pytest.mark.parametrize("page_size", [8, 16, 128])
-def test_float32_matches_dense_attention(page_size: int) -> None:
+def test_float32_matches_dense_attention(page_size: int, stacked: bool) -> None:
     step = mixed_step(page_size)
-    out, _, _ = run_step(step, jnp.float32)
+    out, _, _ = run_step(step, jnp.float32, stacked=stacked)
     ref = dense_attention(step, step.dense_k, step.dense_v)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
@@ -192,6 +243,35 @@ def test_bfloat16_cache(page_size: int) -> None:
     assert err.max() > 0  # the rounding did change the result: the cache really is bfloat16
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
+@pytest.mark.parametrize(("page_size", "block"), [(8, 8), (8, 5), (16, 32), (16, 1)])
+def test_sequence_blocks_match_dense_attention(page_size: int, block: int, stacked: bool) -> None:
+    """``ragged_paged_attention_blocks`` on a layout that keeps the promise (each block's real
+    tokens of one sequence; blocks not aligned with pages when ``block`` is 5) equals the
+    dense reference, padding zeros included."""
+    step = in_sequence_blocks(mixed_step(page_size, seed=6), block)
+    out, _, _ = run_step(step, jnp.float32, stacked=stacked, block=block)
+    np.testing.assert_allclose(out, dense_attention(step, step.dense_k, step.dense_v), rtol=1e-5, atol=1e-5)
+    padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
+    assert not out[padding].any()
+
+
+def test_a_broken_block_promise_zeroes_only_the_strays() -> None:
+    """A block whose real tokens belong to two sequences: the tokens of the block's first
+    sequence are right, the others' outputs are exact zeros (not another sequence's keys, not
+    NaN)."""
+    step = mixed_step(8, seed=7)
+    block = len(step.positions)  # one block: its first real token's sequence is the block's
+    out, _, _ = run_step(step, jnp.float32, block=block)
+    ref = dense_attention(step, step.dense_k, step.dense_v)
+    real = (step.seq_of_token >= 0) & (step.seq_of_token < len(step.dense_k)) & (step.positions >= 0)
+    first = step.seq_of_token[np.flatnonzero(real)[0]]
+    member = real & (step.seq_of_token == first)
+    assert member.any() and (real & ~member).any()
+    np.testing.assert_allclose(out[member], ref[member], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(out).all() and not out[~member].any()
+
+
 def test_query_blocks_give_the_same_result() -> None:
     """Blocks of 7 tokens (N is not a multiple: the last block is padded) equal all at once."""
     step = mixed_step(8, seed=2)
@@ -226,22 +306,30 @@ def test_write_kv_drops_out_of_range_slots() -> None:
     """-1, P * page_size and beyond are dropped: never clamped onto the last slot, never wrapped
     (a scatter would send -1 to the last page's last offset)."""
     num_pages, ps = 3, 4
-    shape = PagedKVCache.shape(CFG, num_pages, ps)
-    kp, vp = jnp.zeros(shape), jnp.zeros(shape)
+    shape = PagedKVCache.shape(CFG, num_pages, ps)  # [L, P, K, ps, H]
     slots = jnp.asarray([-1, num_pages * ps, 5, num_pages * ps + 7, -ps - 1, 11], jnp.int32)
     new = jnp.arange(1, 7, dtype=jnp.float32)[:, None, None] * jnp.ones((6, K, H))
-    kp, vp = jax.jit(write_kv)(kp, vp, slots, new, -new)
-    expected = np.zeros(shape, np.float32)
+    expected = np.zeros(shape[1:], np.float32)
     expected[1, :, 1] = 3.0  # slot 5
     expected[2, :, 3] = 6.0  # slot 11, the last one: written once, by its own token only
+
+    kp, vp = jax.jit(write_kv)(jnp.zeros(shape[1:]), jnp.zeros(shape[1:]), slots, new, -new)  # one layer
     np.testing.assert_array_equal(np.asarray(kp), expected)
     np.testing.assert_array_equal(np.asarray(vp), -expected)
 
+    # The stacked form, layer 1 (a traced index): the other layers stay untouched.
+    kp, vp = jax.jit(write_kv)(jnp.zeros(shape), jnp.zeros(shape), slots, new, -new, jnp.int32(1))
+    stacked = np.zeros(shape, np.float32)
+    stacked[1] = expected
+    np.testing.assert_array_equal(np.asarray(kp), stacked)
+    np.testing.assert_array_equal(np.asarray(vp), -stacked)
 
-def test_a_jitted_step_has_2L_plus_metadata_leaves_whatever_the_pool() -> None:
-    """A step over L layers (each: write the new tokens, attend) takes 2L cache arrays and six
-    metadata arrays, for a pool of 16 pages as for 256; and its result is dense attention over the
-    new tokens (two first chunks, nothing cached before)."""
+
+def test_a_jitted_step_has_2_plus_metadata_leaves_whatever_the_pool() -> None:
+    """A step over L layers (each: write the new tokens into the stacked pages at its layer,
+    attend) takes 2 cache arrays and six metadata arrays, for a pool of 16 pages as for 256; and
+    its result is dense attention over the new tokens (two first chunks, nothing cached
+    before)."""
     L, ps = 3, 8
     cfg = dataclasses.replace(CFG, num_layers=L)
     rng = np.random.default_rng(4)
@@ -256,21 +344,19 @@ def test_a_jitted_step_has_2L_plus_metadata_leaves_whatever_the_pool() -> None:
 
     def step(cache, q, k_new, v_new, page_tables, seq_of_token, positions):  # type: ignore[no-untyped-def]
         slots = slot_mapping(page_tables, seq_of_token, positions, cache.page_size)
-        outs, ks, vs = [], [], []
+        outs, k, v = [], cache.k, cache.v
         for i in range(cache.num_layers):
-            k, v = write_kv(cache.k[i], cache.v[i], slots, k_new * (i + 1), v_new)
-            outs.append(ragged_paged_attention(q, k, v, page_tables, seq_of_token, positions, window_pages=2))
-            ks.append(k)
-            vs.append(v)
-        return jnp.stack(outs), PagedKVCache(k=tuple(ks), v=tuple(vs))
+            k, v = write_kv(k, v, slots, k_new * (i + 1), v_new, i)
+            outs.append(ragged_paged_attention(q, k, v, page_tables, seq_of_token, positions, window_pages=2, layer=i))
+        return jnp.stack(outs), PagedKVCache(k=k, v=v)
 
     fn = jax.jit(step, donate_argnums=0)
     for num_pages in (16, 256):
         cache = PagedKVCache.zeros(cfg, num_pages, ps)
         args = (cache, q, k_new, v_new, tables, seq, pos)
-        assert len(jax.tree.leaves(args)) == 2 * L + 6
+        assert len(jax.tree.leaves(args)) == 2 + 6
         out, cache = fn(*args)
-        assert cache.num_pages == num_pages and len(jax.tree.leaves(cache)) == 2 * L
+        assert cache.num_pages == num_pages and len(jax.tree.leaves(cache)) == 2
     for i in range(L):
         ref_step = Step(ps, 256, tables, 2, [], [], [], seq, pos, q)
         dense_k = [k_new[seq == s] * (i + 1) for s in range(2)]
@@ -283,23 +369,31 @@ def test_a_jitted_step_has_2L_plus_metadata_leaves_whatever_the_pool() -> None:
 def test_the_cache_container() -> None:
     cache = PagedKVCache.zeros(CFG, num_pages=10, page_size=16, dtype=jnp.bfloat16)
     assert (cache.num_layers, cache.num_pages, cache.page_size, cache.num_slots) == (CFG.num_layers, 10, 16, 160)
-    assert all(a.shape == (10, K, 16, H) and a.dtype == jnp.bfloat16 for a in (*cache.k, *cache.v))
+    assert all(a.shape == (CFG.num_layers, 10, K, 16, H) and a.dtype == jnp.bfloat16 for a in (cache.k, cache.v))
     assert cache.nbytes() == 2 * CFG.num_layers * 10 * K * 16 * H * 2
     assert cache.nbytes() == CFG.kv_bytes_per_token(2) * cache.num_slots
     abstract = PagedKVCache.abstract(CFG, 10, 16, jnp.bfloat16)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), cache)
-    assert len(jax.tree.leaves(cache)) == 2 * CFG.num_layers
+    assert len(jax.tree.leaves(cache)) == 2
+    assert PagedKVCache.shape(CFG, 10, 16) == (CFG.num_layers, 10, K, 16, H)
     for bad in ((0, 16), (10, 0)):
         with pytest.raises(ValueError, match="must be >= 1"):
             PagedKVCache.zeros(CFG, *bad)
     with pytest.raises(ValueError, match="window_pages"):
-        ragged_paged_attention(jnp.zeros((1, K, G, H)), cache.k[0], cache.v[0], jnp.zeros((1, 2), jnp.int32),
-                               jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), window_pages=3)  # fmt: skip
+        ragged_paged_attention(jnp.zeros((1, K, G, H)), cache.k, cache.v, jnp.zeros((1, 2), jnp.int32),
+                               jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), window_pages=3, layer=0)  # fmt: skip
+    with pytest.raises(ValueError, match="window_pages"):
+        ragged_paged_attention_blocks(jnp.zeros((1, K, G, H)), cache.k[0], cache.v[0], jnp.zeros((1, 2), jnp.int32),
+                                      jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), window_pages=0, block=4)  # fmt: skip
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        ragged_paged_attention_blocks(jnp.zeros((1, K, G, H)), cache.k[0], cache.v[0], jnp.zeros((1, 2), jnp.int32),
+                                      jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), window_pages=1, block=0)  # fmt: skip
 
 
 def test_kv_heads_split_over_the_model_axis() -> None:
-    """With a 1x2 layout the rules split the pages' kv_heads axis over ``model`` and nothing else;
-    the step on pages sharded that way gives the unsharded result."""
+    """With a 1x2 layout the rules split the stacked pages' kv_heads axis over ``model`` and
+    nothing else (layers, pages and page_len whole); the step on pages sharded that way gives
+    the unsharded result."""
     from sharding.layouts import load_layout
     from sharding.mesh import make_mesh
     from sharding.plan import make_plan
@@ -310,14 +404,16 @@ def test_kv_heads_split_over_the_model_axis() -> None:
     step = mixed_step(8, seed=5)
     shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)
     spec = spec_for(PAGE_AXES, shape, make_plan(layout, CFG).rules, mesh, "pages")
-    assert spec == P(None, "model", None, None)
+    assert spec == P(None, None, "model", None, None)
     whole, kp, vp = run_step(step, jnp.float32)
     sharding = NamedSharding(mesh, spec)
-    kp, vp = jax.device_put(kp, sharding), jax.device_put(vp, sharding)
+    # The one layer as layer 1 of a stacked [2, P, K, page_size, H] array (layer 0 zeros).
+    kp = jax.device_put(jnp.stack([jnp.zeros_like(kp), kp]), sharding)
+    vp = jax.device_put(jnp.stack([jnp.zeros_like(vp), vp]), sharding)
     fn = jax.jit(
         lambda q, kp, vp: ragged_paged_attention(
             q, kp, vp, jnp.asarray(step.page_tables), jnp.asarray(step.seq_of_token), jnp.asarray(step.positions),
-            window_pages=step.window_pages,
+            window_pages=step.window_pages, layer=jnp.int32(1),
         )
     )  # fmt: skip
     out = fn(jnp.asarray(step.q), kp, vp)

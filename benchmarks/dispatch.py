@@ -3,7 +3,11 @@
     python -m benchmarks.dispatch                                  # both configs, both layer forms
     python -m benchmarks.dispatch --configs smollm2-135m --layers unrolled --max-lens 256,2048 --json d.json
 
-For each model config, layer form and maximum length T, an ``Engine`` with ``--slots`` slots
+Forms: "unrolled" and "scan" are today's ``Engine`` with a per-slot cache; "paged" is
+``service.paged_engine.PagedEngine`` (stacked weights, one page pool of slots x T tokens,
+every row's decode token in the step's decode region, its pages its own).
+
+For each model config, form and maximum length T, an engine with ``--slots`` slots
 (random weights: values do not change speed; native kernels where the engine takes them) is
 built, and every slot is put at the same position ``--position``, so each step does the same
 work (the same decode window, ``service.engine.MIN_DECODE_WINDOW`` positions, for every T)
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -50,7 +55,7 @@ from benchmarks import check_writable_file
 from service.arg_types import nonnegative_int, positive_int
 
 DEFAULT_MAX_LENS = (256, 2048, 8192, 32768)
-LAYER_FORMS = ("unrolled", "scan")
+LAYER_FORMS = ("unrolled", "scan", "paged")  # "paged": service.paged_engine's ragged step
 TARGET_CALL_MS = 1.0  # issue 19: dispatch <= 1 ms at every maximum length ...
 TARGET_RATIO = 1.2  # ... and the largest maximum length's within 1.2x of the smallest's
 # Peak memory of a point in multiples of its cache. The unrolled form updates the donated cache
@@ -58,7 +63,7 @@ TARGET_RATIO = 1.2  # ... and the largest maximum length's within 1.2x of the sm
 # the process held 17.3 GB, 2.9x, when the OOM killer ended it. Why was not looked into; one way
 # XLA:CPU copies a whole cache is a read of it before a pending write (model/llama.py,
 # ``Llama.run_layers_in_place``), the order of the scanned decode step.
-CACHE_COPIES = {"unrolled": 1, "scan": 3}
+CACHE_COPIES = {"unrolled": 1, "scan": 3, "paged": 1}
 
 
 def smollm2_135m(num_layers: int = 30) -> Any:
@@ -126,6 +131,36 @@ def parse_max_lens(text: str) -> list[int]:
     return values
 
 
+def paged_decode(engine: Any, slots: int, position: int) -> Any:
+    """A function that dispatches one ragged step of ``slots`` decode tokens at ``position``,
+    row s over its own pages (s x max_pages onwards), as ``PagedEngineLoop`` builds it: the
+    host arrays are built on every call, as the loop builds them."""
+    from service.paged_engine import RaggedBatch
+
+    maxp = engine.max_pages
+    tables = np.arange(slots * maxp, dtype=np.int32).reshape(slots, maxp) % engine.num_pages
+
+    def decode() -> Any:
+        n = slots  # the decode region only: row s's token at index s
+        positions = np.full(n, position, np.int32)
+        rows = np.arange(slots, dtype=np.int32)
+        batch = RaggedBatch(
+            tokens=np.zeros(n, np.int32),
+            positions=positions,
+            rows=rows,
+            source=np.zeros(n, np.int32),
+            generated=rows >= 0,
+            last_index=np.arange(slots, dtype=np.int32),
+            ban_eos=np.zeros(slots, bool),
+            page_tables=tables.copy(),
+            num_real=slots,
+            max_position=position,
+        )
+        return engine.step(batch)
+
+    return decode
+
+
 def argument_leaves(engine: Any, sampling_leaves: int) -> dict[str, int]:
     """The leaves of the jitted decode step's arguments, by group: "params" (the weights),
     "panels" (the weights packed for the native matmuls, 0 when decode does not read them),
@@ -134,6 +169,17 @@ def argument_leaves(engine: Any, sampling_leaves: int) -> dict[str, int]:
     and "total"."""
     import jax
 
+    if not hasattr(engine, "decode_panels"):  # the paged engine's ragged step
+        counts = {
+            "params": len(jax.tree.leaves(engine.params)),
+            "panels": 0,
+            "cache": len(jax.tree.leaves(engine.cache)),
+            # tokens, source, previous output, positions, rows, generated, page tables,
+            # last_index, ban_eos; the sampling arrays; the history
+            "other": 9 + sampling_leaves + len(jax.tree.leaves(engine.history)),
+        }
+        counts["total"] = sum(counts.values())
+        return counts
     counts = {
         "params": len(jax.tree.leaves(engine.params)),
         # The packed copy Engine.decode passes (None, no leaves, when decode keeps XLA's matmuls).
@@ -160,6 +206,7 @@ def measure(
     from model.build import random_llama
     from model.sampling import SamplingParams
     from service.engine import Engine, EngineConfig
+    from service.paged_engine import PagedEngine
     from service.request import SamplingOptions
     from sharding.layouts import load_layout
 
@@ -168,25 +215,32 @@ def measure(
     cfg = config(name)
     graphdef, params = random_llama(cfg, seed)
     t0 = time.perf_counter()
-    engine = Engine(
-        cfg, graphdef, params, load_layout("1x1"), EngineConfig(num_slots=slots, max_seq_len=max_len, layers=layers)
-    )
+    if layers == "paged":
+        engine: Any = PagedEngine(
+            cfg, graphdef, params, load_layout("1x1"),
+            EngineConfig(num_slots=slots, max_seq_len=max_len, kv_cache="paged"),
+        )  # fmt: skip
+        decode = paged_decode(engine, slots, position)
+    else:
+        engine = Engine(
+            cfg, graphdef, params, load_layout("1x1"), EngineConfig(num_slots=slots, max_seq_len=max_len, layers=layers)
+        )
+        decode = functools.partial(engine.decode, np.zeros(slots, np.int32), np.full(slots, position, np.int32))
+
     setup_s = time.perf_counter() - t0
     for slot in range(slots):
         engine.set_sampling(slot, SamplingOptions(temperature=0.0))
-    tokens = np.zeros(slots, np.int32)
-    positions = np.full(slots, position, np.int32)
     # Every step writes the same position in each slot and attends to positions 0..position:
     # the work is the same step after step, and the same at every max length.
     t0 = time.perf_counter()
-    engine.decode(tokens, positions).host()
+    decode().host()
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
-        engine.decode(tokens, positions).host()
+        decode().host()
     call_s, step_s = [], []
     for _ in range(calls):
         t0 = time.perf_counter()
-        out = engine.decode(tokens, positions)
+        out = decode()
         t1 = time.perf_counter()
         out.host()
         t2 = time.perf_counter()
@@ -196,13 +250,13 @@ def measure(
     leaves = argument_leaves(engine, len(jax.tree.leaves(SamplingParams(**SamplingParams.host(slots)))))
     row: dict[str, Any] = {
         "config": name,
-        "layers": engine.ecfg.layers,
+        "layers": layers,
         "max_seq_len": max_len,
         "slots": slots,
         "position": position,
         "status": "ok",
         "native_attention": engine.native_attention,
-        "native_matmul": engine.decode_panels is not None,
+        "native_matmul": getattr(engine, "decode_panels", None) is not None,
         "leaves": leaves,
         "cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(engine.cache))),
         "setup_s": setup_s,

@@ -28,7 +28,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
+                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "page_size", "kv_cache_tokens",
+                "max_num_batched_tokens", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -364,6 +365,25 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="KV-cache dtype; auto (default): the parameter dtype. bfloat16 halves the bytes every decode step's "
         "attention reads (float32 weights keep float32 matmuls)",
+    )
+    s.add_argument(
+        "--kv-cache",
+        choices=["auto", "slots", "paged"],
+        help="paged: one pool of pages shared by all sequences, several prompts per step, prefix caching, "
+        "preemption (scan layers, XLA attention); slots: max-seq-len positions per slot, one prompt chunk per "
+        "step (the native CPU kernels of --layers unrolled); auto (default): slots with --layers unrolled, else paged",
+    )
+    s.add_argument("--page-size", type=int, help="with --kv-cache paged: token positions per page (default 16)")
+    s.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="with --kv-cache paged: token positions in the pool (default: slots x max-seq-len)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="with --kv-cache paged: most prefill tokens per step, over several prompts' chunks (default 512; "
+        "decode tokens are not counted)",
     )
     s.add_argument(
         "--layers",

@@ -147,6 +147,7 @@ LAYER_MODES = ("auto", "unrolled", "scan")
 NATIVE_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla", "bf16x3")
 DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
+KV_CACHE_MODES = ("auto", "slots", "paged")
 
 
 def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
@@ -202,6 +203,19 @@ class EngineConfig:
             than the float32 kernel at prefill sizes, docs/cpu-kernels.md). An opt-in
             precision, for CPUs with AMX-BF16; elsewhere the engine refuses it. The scan form
             always uses XLA's.
+        kv_cache: "paged" (one pool of pages shared by every sequence, several prompts per
+            step, prefix caching and preemption, run by ``service.paged_engine.PagedEngine``: the
+            scan form and XLA's attention), "slots" (a fixed region of ``max_seq_len`` positions
+            per slot, one prompt chunk per step, the steps of this module's ``Engine``, with the
+            native CPU kernels of the unrolled form) or "auto": "slots" where ``layers`` is
+            "unrolled" (asked for by name: the native kernels run only there), else "paged".
+            ``paged`` holds the resolved choice.
+        page_size: token positions per page of the paged cache (a power of two).
+        kv_cache_tokens: positions in the paged pool (0: ``num_slots x max_seq_len``, the slots
+            cache's memory); ``max_seq_len`` stays each request's limit.
+        max_num_batched_tokens: most prefill tokens one paged step runs, over the chunks of
+            several prompts (each padded to whole blocks of the step's prefill region); decode
+            tokens have a region of their own, one position per slot.
     """
 
     num_slots: int = 4
@@ -212,6 +226,10 @@ class EngineConfig:
     layers: str = "auto"
     decode_attention: str = "auto"
     matmul: str = "auto"
+    kv_cache: str = "auto"
+    page_size: int = 16
+    kv_cache_tokens: int = 0
+    max_num_batched_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -234,6 +252,37 @@ class EngineConfig:
             raise ValueError(f"matmul must be one of {', '.join(MATMUL_MODES)}, got {self.matmul!r}")
         if self.matmul == "bf16x3" and (self.layers != "unrolled" or self.dtype != "float32"):
             raise ValueError("matmul='bf16x3' needs layers='unrolled' and dtype='float32'")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        if self.kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be >= 0 (0: num_slots x max_seq_len), got {self.kv_cache_tokens}")
+        if self.paged and self.num_pages < 1:
+            raise ValueError(f"kv_cache_tokens {self.kv_cache_tokens} holds no page of {self.page_size} tokens")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    @property
+    def paged(self) -> bool:
+        """Whether this config's engine is the paged one (``kv_cache`` resolved)."""
+        return self.kv_cache == "paged" or (self.kv_cache == "auto" and self.layers != "unrolled")
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the paged pool: ``kv_cache_tokens`` (0: num_slots x max_seq_len) over
+        ``page_size``, rounded down."""
+        tokens = self.kv_cache_tokens or self.num_slots * self.max_seq_len
+        return tokens // self.page_size
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + generated) one request may hold: ``max_seq_len``, and with a
+        paged cache no more than the whole pool, so a request that could never fit is refused at
+        admission instead of waiting forever."""
+        if self.paged:
+            return min(self.max_seq_len, self.num_pages * self.page_size)
+        return self.max_seq_len
 
 
 def resolve_layers(layers: str, platform: str) -> str:

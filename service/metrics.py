@@ -45,6 +45,15 @@ Per pool, read when scraped (the step histogram when each step ends):
     meshserve_kv_cache_usage_ratio{pool}             gauge: cached tokens / (slots x max_seq_len)
     meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
     meshserve_engine_step_seconds{pool}              histogram: one engine step (prefill chunk + decode)
+    meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
+                                                     prefill chunk tokens)
+With a paged KV cache (``--kv-cache paged``), also:
+    meshserve_kv_cache_pages{pool,state}             gauge: pages by state: used (held by a sequence),
+                                                     cached (unreferenced, kept for prefix hits,
+                                                     evictable), free
+    meshserve_prefix_cache_queried_tokens_total{pool}  counter: prompt tokens looked up in the prefix cache
+    meshserve_prefix_cache_hit_tokens_total{pool}    counter: of those, tokens found cached (not prefilled)
+    meshserve_preemptions_total{pool}                counter: sequences preempted for pages (recomputed later)
 
 Server (process-wide, no pool label: health covers every pool):
     meshserve_serving                                gauge: 1 while grpc.health.v1 reports SERVING, else 0
@@ -62,6 +71,7 @@ FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "error")  # value
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Metrics:
@@ -109,6 +119,38 @@ class Metrics:
             buckets=STEP_BUCKETS,
             namespace=NAMESPACE,
             registry=reg,
+        )
+        self.step_tokens = Histogram(
+            "engine_step_tokens",
+            "Tokens per engine step (decode tokens plus prefill chunk tokens).",
+            ["pool"],
+            buckets=TOKEN_BUCKETS,
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.kv_pages = Gauge(
+            "kv_cache_pages",
+            "Pages of the paged KV cache by state.",
+            ["pool", "state"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.prefix_queried = Counter(
+            "prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            ["pool"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (not prefilled).",
+            ["pool"],
+            namespace=NAMESPACE,
+            registry=reg,
+        )
+        self.preemptions = Counter(
+            "preemptions", "Sequences preempted for pages.", ["pool"], namespace=NAMESPACE, registry=reg
         )
         self.prompt_tokens = Counter(
             "prompt_tokens", "Prompt tokens written to the KV cache.", ["pool"], namespace=NAMESPACE, registry=reg
@@ -169,6 +211,19 @@ class Metrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue_time):
             metric.labels(pool=pool)  # export zeros from the start
         self.step_time.labels(pool=pool)
+        self.step_tokens.labels(pool=pool)
+
+    def track_pages(self, pool: str, pages: Callable[[], dict[str, int]]) -> None:
+        """Register a paged pool's page gauges: ``pages()`` gives {"used", "cached", "free"}
+        counts, read at scrape time (any thread)."""
+
+        def count(state: str) -> Callable[[], float]:
+            return lambda: pages()[state]
+
+        for state in ("used", "cached", "free"):
+            self.kv_pages.labels(pool=pool, state=state).set_function(count(state))
+        for metric in (self.prefix_queried, self.prefix_hits, self.preemptions):
+            metric.labels(pool=pool)  # export zeros from the start
 
     def set_layout(self, pool: str, layout: str, data: int, model: int, attention: str) -> None:
         """Publish a pool's current layout (cheap when unchanged)."""

@@ -99,6 +99,8 @@ class Request:
         ignore_eos: generation goes on past EOS ids (they are then ordinary output ids,
             counted and detokenized like any other: a special id's text is empty), to
             ``max_tokens`` or a stop string.
+        prefix_cache: with a paged KV cache, the request may reuse cached pages of an equal
+            prefix and registers its own full pages for later requests; False opts out of both.
     """
 
     request_id: str
@@ -111,12 +113,14 @@ class Request:
     logprobs: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    prefix_cache: bool = True
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None
     num_cached: int = 0  # tokens whose K/V are in the cache (prompt chunks, then fed-back ids)
     sampled: int = 0  # ids sampled by dispatched steps (EOS included), known before they land
     last_token_from: tuple[str, int] | None = None  # ("prefill"|"decode", step) that made the last id
+    preemptions: int = 0  # times a paged scheduler preempted it (it was recomputed as often)
     finish_reason: FinishReason | None = None
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
@@ -135,6 +139,19 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill writes before the next id is sampled: the prompt, plus the ids already
+        generated when a preempted request is recomputed (they are fixed during its prefill)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def prefill_ids(self, start: int, length: int) -> list[int]:
+        """Ids [start, start + length) of the prompt followed by the generated ids."""
+        n = len(self.prompt_ids)
+        if start + length <= n:
+            return self.prompt_ids[start : start + length]
+        return (self.prompt_ids + self.output_ids)[start : start + length]
 
     def accept_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Record one sampled id: check EOS (unless ``ignore_eos``), stop strings (from the

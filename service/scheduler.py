@@ -35,7 +35,7 @@ class PrefillChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.start + self.length == self.request.prompt_len
+        return self.start + self.length == self.request.prefill_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,16 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return self.prefill is None and not self.decode
+
+    @property
+    def admitted(self) -> frozenset[Request]:
+        """The request whose first chunk this is, if the step's chunk starts a prompt."""
+        return frozenset() if self.prefill is None or self.prefill.start else frozenset((self.prefill.request,))
+
+    @property
+    def prefills(self) -> tuple[PrefillChunk, ...]:
+        """The step's prefill chunks (at most one here; ``RaggedPlan`` has several)."""
+        return () if self.prefill is None else (self.prefill,)
 
 
 class Scheduler:

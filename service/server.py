@@ -56,9 +56,12 @@ from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamF
 from service.http_server import HttpServer, bind
 from service.loop import EngineLoop, EngineUnavailable
 from service.metrics import Metrics
+from service.paged_engine import PagedEngine
+from service.paged_loop import engine_loop
+from service.paged_scheduler import PagedScheduler, RaggedPlan
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
 from service.request import Chunk, FinishReason, Request, RequestState
-from service.scheduler import QueueFull, Scheduler, StepPlan
+from service.scheduler import QueueFull, StepPlan
 from service.text_stream import TextStream
 from service.validation import InvalidRequest, ValidatedRequest, validate
 from service.wire import add_servicer
@@ -383,8 +386,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             c_load = clock.seconds()
 
             t1 = time.perf_counter()
+            engine_cls = PagedEngine if ecfg.paged else Engine
             engines = [
-                Engine(model_cfg, graphdef, params, s.layout, ecfg, ds)
+                engine_cls(model_cfg, graphdef, params, s.layout, ecfg, ds)
                 for s, ds, params in zip(specs, device_sets, params_per_pool, strict=True)
             ]
             del params_per_pool
@@ -393,11 +397,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
             t2 = time.perf_counter()
             for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
-                loop = EngineLoop(
-                    engine,
-                    Scheduler(ecfg.num_slots, cfg.max_queue, ecfg.chunk_size),
-                    on_step=self._step_observer(spec.name),
-                )
+                loop = engine_loop(engine, cfg.max_queue, self._step_observer(spec.name))
                 pool = Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0)
                 self._track_pool(pool)
                 loop.start(warmup_full=cfg.warmup_full)
@@ -442,6 +442,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             num_parameters=model_cfg.param_count(),
             layout=self.pools[0].layout.name,
             model_path=str(path),
+            kv_cache="paged" if ecfg.paged else "slots",
+            kv_cache_pages=ecfg.num_pages if ecfg.paged else 0,
+            kv_cache_tokens=ecfg.num_pages * ecfg.page_size if ecfg.paged else ecfg.num_slots * ecfg.max_seq_len,
+            page_size=ecfg.page_size if ecfg.paged else 0,
         )
 
     def restore_for_layout(self, layout: Layout, devices: list) -> nnx.State | None:
@@ -522,8 +526,16 @@ class GenerationService(pb_grpc.GenerationServicer):
 
         def kv_usage() -> float:
             ecfg = pool.loop.engine.ecfg
+            if isinstance(scheduler, PagedScheduler):
+                return scheduler.blocks.num_used / scheduler.blocks.num_pages
             cached = sum(min(r.num_cached, ecfg.max_seq_len) for r in list(scheduler.slots) if r is not None)
             return cached / (ecfg.num_slots * ecfg.max_seq_len)
+
+        if isinstance(scheduler, PagedScheduler):
+            blocks = scheduler.blocks
+            self.metrics.track_pages(
+                pool.name, lambda: {"used": blocks.num_used, "cached": blocks.num_cached, "free": blocks.num_free}
+            )
 
         self.metrics.track_pool(
             pool.name,
@@ -543,13 +555,29 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The engine loop's ``on_step`` hook for one pool (runs on the loop thread, never raises)."""
         m = self.metrics
 
-        def on_step(plan: StepPlan, seconds: float) -> None:
+        seen = {"queried": 0, "hits": 0, "preemptions": 0}  # the paged scheduler's totals, last step
+
+        def on_step(plan: StepPlan | RaggedPlan, seconds: float) -> None:
             try:
                 m.step_time.labels(pool=pool_name).observe(seconds)
-                chunk = plan.prefill
-                if chunk is not None and chunk.start == 0:
-                    started = time.monotonic() - seconds
-                    m.queue_time.labels(pool=pool_name).observe(max(0.0, started - chunk.request.arrival_s))
+                m.step_tokens.labels(pool=pool_name).observe(
+                    len(plan.decode) + sum(chunk.length for chunk in plan.prefills)
+                )
+                for r in plan.admitted:
+                    if r.preemptions == 0:  # a recomputation's wait is not queue time
+                        started = time.monotonic() - seconds
+                        m.queue_time.labels(pool=pool_name).observe(max(0.0, started - r.arrival_s))
+                sched = self.find_pool(pool_name).loop.scheduler
+                if isinstance(sched, PagedScheduler):
+                    now = {
+                        "queried": sched.blocks.queried_tokens,
+                        "hits": sched.blocks.hit_tokens,
+                        "preemptions": sched.preemptions,
+                    }
+                    m.prefix_queried.labels(pool=pool_name).inc(now["queried"] - seen["queried"])
+                    m.prefix_hits.labels(pool=pool_name).inc(now["hits"] - seen["hits"])
+                    m.preemptions.labels(pool=pool_name).inc(now["preemptions"] - seen["preemptions"])
+                    seen.update(now)
             except Exception:
                 log.exception("metrics: on_step failed")
 
@@ -731,7 +759,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
         def prepare(tok: Tokenizer) -> ValidatedRequest:
             cfg = self.cfg
-            return validate(request, tok, cfg.engine.max_seq_len, cfg.default_max_tokens, cfg.max_queue)
+            return validate(request, tok, cfg.engine.max_request_tokens, cfg.default_max_tokens, cfg.max_queue)
 
         try:
             generation = self.open(rid, route, prepare)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.kv_cache import BLOCK_K_AXES, BLOCK_V_AXES, CACHE_AXES, BlockedKVCache, KVCache
+from model.paged_kv import PAGE_AXES, PagedKVCache
 from sharding.layouts import LayoutError
 
 Rules = Mapping[str, str | None]
@@ -67,10 +68,12 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def cache_shardings(abstract_cache: KVCache | BlockedKVCache, mesh: Mesh, rules: Rules) -> Any:
+def cache_shardings(abstract_cache: KVCache | BlockedKVCache | PagedKVCache, mesh: Mesh, rules: Rules) -> Any:
     """The cache's tree of NamedSharding (same structure as ``abstract_cache``, whose leaves
-    need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, or the key blocks
-    [S, K, H, n] and value blocks [S, K, n, H] of a ``BlockedKVCache``.
+    need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, the key blocks
+    [S, K, H, n] and value blocks [S, K, n, H] of a ``BlockedKVCache``, or the [L, P, K,
+    page_size, H] pages of a ``PagedKVCache`` (KV heads over ``model``; pages unsplit, so every
+    data replica holds the whole pool and one page table serves every device).
 
     Raises:
         LayoutError: a split axis (slots over ``data``, KV heads over ``model``) does not divide.
@@ -78,6 +81,9 @@ def cache_shardings(abstract_cache: KVCache | BlockedKVCache, mesh: Mesh, rules:
     if isinstance(abstract_cache, KVCache):
         one = NamedSharding(mesh, spec_for(CACHE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV cache"))
         return KVCache(k=one, v=one)  # type: ignore[arg-type]
+    if isinstance(abstract_cache, PagedKVCache):
+        pages = NamedSharding(mesh, spec_for(PAGE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV pages"))
+        return PagedKVCache(k=pages, v=pages)  # type: ignore[arg-type]
 
     def blocks(layers: Any, axes: tuple[str, ...]) -> Any:
         return tuple(

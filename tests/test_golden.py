@@ -7,6 +7,8 @@ header to regenerate). The long prompt (644 tokens) is prefilled in two chunks o
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,10 @@ import pytest
 from model import cpu_matmul
 from model.loader import load_gguf_model
 from service.engine import Engine, EngineConfig
-from service.request import SamplingOptions
+from service.paged_engine import PagedEngine
+from service.paged_loop import PagedEngineLoop, engine_loop
+from service.request import Chunk, Request, SamplingOptions
+from service.text_stream import TextStream
 from sharding.layouts import Layout
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.npz"
@@ -77,3 +82,60 @@ def test_logits_and_greedy_tokens_match_transformers(engine: Engine, golden: dic
 
 def test_long_prompt_really_is_long(golden: dict[str, np.ndarray]) -> None:
     assert len(golden["prompt_ids_2"]) >= 500
+
+
+# ---- the paged engine ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def paged_loop(smollm2_gguf: Path) -> Iterator[PagedEngineLoop]:
+    """The paged engine (pages of 16, three prompts per step) behind its loop."""
+    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, kv_cache="paged", max_num_batched_tokens=1024)
+    loop = engine_loop(PagedEngine(cfg, graphdef, params, Layout("single"), ecfg), max_queue=8)
+    assert isinstance(loop, PagedEngineLoop)
+    loop.start()
+    assert loop.ready.wait(900)
+    yield loop
+    loop.stop()
+
+
+def loop_greedy(loop: PagedEngineLoop, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Submit ``prompts`` together (greedy, ``n`` ids each, no EOS) and wait for their ids."""
+    done = [threading.Event() for _ in prompts]
+    ids: list[list[int]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+
+        def emit(chunk: Chunk, i: int = i) -> None:
+            ids[i].extend(chunk.token_ids)
+            if chunk.finish_reason is not None or chunk.error is not None:
+                done[i].set()
+
+        loop.submit(
+            Request(f"golden-{i}", p, n, GREEDY, TextStream(PiecesOf()), emit, frozenset())  # type: ignore[arg-type]
+        )
+    for d in done:
+        assert d.wait(600)
+    return ids
+
+
+class PiecesOf:
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@pytest.mark.slow
+def test_paged_engine_greedy_tokens_match_transformers_batched_and_solo(
+    paged_loop: PagedEngineLoop, golden: dict[str, np.ndarray]
+) -> None:
+    prompts = [golden[f"prompt_ids_{i}"].tolist() for i in range(3)]
+    refs = [golden[f"greedy_{i}"].tolist() for i in range(3)]
+    n = min(len(r) for r in refs)
+    # All three in the same steps (the long one in two chunks beside the others' decode tokens) ...
+    assert loop_greedy(paged_loop, prompts, n) == [r[:n] for r in refs]
+    # ... then each alone, the first two now hitting the prefix cache the batch filled.
+    hits = paged_loop.scheduler.blocks.hit_tokens
+    for p, r in zip(prompts, refs, strict=True):
+        assert loop_greedy(paged_loop, [p], len(r)) == [r]
+    assert paged_loop.scheduler.blocks.hit_tokens > hits

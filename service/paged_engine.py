@@ -1,0 +1,386 @@
+"""The paged engine: params, one paged KV pool and one compiled ragged step, for one model on one
+mesh.
+
+Each step runs a flat batch of tokens (``model.llama.ragged_step``): one token for every
+decoding sequence and prefill chunks of any number of prompts, and samples one id for every
+row (``EngineConfig.num_slots`` rows; a row is the sequence a ``PagedScheduler`` placed there)
+whose token is a decode token or the last of its prefill. Its jit arguments are the weights
+(stacked: the scan form), the two cache arrays, the token history, the sampling parameters
+and eleven small metadata arrays: their number is the same whatever the pool size, the longest
+sequence or the number of rows, so the call's dispatch does not grow with them.
+
+The flat batch has two regions (``RaggedBatch``): the decode region, one position per row
+(row s's decode token at index s; rows without one are padding), and the prefill region, where
+each chunk starts at a multiple of ``seq_block`` tokens, so that ``ragged_step`` gathers each
+block's window once (``ragged_paged_attention_blocks``) rather than once per token.
+
+Shape variants: the prefill region is 0 tokens or a power of two times ``seq_block`` up to
+``max_num_batched_tokens`` (rounded up to a block), and attention reads a power-of-two number
+of pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least): programs =
+prefill buckets x window buckets, e.g. 5 x 5 = 25 for 512 tokens a step in blocks of 64 and
+2,048-token sequences in pages of 16. ``warmup`` compiles the windows up to ``WARM_WINDOW``
+tokens for every prefill bucket; the rest compile on first use (and land in JAX's persistent
+compilation cache).
+
+The token history (``model.sampling.TokenHistory``, for the penalties) is kept as the slots
+engine keeps it, with one difference: a request's row is written whole when it is admitted
+(``set_history``: the prompt's ids and the ids it already generated, which a preempted request
+brings back), and each step counts only decode tokens, whose input is a generated id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Collection
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model import cpu_argmax
+from model.config import LlamaConfig
+from model.llama import SEQ_BLOCK, ragged_step, stack_layers
+from model.paged_kv import PagedKVCache
+from model.sampling import SamplingParams, TokenHistory, first_argmax, sample, seed_to_key
+from service.engine import (
+    TOP_LOGPROBS,
+    EngineConfig,
+    StepOutput,
+    pack_step,
+    pick_bucket,
+    power_of_two_buckets,
+    resolve_kv_dtype,
+)
+from service.request import SamplingOptions
+from sharding.layouts import Layout
+from sharding.mesh import make_mesh
+from sharding.plan import make_plan
+from sharding.rules import cache_shardings, param_shardings, replicated
+
+log = logging.getLogger(__name__)
+
+MIN_WINDOW = 128  # tokens: the smallest attention window
+WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-full
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """One step's inputs on the host: N = R + P tokens, the decode region [0, R) (one position
+    per row: row s's decode token, if any, at index s) and the prefill region [R, N), P a
+    prefill bucket (``PagedEngine.prefill_bucket``), each chunk starting at a multiple of
+    ``PagedEngine.seq_block`` from R.
+
+    Attributes:
+        tokens: [N] int32 input ids (those with ``source`` 1 are read on the device).
+        positions: [N] int32, each token's position in its sequence; -1 for padding.
+        rows: [N] int32, each token's row (its sequence); -1 for padding.
+        source: [N] int32: 0 the id is ``tokens``'s, 1 it is the id the previous step sampled
+            for the token's row (still on the device).
+        generated: [N] bool, the token is a decode token (its id is a generated one, counted
+            in the row's history for the penalties).
+        last_index: [R] int32, for each row the index of the token whose logits it samples
+            from (0 for rows that sample nothing).
+        ban_eos: [R] bool, the row's sampled id may not be one of its EOS ids.
+        page_tables: [R, max_pages] int32, each row's pages in order.
+        num_real: real tokens (the rest are padding).
+        max_position: the largest position of a real token.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    rows: np.ndarray
+    source: np.ndarray
+    generated: np.ndarray
+    last_index: np.ndarray
+    ban_eos: np.ndarray
+    page_tables: np.ndarray
+    num_real: int
+    max_position: int
+
+
+class PagedEngine:
+    """Owns the sharded params, the paged KV pool and the compiled ragged steps of one layout.
+
+    Not thread-safe: one engine-loop thread calls every method after construction. The weights
+    always take the stacked (scan) form and attention XLA's path (``ecfg.layers`` says "scan").
+
+    Args: as ``service.engine.Engine``; ``engine_cfg.paged`` holds.
+
+    Raises:
+        LayoutError: the layout does not fit the devices or does not divide the model's axes.
+        ValueError: ``engine_cfg`` is not paged (``EngineConfig.paged``).
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        graphdef: nnx.GraphDef,
+        params: Any,
+        layout: Layout,
+        engine_cfg: EngineConfig,
+        devices: list[jax.Device] | None = None,
+    ):
+        if not engine_cfg.paged:
+            raise ValueError(
+                f"PagedEngine needs a paged config, got kv_cache={engine_cfg.kv_cache!r}, layers={engine_cfg.layers!r}"
+            )
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.layout = layout
+        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.plan = make_plan(layout, cfg, engine_cfg.num_slots)
+        self.mesh = make_mesh(layout, devices)
+        platform = self.mesh.devices.flat[0].platform
+        kv_dtype = resolve_kv_dtype(engine_cfg.kv_dtype, engine_cfg.dtype)
+        engine_cfg = dataclasses.replace(engine_cfg, layers="scan", kv_dtype=kv_dtype, kv_cache="paged")
+        self.ecfg = engine_cfg
+        self.kv_dtype = jnp.dtype(kv_dtype)
+        rules = self.plan.rules
+        S, ps = engine_cfg.num_slots, engine_cfg.page_size
+        self.num_pages = engine_cfg.num_pages
+        self.max_pages = -(-engine_cfg.max_seq_len // ps)
+        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
+        params = stack_layers(params)
+        self.param_sharding = param_shardings(params, self.mesh, rules)
+        cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
+        self._cache_sh = cache_sh
+        self.repl = replicated(self.mesh)
+        self.params = jax.device_put(params, self.param_sharding)
+        self.cache = jax.jit(
+            partial(PagedKVCache.zeros, cfg, self.num_pages, ps, self.kv_dtype), out_shardings=cache_sh
+        )()
+        self.history = jax.jit(partial(TokenHistory.zeros, S, cfg.vocab_size), out_shardings=self.repl)()
+        one_cpu = self.mesh.devices.size == 1 and platform == "cpu"
+        self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
+        self.native_attention = False
+        self.panels = None
+
+        # Blocks of the prefill region: a chunk pads to a whole block, so no bigger than a chunk.
+        self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)
+        region = -(-engine_cfg.max_num_batched_tokens // self.seq_block) * self.seq_block
+        self.prefill_buckets = [0, *power_of_two_buckets(self.seq_block, region)]
+        self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)
+        self._fns: dict[tuple[int, int], Any] = {}
+        # Sampling parameters: host arrays changed by set_sampling, uploaded once before the next
+        # step that follows a change (not on every step).
+        self._sp = SamplingParams.host(S)
+        self._sp_device: SamplingParams | None = None
+        self._no_prev = jax.device_put(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
+        self._set_row = jax.jit(_set_history_row, out_shardings=self.repl, donate_argnums=(0,))
+
+    # ---- the compiled step ---------------------------------------------------------------
+    def _step_fn(self, prefill_tokens: int, window_pages: int) -> Any:
+        key = (prefill_tokens, window_pages)
+        if key not in self._fns:
+            # Locals, not ``self``: a jitted function closing over its engine is a reference
+            # cycle that kept old engines alive until a full garbage collection.
+            graphdef, argmax, seq_block = self.graphdef, self.argmax, self.seq_block
+
+            def run(
+                params,
+                cache,
+                history,
+                sp,
+                host_tokens,
+                source,
+                prev,
+                positions,
+                rows,
+                generated,
+                page_tables,
+                last_index,
+                ban,
+            ):  # type: ignore[no-untyped-def]
+                S = page_tables.shape[0]
+                from_prev = prev[jnp.clip(rows, 0, S - 1), 0].astype(jnp.int32)
+                tokens = jnp.where(source == 1, from_prev, host_tokens)
+                real = (rows >= 0) & (positions >= 0)
+                # A decode token's id is one its row generated: count it (padding goes to row S, dropped).
+                counts = history.counts.at[jnp.where(generated & real, rows, S), tokens].add(1, mode="drop")
+                history = TokenHistory(counts=counts, in_prompt=history.in_prompt)
+                model = nnx.merge(graphdef, params)
+                logits, cache = ragged_step(
+                    model, cache, tokens, positions, rows, page_tables, last_index,
+                    window_pages=window_pages, prefill_from=S, seq_block=seq_block,
+                )  # fmt: skip
+                sp = dataclasses.replace(sp, ban_eos=ban)
+                next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)
+                return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
+
+            r = self.repl
+            self._fns[key] = jax.jit(
+                run,
+                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r, r, r, r, r, r, r),
+                out_shardings=(r, r, self._cache_sh, r),
+                donate_argnums=(1, 2),
+            )
+        return self._fns[key]
+
+    # ---- per-row state ---------------------------------------------------------------------
+    def set_sampling(
+        self, slot: int, options: SamplingOptions, logprobs: bool = False, eos_ids: Collection[int] = ()
+    ) -> None:
+        """Install a request's sampling parameters in row ``slot`` (uploaded before the next step;
+        no recompile, except when more EOS ids than any request so far widen the per-row array
+        to the next power of two)."""
+        sp = self._sp
+        sp["temperature"][slot] = options.temperature
+        sp["top_k"][slot] = options.top_k
+        sp["top_p"][slot] = options.top_p
+        sp["keys"][slot] = seed_to_key(options.seed)
+        sp["logprobs"][slot] = logprobs
+        sp["presence_penalty"][slot] = options.presence_penalty
+        sp["frequency_penalty"][slot] = options.frequency_penalty
+        sp["repetition_penalty"][slot] = options.repetition_penalty
+        sp["min_p"][slot] = options.min_p
+        ids = sorted(eos_ids)
+        width = sp["eos_ids"].shape[1]
+        if len(ids) > width:
+            wider = np.full((self.ecfg.num_slots, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
+            wider[:, :width] = sp["eos_ids"]
+            sp["eos_ids"] = wider
+        sp["eos_ids"][slot] = -1
+        sp["eos_ids"][slot, : len(ids)] = ids
+        self._sp_device = None
+
+    def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        """Write row ``slot`` of the token history whole: the prompt's ids and the counts of the
+        ids already generated (a preempted request's, recomputed). Asynchronous."""
+        V = self.cfg.vocab_size
+        in_prompt = np.zeros(V, bool)
+        in_prompt[np.asarray(prompt_ids, np.int64)] = True
+        counts = np.bincount(np.asarray(generated_ids, np.int64), minlength=V).astype(np.int32)
+        self.history = self._set_row(self.history, np.int32(slot), counts, in_prompt)
+
+    def _sampling(self) -> SamplingParams:
+        if self._sp_device is None:
+            host = {k: v.copy() for k, v in self._sp.items()}
+            self._sp_device = jax.device_put(SamplingParams(**host), self.repl)
+        return self._sp_device
+
+    # ---- the step ---------------------------------------------------------------------------
+    def prefill_bucket(self, num_tokens: int) -> int:
+        """The prefill region's length for ``num_tokens`` (chunks already padded to blocks).
+
+        Raises:
+            ValueError: more than the largest bucket.
+        """
+        return pick_bucket(num_tokens, self.prefill_buckets)
+
+    def step(self, batch: RaggedBatch, prev: StepOutput | None = None) -> StepOutput:
+        """Dispatch one ragged step (asynchronous).
+
+        Args:
+            batch: the inputs, laid out as ``RaggedBatch`` says.
+            prev: the previous step's output, when ``batch.source`` reads from it.
+
+        Returns:
+            One row per row of the batch (rows that sample nothing are meaningless).
+
+        Raises:
+            ValueError: a position past ``max_seq_len``, or more tokens than a step holds.
+        """
+        if batch.max_position >= self.ecfg.max_seq_len:
+            raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
+        window = pick_bucket(batch.max_position // self.ecfg.page_size + 1, self.window_buckets)
+        prefill = len(batch.tokens) - self.ecfg.num_slots
+        if prefill not in self.prefill_buckets:
+            raise ValueError(f"a prefill region of {prefill} tokens is no bucket ({self.prefill_buckets})")
+        fn = self._step_fn(prefill, window)
+        packed, logits, self.cache, self.history = fn(
+            self.params,
+            self.cache,
+            self.history,
+            self._sampling(),
+            batch.tokens,
+            batch.source,
+            prev.packed if prev is not None else self._no_prev,
+            batch.positions,
+            batch.rows,
+            batch.generated,
+            batch.page_tables,
+            batch.last_index,
+            batch.ban_eos,
+        )
+        return StepOutput(packed, logits)
+
+    def idle_batch(self, prefill_tokens: int, max_position: int) -> RaggedBatch:
+        """A batch with a prefill region of ``prefill_tokens``, all padding but one token, row 0's
+        decode token at ``max_position``, page table all page 0: for warm-up (it writes one
+        position of page 0, which no sequence has yet)."""
+        S = self.ecfg.num_slots
+        num_tokens = S + prefill_tokens
+        positions = np.full(num_tokens, -1, np.int32)
+        rows = np.full(num_tokens, -1, np.int32)
+        positions[0], rows[0] = max_position, 0
+        return RaggedBatch(
+            tokens=np.zeros(num_tokens, np.int32),
+            positions=positions,
+            rows=rows,
+            source=np.zeros(num_tokens, np.int32),
+            generated=np.zeros(num_tokens, bool),
+            last_index=np.zeros(S, np.int32),
+            ban_eos=np.zeros(S, bool),
+            page_tables=np.zeros((S, self.max_pages), np.int32),
+            num_real=1,
+            max_position=max_position,
+        )
+
+    def warmup(self, full: bool = False) -> float:
+        """Compile (and run once) every prefill bucket with the windows up to ``WARM_WINDOW``
+        tokens (every window if ``full``). Returns the seconds spent."""
+        t0 = time.perf_counter()
+        ps = self.ecfg.page_size
+        windows = [w for w in self.window_buckets if full or w * ps <= max(WARM_WINDOW, self.window_buckets[0] * ps)]
+        for n in self.prefill_buckets:
+            for w in windows:
+                self.step(self.idle_batch(n, w * ps - 1)).host()
+        elapsed = time.perf_counter() - t0
+        log.info(
+            "warm-up compiled %d ragged-step programs (%d prefill buckets x %d windows) in %.1f s",
+            len(self.prefill_buckets) * len(windows), len(self.prefill_buckets), len(windows), elapsed,
+        )  # fmt: skip
+        return elapsed
+
+    # ---- layout switch -----------------------------------------------------------------------
+    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
+        """A new engine with these weights on ``layout``'s mesh over ``devices`` (as
+        ``Engine.relayout``); its pool is empty until ``adopt_state``."""
+        return PagedEngine(
+            self.cfg, self.graphdef, self.params if params is None else params, layout, self.ecfg, devices
+        )
+
+    def adopt_state(self, old: PagedEngine) -> None:
+        """Take over ``old``'s pages, token history and sampling state (moved to this mesh); the
+        page numbers stay, so the scheduler's tables remain valid. Call between two steps."""
+        self.cache = jax.device_put(old.cache, self._cache_sh)
+        self.history = jax.device_put(old.history, self.repl)
+        self._sp = {k: v.copy() for k, v in old._sp.items()}
+        self._sp_device = None
+
+    # ---- facts -------------------------------------------------------------------------------
+    def panel_bytes(self) -> int:
+        """Bytes of packed weight copies: none here (XLA's matmuls)."""
+        return 0
+
+    def weight_bytes_per_device(self) -> dict[str, int]:
+        """Bytes of parameters held by each device, keyed by device id string."""
+        out: dict[str, int] = {}
+        for leaf in jax.tree.leaves(self.params):
+            for shard in leaf.addressable_shards:
+                key = str(shard.device.id)
+                out[key] = out.get(key, 0) + shard.data.nbytes
+        return out
+
+
+def _set_history_row(history: TokenHistory, slot: jax.Array, counts: jax.Array, in_prompt: jax.Array) -> TokenHistory:
+    """``history`` with row ``slot`` replaced: counts [V] int32, in_prompt [V] bool."""
+    return TokenHistory(
+        counts=jax.lax.dynamic_update_slice_in_dim(history.counts, counts[None], slot, 0),
+        in_prompt=jax.lax.dynamic_update_slice_in_dim(history.in_prompt, in_prompt[None], slot, 0),
+    )

@@ -1,0 +1,142 @@
+"""The engine loop over a paged engine: each iteration dispatches one ragged step (decode tokens
+and prefill chunks of several prompts) and postprocesses the previous one while it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from service.block_manager import BlockManager
+from service.engine import Engine, StepOutput
+from service.loop import EngineLoop, bans_eos, token_logprob
+from service.paged_engine import PagedEngine, RaggedBatch
+from service.paged_scheduler import PagedScheduler, RaggedPlan
+from service.request import Request, RequestState
+from service.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedRaggedStep:
+    """A ragged step launched but not yet on the host: ``samplers`` are the (request, row)
+    pairs whose sampled id it returns (row = the request's row when the step was built)."""
+
+    plan: RaggedPlan
+    out: StepOutput
+    samplers: tuple[tuple[Request, int], ...]
+    started: float
+
+
+class PagedEngineLoop(EngineLoop):
+    """``EngineLoop`` driving a ``PagedEngine`` with a ``PagedScheduler`` (same lifecycle,
+    admission, layout switch and pipelining; one program per step instead of two)."""
+
+    # Narrowed from the base's Engine and Scheduler, whose methods this class overrides.
+    engine: PagedEngine  # type: ignore[assignment]
+    scheduler: PagedScheduler  # type: ignore[assignment]
+
+    def dispatch(self, plan: RaggedPlan) -> DispatchedRaggedStep:  # type: ignore[override]
+        """Build the flat batch (``RaggedBatch``: each decode token at its row's index, then each
+        chunk from a block boundary of the prefill region), launch it, and advance the host
+        bookkeeping that does not wait for results (cached lengths, states, sampled counts),
+        then register completed pages in the prefix cache.
+
+        A decode token whose id the still-running previous step sampled reads it on the device
+        (``RaggedBatch.source``); a request's EOS ids are banned while it has sampled fewer than
+        ``min_tokens`` (``bans_eos``). An admitted request's row gets its sampling parameters,
+        and, when it uses penalties, its token history.
+        """
+        if self.step_hook is not None:
+            self.step_hook(plan)  # type: ignore[arg-type]
+        engine, sched = self.engine, self.scheduler
+        prev = self._inflight
+        number = self._dispatched
+        self._dispatched += 1
+        S, block = engine.ecfg.num_slots, engine.seq_block
+        padded = sum(-(-c.length // block) * block for c in plan.prefills)
+        N = S + engine.prefill_bucket(padded)
+        tokens = np.zeros(N, np.int32)
+        positions = np.full(N, -1, np.int32)
+        rows = np.full(N, -1, np.int32)
+        source = np.zeros(N, np.int32)
+        generated = np.zeros(N, bool)
+        last_index = np.zeros(S, np.int32)
+        ban = np.zeros(S, bool)
+        samplers: list[tuple[Request, int]] = []
+        for r in plan.decode:
+            slot = r.slot
+            assert slot is not None
+            i = slot
+            positions[i], rows[i], generated[i] = r.num_cached, slot, True
+            if prev is not None and r.last_token_from == ("step", number - 1):
+                source[i] = 1
+            else:
+                tokens[i] = r.output_ids[-1]
+            last_index[slot], ban[slot] = i, bans_eos(r)
+            samplers.append((r, slot))
+            r.num_cached += 1
+            r.sampled += 1
+            r.last_token_from = ("step", number)
+        i = S
+        for chunk in plan.prefills:
+            r, slot, n = chunk.request, chunk.slot, chunk.length
+            if r in plan.admitted:
+                engine.set_sampling(slot, r.sampling, logprobs=r.logprobs is not None, eos_ids=r.eos_ids)
+                o = r.sampling
+                if o.presence_penalty or o.frequency_penalty or o.repetition_penalty != 1:
+                    engine.set_history(slot, r.prompt_ids, r.output_ids)
+            tokens[i : i + n] = r.prefill_ids(chunk.start, n)
+            positions[i : i + n] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
+            rows[i : i + n] = slot
+            r.num_cached += n
+            if chunk.is_last:
+                last_index[slot], ban[slot] = i + n - 1, bans_eos(r)
+                samplers.append((r, slot))
+                r.state = RequestState.DECODING
+                r.sampled += 1
+                r.last_token_from = ("step", number)
+            i += -(-n // block) * block
+        batch = RaggedBatch(
+            tokens=tokens,
+            positions=positions,
+            rows=rows,
+            source=source,
+            generated=generated,
+            last_index=last_index,
+            ban_eos=ban,
+            page_tables=sched.page_tables.copy(),
+            num_real=len(plan.decode) + sum(c.length for c in plan.prefills),
+            max_position=int(positions.max()),
+        )
+        out = engine.step(batch, prev.out if prev is not None else None)  # type: ignore[attr-defined]
+        sched.commit(plan)
+        return DispatchedRaggedStep(plan, out, tuple(samplers), time.perf_counter())
+
+    def postprocess(self, step: DispatchedRaggedStep) -> None:  # type: ignore[override]
+        """Bring the step's ids to the host (one copy) and hand each to its request. A request
+        preempted after this step was dispatched still takes its id (it is part of its output,
+        and its recomputation starts from it); requests that ended meanwhile are skipped."""
+        host = step.out.host()
+        for r, row in step.samplers:
+            if r.state is not RequestState.FINISHED:
+                r.accept_token(int(host.ids[row]), token_logprob(host, row, r.logprobs))
+        self.scheduler.release_finished()
+
+
+def engine_loop(
+    engine: Engine | PagedEngine, max_queue: int, on_step: Callable[[Any, float], None] | None = None
+) -> EngineLoop:
+    """The loop that drives ``engine``: an ``EngineLoop`` over a slots ``Scheduler``, or a
+    ``PagedEngineLoop`` over a ``PagedScheduler`` with a ``BlockManager`` of the engine's pool."""
+    ecfg = engine.ecfg
+    if isinstance(engine, PagedEngine):
+        blocks = BlockManager(engine.num_pages, ecfg.page_size)
+        sched = PagedScheduler(
+            ecfg.num_slots, max_queue, ecfg.chunk_size, ecfg.max_num_batched_tokens, blocks, ecfg.max_seq_len,
+            chunk_align=engine.seq_block,
+        )  # fmt: skip
+        return PagedEngineLoop(engine, sched, on_step=on_step)  # type: ignore[arg-type]
+    return EngineLoop(engine, Scheduler(ecfg.num_slots, max_queue, ecfg.chunk_size), on_step=on_step)

@@ -1,0 +1,266 @@
+"""PagedScheduler without a model: fake requests, and a fake step that mirrors
+``PagedEngineLoop``'s bookkeeping (dispatch advances the counters, postprocess hands out ids)."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import EOS, make_request
+
+from service.block_manager import BlockManager
+from service.paged_scheduler import PagedScheduler, RaggedPlan
+from service.request import FinishReason, Request, RequestState
+from service.scheduler import QueueFull
+
+
+def scheduler(
+    num_pages: int = 64, page_size: int = 4, slots: int = 4, budget: int = 32, chunk: int = 16, max_seq_len: int = 64
+) -> PagedScheduler:
+    return PagedScheduler(slots, 16, chunk, budget, BlockManager(num_pages, page_size), max_seq_len)
+
+
+def dispatch(sched: PagedScheduler, plan: RaggedPlan) -> list[Request]:
+    """What ``PagedEngineLoop.dispatch`` does to the requests; returns the ones that sample."""
+    samplers = []
+    for r in plan.decode:
+        r.num_cached += 1
+        r.sampled += 1
+        samplers.append(r)
+    for c in plan.prefills:
+        c.request.num_cached += c.length
+        if c.is_last:
+            c.request.state = RequestState.DECODING
+            c.request.sampled += 1
+            samplers.append(c.request)
+    sched.commit(plan)
+    return samplers
+
+
+def land(sched: PagedScheduler, samplers: list[Request], token: int = 5) -> None:
+    """What ``PagedEngineLoop.postprocess`` does."""
+    for r in samplers:
+        if r.state is not RequestState.FINISHED:
+            r.accept_token(token)
+    sched.release_finished()
+
+
+def step(sched: PagedScheduler, token: int = 5) -> RaggedPlan:
+    plan = sched.schedule()
+    land(sched, dispatch(sched, plan), token)
+    return plan
+
+
+def check_pages(sched: PagedScheduler, plan: RaggedPlan) -> None:
+    """After ``schedule``: every running request holds pages for exactly its cached tokens plus
+    what the plan will write (a whole prompt is reserved at admission), and its table row matches
+    the block manager's."""
+    bm = sched.blocks
+    for r in sched.running:
+        assert r.slot is not None
+        table = bm.page_table(r)
+        reserved = r.prefill_len if r.state is RequestState.PREFILLING else r.num_cached + (r in plan.decode)
+        assert bm.num_tokens(r) == reserved
+        assert list(sched.page_tables[r.slot, : len(table)]) == table
+    assert bm.num_used + bm.num_cached + bm.num_free == bm.num_pages
+
+
+def test_several_prompts_share_one_step_under_the_budget() -> None:
+    sched = scheduler(budget=32, chunk=16)
+    reqs = [make_request(f"r{i}", prompt_len=10)[0] for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    # 10 + 10 + 10 fit in 32; the fourth gets the 2 tokens left.
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [
+        ("r0", 0, 10),
+        ("r1", 0, 10),
+        ("r2", 0, 10),
+        ("r3", 0, 2),
+    ]
+    assert plan.admitted == frozenset(reqs) and plan.num_tokens == 32
+    check_pages(sched, plan)
+    land(sched, dispatch(sched, plan))
+    plan = sched.schedule()
+    # Decode tokens for the three finished prompts, and the rest of r3.
+    assert [r.request_id for r in plan.decode] == ["r0", "r1", "r2"]
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("r3", 2, 8)]
+    assert not plan.admitted
+
+
+def test_chunks_are_charged_in_aligned_units() -> None:
+    sched = PagedScheduler(4, 16, 16, 32, BlockManager(64, 4), 64, chunk_align=8)
+    reqs = [make_request(f"r{i}", prompt_len=n)[0] for i, n in enumerate((3, 9, 20))]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    # 3 -> 8, 9 -> 16: 24 of 32; r2 gets the last unit, 8 tokens.
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("r0", 3), ("r1", 9), ("r2", 8)]
+
+
+def test_a_long_prompt_goes_in_chunks_of_chunk_size() -> None:
+    sched = scheduler(budget=64, chunk=16)
+    r, _ = make_request("long", prompt_len=40)
+    sched.add(r)
+    starts = []
+    for _ in range(3):
+        plan = step(sched)
+        starts += [(c.start, c.length) for c in plan.prefills]
+    assert starts == [(0, 16), (16, 16), (32, 8)]
+    assert r.state is RequestState.DECODING and len(r.output_ids) == 1
+
+
+def test_rows_bound_the_running_sequences() -> None:
+    sched = scheduler(slots=2)
+    reqs = [make_request(f"r{i}", prompt_len=3, max_tokens=2)[0] for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert {c.request.request_id for c in plan.prefills} == {"r0", "r1"} and sched.queue_depth == 1
+    land(sched, dispatch(sched, plan))
+    step(sched)  # r0 and r1 reach max_tokens = 2
+    assert reqs[0].finish_reason is FinishReason.LENGTH
+    plan = sched.schedule()
+    assert [c.request.request_id for c in plan.prefills] == ["r2"]
+
+
+def test_finished_and_cancelled_requests_return_their_pages_at_once() -> None:
+    sched = scheduler(num_pages=16, page_size=4)
+    a, _ = make_request("a", prompt_len=9, max_tokens=1)
+    b, chunks = make_request("b", prompt_len=9, max_tokens=50)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled; a finishes (max_tokens 1)
+    assert a.state is RequestState.FINISHED
+    assert sched.blocks.num_used == 3  # b's 9 tokens: 3 pages; a's went back
+    b.cancel()
+    sched.schedule()
+    assert b.finish_reason is FinishReason.CANCELLED and chunks[-1].finish_reason is FinishReason.CANCELLED
+    assert sched.blocks.num_used == 0 and sched.active_slots == 0
+
+
+def test_a_shared_prefix_is_not_prefilled_again() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=64)
+    first, _ = make_request("first", prompt_len=13)
+    sched.add(first)
+    step(sched)
+    second, _ = make_request("second", prompt_len=13)  # the same ids (make_request's prompt is 100..)
+    sched.add(second)
+    plan = sched.schedule()
+    chunk = next(c for c in plan.prefills if c.request is second)
+    # 13 tokens: pages [0,4) [4,8) [8,12) full; the last token's page is never matched.
+    assert (chunk.start, chunk.length) == (12, 1)
+    assert sched.blocks.hit_tokens == 12 and sched.blocks.queried_tokens == 26
+    assert sched.blocks.page_table(second)[:3] == sched.blocks.page_table(first)[:3]
+
+
+def test_the_prefix_cache_opt_out() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=64)
+    first, _ = make_request("first", prompt_len=13)
+    sched.add(first)
+    step(sched)
+    second, _ = make_request("second", prompt_len=13)
+    second.prefix_cache = False
+    sched.add(second)
+    plan = sched.schedule()
+    chunk = next(c for c in plan.prefills if c.request is second)
+    assert (chunk.start, chunk.length) == (0, 13) and sched.blocks.hit_tokens == 0
+
+
+def test_out_of_pages_preempts_the_newest_and_recomputes_it() -> None:
+    # 6 pages of 4: two sequences of 8 prompt tokens hold 4 pages; each decode page costs one more.
+    sched = scheduler(num_pages=6, page_size=4, slots=4, budget=32)
+    old, old_chunks = make_request("old", prompt_len=8, max_tokens=12)
+    new, new_chunks = make_request("new", prompt_len=8, max_tokens=12)
+    sched.add(old)
+    sched.add(new)
+    tokens = iter(range(5, 15))
+    plan = step(sched, next(tokens))
+    assert len(plan.prefills) == 2
+    preempted_at = None
+    for i in range(12):
+        plan = sched.schedule()
+        check_pages(sched, plan)
+        if sched.preemptions and preempted_at is None:
+            preempted_at = i
+            assert new.state is RequestState.WAITING and new.num_cached == 0 and list(sched.resuming) == [new]
+            assert [r.request_id for r in plan.decode] == ["old"]
+        land(sched, dispatch(sched, plan), 5)
+        if old.state is RequestState.FINISHED and new.state is RequestState.FINISHED:
+            break
+    assert preempted_at is not None
+    # Drain: the preempted request is prefilled again over its prompt and its ids, then decodes.
+    for _ in range(40):
+        if new.state is RequestState.FINISHED:
+            break
+        plan = step(sched)
+    assert old.finish_reason is FinishReason.LENGTH and new.finish_reason is FinishReason.LENGTH
+    assert len(new.output_ids) == 12 and new.preemptions >= 1
+    assert all(c.error is None for c in new_chunks + old_chunks)
+    assert sum(len(c.token_ids) for c in new_chunks) == 12  # nothing streamed twice
+    assert sched.blocks.num_used == 0
+
+
+def test_a_recomputation_prefills_the_prompt_and_the_streamed_ids() -> None:
+    sched = scheduler(num_pages=64, page_size=4)
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    r.prefix_cache = False  # no hits: the whole recomputation is prefilled
+    sched.add(r)
+    for _ in range(4):
+        step(sched)
+    assert len(r.output_ids) == 4 and r.num_cached == 8
+    sched._preempt(r)
+    plan = sched.schedule()
+    (chunk,) = plan.prefills
+    assert (chunk.start, chunk.length) == (0, 9) and chunk.is_last and r in plan.admitted
+    assert r.prefill_ids(0, 9) == r.prompt_ids + r.output_ids
+
+
+def test_a_preempted_request_waits_for_its_last_id_to_land() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    plan = sched.schedule()
+    samplers = dispatch(sched, plan)  # r's second id is in flight
+    sched._preempt(r)
+    assert sched.schedule().empty  # not re-admitted: its ids are not all known
+    land(sched, samplers)
+    plan = sched.schedule()
+    (chunk,) = plan.prefills
+    # Prompt (5) + 2 ids; its own first full page was registered, so the recomputation hits it.
+    assert chunk.request is r and (chunk.start, chunk.start + chunk.length) == (4, 7)
+
+
+def test_an_id_that_lands_after_preemption_can_finish_the_request() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    samplers = dispatch(sched, sched.schedule())
+    sched._preempt(r)
+    land(sched, samplers, EOS)
+    assert r.finish_reason is FinishReason.EOS and not sched.resuming
+    assert sched.schedule().empty and sched.blocks.num_used == 0
+
+
+def test_cancel_while_waiting_to_resume() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    sched._preempt(r)
+    r.cancel()
+    assert sched.schedule().empty
+    assert r.finish_reason is FinishReason.CANCELLED and not sched.all_requests()
+
+
+def test_the_queue_bound_counts_new_requests_only() -> None:
+    sched = PagedScheduler(1, 1, 16, 16, BlockManager(64, 4), 64)
+    a, _ = make_request("a")
+    sched.add(a)
+    with pytest.raises(QueueFull):
+        sched.add(make_request("b")[0])
+
+
+def test_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        PagedScheduler(8, 4, 16, 0, BlockManager(8, 4), 32)

@@ -18,9 +18,9 @@ Shape variants: the prefill region is 0 tokens or a power of two times ``seq_blo
 ``max_num_batched_tokens`` (rounded up to a block), and attention reads a power-of-two number
 of pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least): programs =
 prefill buckets x window buckets, e.g. 5 x 5 = 25 for 512 tokens a step in blocks of 64 and
-2,048-token sequences in pages of 16. ``warmup`` compiles the windows up to ``WARM_WINDOW``
-tokens for every prefill bucket; the rest compile on first use (and land in JAX's persistent
-compilation cache).
+2,048-token sequences in pages of 16. ``warmup`` compiles the ones short sequences need
+(``warm_programs``: 7 of those 25); the rest compile on first use (and land in JAX's
+persistent compilation cache).
 
 The token history (``model.sampling.TokenHistory``, for the penalties) is kept as the slots
 engine keeps it, with one difference: a request's row is written whole when it is admitted
@@ -331,20 +331,27 @@ class PagedEngine:
             max_position=max_position,
         )
 
-    def warmup(self, full: bool = False) -> float:
-        """Compile (and run once) every prefill bucket with the windows up to ``WARM_WINDOW``
-        tokens (every window if ``full``). Returns the seconds spent."""
-        t0 = time.perf_counter()
+    def warm_programs(self, full: bool = False) -> list[tuple[int, int]]:
+        """The (prefill bucket, window pages) programs ``warmup`` compiles: every prefill bucket
+        at the smallest window (new prompts while sequences are short), and decode-only steps
+        (prefill bucket 0) at every window up to ``WARM_WINDOW`` tokens (sequences growing);
+        every pair if ``full``."""
         ps = self.ecfg.page_size
-        windows = [w for w in self.window_buckets if full or w * ps <= max(WARM_WINDOW, self.window_buckets[0] * ps)]
-        for n in self.prefill_buckets:
-            for w in windows:
-                self.step(self.idle_batch(n, w * ps - 1)).host()
+        if full:
+            return [(p, w) for p in self.prefill_buckets for w in self.window_buckets]
+        smallest = self.window_buckets[0]
+        warm = [w for w in self.window_buckets if w == smallest or w * ps <= WARM_WINDOW]
+        return [(p, smallest) for p in self.prefill_buckets] + [(0, w) for w in warm if w != smallest]
+
+    def warmup(self, full: bool = False) -> float:
+        """Compile (and run once) ``warm_programs(full)``; the rest compile on first use.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
+        programs = self.warm_programs(full)
+        for prefill, window in programs:
+            self.step(self.idle_batch(prefill, window * self.ecfg.page_size - 1)).host()
         elapsed = time.perf_counter() - t0
-        log.info(
-            "warm-up compiled %d ragged-step programs (%d prefill buckets x %d windows) in %.1f s",
-            len(self.prefill_buckets) * len(windows), len(self.prefill_buckets), len(windows), elapsed,
-        )  # fmt: skip
+        log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
         return elapsed
 
     # ---- layout switch -----------------------------------------------------------------------

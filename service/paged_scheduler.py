@@ -12,7 +12,10 @@ Plain Python and no JAX, so it is testable without a model. Policy, as vLLM's V1
 * then prompts fill ``max_num_batched_tokens`` (decode tokens have their own region): the chunks of prompts already
   being prefilled, then new requests in arrival order (preempted ones first), each chunk at most
   ``chunk_size`` tokens, while a row (slot) is free and the block manager can hold the whole
-  prompt; admission never preempts, and a step that preempted admits nothing. A prompt's cached prefix (``BlockManager.allocate``'s
+  prompt; admission never preempts, and a step that preempted admits nothing. The sequences of
+  one request with n > 1 (``Request.group``) are admitted one first, the rest once its prompt
+  is prefilled: they then share its prompt's full pages (later requests are admitted past
+  them meanwhile); A prompt's cached prefix (``BlockManager.allocate``'s
   match) is skipped: only the rest is prefilled;
 * a cancelled request is finished and its pages returned at the next step; a finished one's
   at once (``release_finished``).
@@ -175,14 +178,16 @@ class PagedScheduler:
         queue = self.resuming if self.resuming else self.waiting
         if free is None or not queue:
             return None
-        r = queue[0]
+        r = queue[0] if queue is self.resuming else next((w for w in queue if not self._waits_for_sibling(w)), None)
+        if r is None:
+            return None
         if r.sampled != len(r.output_ids):
             return None  # a preempted request's last id has not landed: its ids are not known yet
         try:
             alloc = self.blocks.allocate(r, r.prompt_ids + r.output_ids, use_prefix_cache=r.prefix_cache)
         except OutOfPages:
             return None
-        queue.popleft()
+        queue.remove(r)
         r.slot = free
         r.state = RequestState.PREFILLING
         r.num_cached = alloc.num_cached_tokens
@@ -192,6 +197,16 @@ class PagedScheduler:
         self._committed[r] = alloc.num_cached_tokens // self.blocks.page_size
         self.prefills_started += 1
         return r
+
+    def _waits_for_sibling(self, r: Request) -> bool:
+        """Whether ``r`` is held back because a sequence of its group (the same request's n > 1)
+        is still to write full pages of the shared prompt: admitted after, ``r`` hits them."""
+        if r.group is None or not r.prefix_cache:
+            return False
+        full = r.prompt_len // self.blocks.page_size * self.blocks.page_size
+        return any(
+            o.group == r.group and o.state is RequestState.PREFILLING and o.num_cached < full for o in self.running
+        )
 
     def _chunk(self, r: Request, budget: int) -> PrefillChunk:
         assert r.slot is not None

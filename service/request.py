@@ -101,6 +101,9 @@ class Request:
             ``max_tokens`` or a stop string.
         prefix_cache: with a paged KV cache, the request may reuse cached pages of an equal
             prefix and registers its own full pages for later requests; False opts out of both.
+        group: the sequences of one request with n > 1 share it (None for n = 1): a paged
+            scheduler admits one of them first and the others once its prompt is prefilled, so
+            they reuse its prompt's pages instead of computing them n times.
     """
 
     request_id: str
@@ -114,6 +117,7 @@ class Request:
     min_tokens: int = 0
     ignore_eos: bool = False
     prefix_cache: bool = True
+    group: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None

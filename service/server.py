@@ -722,6 +722,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     logprobs=v.logprobs,
                     min_tokens=v.min_tokens,
                     ignore_eos=v.ignore_eos,
+                    group=rid if v.n > 1 else None,
                 )
             )
         inflight = self.inflight.setdefault(pool.name, set())

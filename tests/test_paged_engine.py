@@ -172,3 +172,10 @@ def test_the_step_signature_does_not_grow_with_the_pool() -> None:
         return len(jax.tree.leaves(args))
 
     assert leaves(64) == leaves(4096)
+
+
+def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -> None:
+    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
+    assert engine.prefill_buckets == [0, 64, 128, 256, 512] and engine.window_buckets == [8, 16, 32, 64, 128]
+    assert engine.warm_programs() == [(0, 8), (64, 8), (128, 8), (256, 8), (512, 8), (0, 16), (0, 32)]
+    assert len(engine.warm_programs(full=True)) == 25

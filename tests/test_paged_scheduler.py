@@ -264,3 +264,26 @@ def test_the_queue_bound_counts_new_requests_only() -> None:
 def test_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PagedScheduler(8, 4, 16, 0, BlockManager(8, 4), 32)
+
+
+def test_the_n_sequences_of_one_request_share_the_prompt_pages() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=16)
+    siblings = [make_request(f"n.{i}", prompt_len=21)[0] for i in range(3)]
+    other, _ = make_request("other", prompt_len=5)
+    other.prompt_ids = [7] * 5
+    for r in siblings:
+        r.group = "n"
+        sched.add(r)
+    sched.add(other)
+    plan = sched.schedule()
+    # The first sibling alone (its 21 tokens in chunks of 16); the other request goes past the rest.
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("n.0", 16), ("other", 5)]
+    land(sched, dispatch(sched, plan))
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("n.0", 5)]
+    land(sched, dispatch(sched, plan))
+    plan = sched.schedule()
+    # Now both others, each prefilling only the page of its last token (pages [0, 20) shared).
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("n.1", 20, 1), ("n.2", 20, 1)]
+    table = sched.blocks.page_table(siblings[0])[:5]
+    assert sched.blocks.page_table(siblings[1])[:5] == table == sched.blocks.page_table(siblings[2])[:5]

@@ -33,6 +33,7 @@ from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from service.client import Client, make_request
 from service.engine import EngineConfig
+from service.http_server import bind
 from service.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
 from service.scheduler import StepPlan
 from service.server import GenerationService, PortInUse, ServerConfig, ServerThread, start_server
@@ -593,6 +594,36 @@ def test_a_taken_http_port_is_one_clear_line(taken_port: int) -> None:
         "pick a free one with --http-port, or --http-port 0 for no HTTP API"
     )
     assert ServerConfig().http_port == 0  # off unless asked for
+
+
+def test_http_connections_have_nagle_off() -> None:
+    """The HTTP socket's connections are TCP_NODELAY, as gRPC's are: with Nagle on, a streamed
+    event written while the previous one is unacknowledged waited for the client's delayed ACK
+    (40 ms; a raw keep-alive client saw every event of a short answer arrive at once, 40 ms late).
+    asyncio sets the option only where the listening socket's ``proto`` is IPPROTO_TCP, and
+    uvicorn serves ``bind``'s socket through ``loop.create_server(sock=...)`` as here."""
+
+    async def accepted_nodelay() -> int:
+        sock = bind("127.0.0.1", 0)
+        got: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
 
 
 def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_path: Path) -> None:

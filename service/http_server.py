@@ -23,18 +23,18 @@ as gRPC's cancel does; the request is logged as 499 (client closed request) and 
 
 Library choice: FastAPI for the routes and the pydantic request models, uvicorn (``h11``) as the
 ASGI server, both run as tasks of the asyncio loop that runs grpc.aio, so one process serves both
-APIs from the same pools without threads between them. SSE framing is FastAPI's own encoder
-(``fastapi.sse.format_sse_event``) written through Starlette's ``StreamingResponse``: a FastAPI
-generator endpoint (``EventSourceResponse``) would commit to status 200 before the request is
-admitted, where a refusal must still be answered with its own status; and ``StreamingResponse``
-listens for the client's disconnect while it streams.
+APIs from the same pools without threads between them. The events are ``data: <compact JSON>``
+lines (``openai_api.sse_event``; a token's chunk is written from a prefix built once per request,
+``Responses.event_bytes``) written through Starlette's ``StreamingResponse``: a FastAPI generator
+endpoint (``EventSourceResponse``) would commit to status 200 before the request is admitted, where
+a refusal must still be answered with its own status; and ``StreamingResponse`` listens for the
+client's disconnect while it streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import socket
@@ -47,7 +47,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,6 +57,7 @@ from service.openai_api import (
     Responses,
     chat_request,
     completion_request,
+    sse_event,
 )
 from service.validation import ValidatedRequest
 
@@ -103,12 +103,6 @@ class OpenAIError(Exception):
         self.status = status
         self.message = message
         self.code = code
-
-
-def _sse(data: Any) -> bytes:
-    """One server-sent event whose ``data`` is ``data`` as compact JSON (or a raw string)."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return format_sse_event(data_str=text)
 
 
 async def _client_gone(request: Request) -> None:
@@ -288,19 +282,19 @@ async def _events(generation: Generation, responses: Responses, include_usage: b
     rid = generation.request_id
     try:
         async for index, chunk in generation:
-            yield _sse(responses.event(index, chunk, include_usage))
+            yield responses.event_bytes(index, chunk, include_usage)
         if include_usage:
-            yield _sse(responses.usage_event())
+            yield sse_event(responses.usage_event())
         log.info("request %s: finished, %d tokens", rid, responses.completion_tokens)
     except StreamFailed as exc:
         log.warning("request %s: failed: %s", rid, exc)
-        yield _sse(error_body(503, str(exc)))
+        yield sse_event(error_body(503, str(exc)))
     except asyncio.CancelledError:
         log.info("request %s: %d, the client closed the stream", rid, CLIENT_CLOSED)
         raise
     finally:
         generation.close()
-    yield _sse("[DONE]")
+    yield sse_event("[DONE]")
 
 
 async def _collect(request: Request, generation: Generation, responses: Responses) -> Response:

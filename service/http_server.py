@@ -21,9 +21,10 @@ generated) cancels every sequence of its request, which frees their slots within
 as gRPC's cancel does; the request is logged as 499 (client closed request) and counted
 ``cancelled``.
 
-Library choice: FastAPI for the routes and the pydantic request models, uvicorn (``h11``) as the
-ASGI server, both run as tasks of the asyncio loop that runs grpc.aio, so one process serves both
-APIs from the same pools without threads between them. The events are ``data: <compact JSON>``
+Library choice: FastAPI for the routes and the pydantic request models, uvicorn as the ASGI server
+(its ``httptools`` parser, or ``h11`` where httptools is missing: :func:`http_parser`), both run
+as tasks of the asyncio loop that runs grpc.aio, so one process serves both APIs from the same
+pools without threads between them. The events are ``data: <compact JSON>``
 lines (``openai_api.sse_event``; a token's chunk is written from a prefix built once per request,
 ``Responses.event_bytes``) written through Starlette's ``StreamingResponse``: a FastAPI generator
 endpoint (``EventSourceResponse``) would commit to status 200 before the request is admitted, where
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import re
 import socket
@@ -364,6 +366,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_parser() -> str:
+    """uvicorn's HTTP/1.1 implementation: ``httptools`` (a dependency; llhttp, in C) where it
+    imports, else ``h11`` (pure Python, uvicorn's own dependency), as uvicorn's "auto" picks; named
+    here so that the log says which one served."""
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
 class HttpServer:
     """The app on a bound socket, served by uvicorn as a task of the running event loop.
 
@@ -375,8 +384,10 @@ class HttpServer:
     def __init__(self, service: GenerationService, sock: socket.socket):
         self.sock = sock
         self.port: int = sock.getsockname()[1]
+        self.parser = http_parser()
         config = uvicorn.Config(
             create_app(service),
+            http=self.parser,
             log_config=None,  # keep the server's logging configuration
             access_log=False,
             lifespan="off",

@@ -24,7 +24,9 @@ the first token: (t_last - t_first) / (n - 1)), and end-to-end latency (send to 
 end). The run reports p50/p90/p99 of each, output and total tokens/s and requests/s over the
 measured wall time (first send to last end), and goodput: completed requests per second that met
 the SLO (TTFT <= X ms and TPOT <= Y ms; a request with one token has no TPOT and meets that part),
-the metric of DistServe (Zhong et al. 2024, §2).
+the metric of DistServe (Zhong et al. 2024, §2). It also reports the load generator's own CPU time
+per request (this process, every thread, over the measured requests): on a machine that runs the
+server too, a heavy client takes cores from it, and its own parsing is part of every latency.
 
 Next to the measured TTFT and TPOT the report puts the roofline's prediction
 (``benchmarks/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
@@ -282,6 +284,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"tokens: prompt {report['prompt_tokens']}, output {report['output_tokens']} of "
         f"{report['requested_output_tokens']} requested; finish {report['finish_reasons']}"
+        + (
+            f"; client CPU {report['client_cpu_ms_per_request']:.2f} ms per request"
+            if "client_cpu_ms_per_request" in report
+            else ""
+        )
     )
     roof = report.get("roofline", {})
     pred = "predicted_tpot_ms" in roof
@@ -1044,7 +1051,9 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         if cfg.warmup:
             run_specs(sender, specs[: cfg.warmup], dataclasses.replace(cfg, concurrency=cfg.concurrency or 1))
         with tqdm(total=cfg.num_requests, desc="bench", unit="req", disable=not cfg.progress, leave=False) as bar:
+            cpu0 = time.process_time()
             records, duration = run_specs(sender, specs[cfg.warmup :], cfg, offsets, on_done=lambda _r: bar.update())
+            client_cpu_s = time.process_time() - cpu0
         if sender is not client:
             sender.close()
     finally:
@@ -1065,6 +1074,9 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
             "num_parameters": info.num_parameters,
         },
         **summarize_run(records, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        # The load generator's own weight: this process's CPU time (every thread) over the measured
+        # requests, per request. Only the client's: a server on this machine runs in its own process.
+        "client_cpu_ms_per_request": client_cpu_s / len(records) * 1e3,
         "requests": [{**dataclasses.asdict(r), "tpot_s": r.tpot_s} for r in records],
     }
     report["roofline"] = roofline_report(
@@ -1079,7 +1091,8 @@ COMPARED = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_m
 def compare_reports(grpc_report: dict[str, Any], openai_report: dict[str, Any]) -> dict[str, Any]:
     """The HTTP API against gRPC for the same requests: per latency (TTFT, TPOT, ITL, E2E), the
     mean, p50 and p90 of each (ms), their difference (HTTP minus gRPC, ms) and ratio, the
-    output tokens/s of each, and which HTTP client ran (``http_client``)."""
+    output tokens/s of each, which HTTP client ran (``http_client``) and each client's CPU time per
+    request."""
     out: dict[str, Any] = {}
     for key, _ in COMPARED:
         a, b = grpc_report[key], openai_report[key]
@@ -1097,6 +1110,11 @@ def compare_reports(grpc_report: dict[str, Any], openai_report: dict[str, Any]) 
         "openai": openai_report["output_tokens_per_s"],
     }
     out["http_client"] = openai_report.get("config", {}).get("http_client", "openai")
+    if "client_cpu_ms_per_request" in grpc_report and "client_cpu_ms_per_request" in openai_report:
+        out["client_cpu_ms_per_request"] = {
+            "grpc": grpc_report["client_cpu_ms_per_request"],
+            "openai": openai_report["client_cpu_ms_per_request"],
+        }
     return out
 
 
@@ -1118,6 +1136,12 @@ def format_comparison(comparison: dict[str, Any]) -> str:
         )
     tps = comparison["output_tokens_per_s"]
     lines.append(f"output tokens/s: gRPC {tps['grpc']:.1f}, HTTP {tps['openai']:.1f}")
+    cpu = comparison.get("client_cpu_ms_per_request")
+    if cpu:
+        lines.append(
+            f"client CPU per request (the load generator's own): gRPC {cpu['grpc']:.2f} ms, HTTP "
+            f"({comparison.get('http_client', 'openai')} client) {cpu['openai']:.2f} ms"
+        )
     return "\n".join(lines)
 
 

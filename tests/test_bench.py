@@ -371,7 +371,9 @@ def test_bench_both_apis_side_by_side(
     assert c["grpc"] == both["grpc"]["ttft_ms"]["p50"] and c["delta"] == pytest.approx(c["openai"] - c["grpc"])
     text = capsys.readouterr().out
     assert "--- over the OpenAI-compatible HTTP API" in text and "meshserve bench over HTTP" in text
-    assert f"{client} client)" in text
+    assert f"{client} client)" in text and "client CPU per request (the load generator's own): gRPC" in text
+    cpu = both["comparison"]["client_cpu_ms_per_request"]
+    assert cpu["grpc"] == both["grpc"]["client_cpu_ms_per_request"] > 0 and cpu["openai"] > 0
     assert f"gRPC and the OpenAI-compatible HTTP API ({client} client), the same requests" in text and "TPOT" in text
 
 

@@ -1,7 +1,9 @@
 """``meshserve bench``: a load generator that reports serving latencies and throughput, over gRPC
-or over the OpenAI-compatible HTTP API (``--api openai``: the official ``openai`` client, streamed
-completions or chat completions with ``stream_options.include_usage``), or both against one server
-in one run (``--api both``: the same requests over gRPC, then over HTTP, and the two side by side).
+or over the OpenAI-compatible HTTP API (``--api openai``: streamed completions or chat completions
+with ``stream_options.include_usage``, sent by the official ``openai`` client or, with
+``--http-client raw``, by ``RawHTTPClient``, a bare-socket client about as light as the gRPC one),
+or both against one server in one run (``--api both``: the same requests over gRPC, then over
+HTTP, and the two side by side).
 
 Load: ``concurrency`` closed-loop clients (each sends its next request when the previous one
 ends), or Poisson arrivals at ``rate`` requests/s (exponential gaps from a seeded generator;
@@ -22,7 +24,9 @@ the first token: (t_last - t_first) / (n - 1)), and end-to-end latency (send to 
 end). The run reports p50/p90/p99 of each, output and total tokens/s and requests/s over the
 measured wall time (first send to last end), and goodput: completed requests per second that met
 the SLO (TTFT <= X ms and TPOT <= Y ms; a request with one token has no TPOT and meets that part),
-the metric of DistServe (Zhong et al. 2024, §2).
+the metric of DistServe (Zhong et al. 2024, §2). It also reports the load generator's own CPU time
+per request (this process, every thread, over the measured requests): on a machine that runs the
+server too, a heavy client takes cores from it, and its own parsing is part of every latency.
 
 Next to the measured TTFT and TPOT the report puts the roofline's prediction
 (``benchmarks/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
@@ -40,10 +44,12 @@ import argparse
 import dataclasses
 import json
 import math
+import socket
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -58,6 +64,7 @@ from service.client import Client, make_request
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
 APIS = ("grpc", "openai")  # what one run speaks; --api both runs each
+HTTP_CLIENTS = ("openai", "raw")  # what speaks HTTP: the official client, or RawHTTPClient
 
 PERCENTILES = (50, 90, 99)
 
@@ -254,7 +261,11 @@ def format_report(report: dict[str, Any]) -> str:
             else f"concurrency {cfg['concurrency']}"
         )
         server = report.get("server", {})
-        over = "" if cfg.get("api", "grpc") == "grpc" else f" over HTTP ({cfg['http_address']})"
+        over = (
+            ""
+            if cfg.get("api", "grpc") == "grpc"
+            else f" over HTTP ({cfg['http_address']}, {cfg.get('http_client', 'openai')} client)"
+        )
         lines.append(
             f"meshserve bench{over}: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
             f"server {server.get('name', '?')}, layout {server.get('layout', '?')}, {server.get('num_slots', '?')} slots"
@@ -273,6 +284,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"tokens: prompt {report['prompt_tokens']}, output {report['output_tokens']} of "
         f"{report['requested_output_tokens']} requested; finish {report['finish_reasons']}"
+        + (
+            f"; client CPU {report['client_cpu_ms_per_request']:.2f} ms per request"
+            if "client_cpu_ms_per_request" in report
+            else ""
+        )
     )
     roof = report.get("roofline", {})
     pred = "predicted_tpot_ms" in roof
@@ -530,6 +546,7 @@ class BenchConfig:
         layout: engine pool (or layout name) to send the requests to (over HTTP: the model id).
         api: "grpc", or "openai" for the OpenAI-compatible HTTP API at ``http_address``.
         http_address: host:port of the server's HTTP API (``serve --http-port``).
+        http_client: over HTTP, "openai" (the official client) or "raw" (``RawHTTPClient``).
         timeout_s: deadline of each request.
         slo_ttft_ms, slo_tpot_ms: goodput SLO (None = no bound).
         hardware: roofline preset for the prediction, MBU and MFU ("auto": as ``meshserve sweep``
@@ -555,6 +572,7 @@ class BenchConfig:
     progress: bool = True
     api: str = "grpc"
     http_address: str = DEFAULT_HTTP_ADDRESS
+    http_client: str = "openai"
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.warmup < 0:
@@ -567,6 +585,8 @@ class BenchConfig:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.api not in APIS:
             raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if self.http_client not in HTTP_CLIENTS:
+            raise ValueError(f"http_client must be one of {', '.join(HTTP_CLIENTS)}, got {self.http_client!r}")
         if not self.timeout_s > 0 or self.temperature < 0:
             raise ValueError(f"timeout must be > 0 s and temperature >= 0, got {self.timeout_s}, {self.temperature}")
         for name, bound in (("slo_ttft_ms", self.slo_ttft_ms), ("slo_tpot_ms", self.slo_tpot_ms)):
@@ -640,9 +660,8 @@ def send_openai(oa: OpenAIClient, spec: RequestSpec, index: int, run_start: floa
         stream_options={"include_usage": True},
         extra_headers={"x-request-id": f"bench-{index}"},
     )
-    chunks: list[tuple[float, int]] = []
-    finish, prompt_tokens, error, detail = "", spec.sent_prompt_tokens, None, ""
-    counted, last = 0, None  # tokens in the events before a choice's last, and the last's place
+    tally = _StreamTally(spec.sent_prompt_tokens)
+    error, detail = None, ""
     t0 = time.perf_counter()
     try:
         if spec.chat is not None:
@@ -652,24 +671,298 @@ def send_openai(oa: OpenAIClient, spec: RequestSpec, index: int, run_start: floa
             prompt = list(spec.token_ids) if spec.token_ids is not None else spec.prompt
             stream = oa.client.completions.create(prompt=prompt, **common)
         for event in stream:
-            t = time.perf_counter() - t0
-            if event.usage is not None:
-                prompt_tokens = event.usage.prompt_tokens
-                if last is not None:  # the last event's tokens: what usage counts beyond the others
-                    chunks[last] = (chunks[last][0], event.usage.completion_tokens - counted)
-            for choice in event.choices:
-                if choice.finish_reason is not None:
-                    finish, last = choice.finish_reason, len(chunks)
-                    chunks.append((t, 0))
-                else:
-                    chunks.append((t, 1))
-                    counted += 1
+            usage = event.usage
+            tally.add(
+                time.perf_counter() - t0,
+                None if usage is None else (usage.prompt_tokens, usage.completion_tokens),
+                [choice.finish_reason for choice in event.choices],
+            )
     except openai.APIStatusError as exc:
         error, detail = f"HTTP {exc.status_code}", exc.message
     except openai.APIError as exc:  # a connection error, or an error event mid-stream
         error, detail = type(exc).__name__, exc.message
     end = time.perf_counter() - t0
-    return record_from_chunks(index, t0 - run_start, chunks, end, prompt_tokens, spec.max_tokens, finish, error, detail)
+    return tally.record(index, t0 - run_start, end, spec.max_tokens, error, detail)
+
+
+class _StreamTally:
+    """The chunks of one streamed OpenAI answer as its events arrive: an event's choice without a
+    finish_reason carries one token; a choice's last carries what ``usage.completion_tokens``
+    counts beyond the others (0 after EOS, else 1), known from the usage event."""
+
+    def __init__(self, prompt_tokens: int):
+        self.chunks: list[tuple[float, int]] = []
+        self.finish = ""
+        self.prompt_tokens = prompt_tokens
+        self.counted = 0  # tokens in the events before a choice's last
+        self.last: int | None = None  # the last event's place in chunks
+
+    def add(self, t: float, usage: tuple[int, int] | None, finish_reasons: Sequence[str | None]) -> None:
+        """One event at ``t`` s after sending: its usage (prompt, completion tokens) if it has one,
+        and each of its choices' finish_reason."""
+        if usage is not None:
+            self.prompt_tokens = usage[0]
+            if self.last is not None:
+                self.chunks[self.last] = (self.chunks[self.last][0], usage[1] - self.counted)
+        for reason in finish_reasons:
+            if reason is not None:
+                self.finish, self.last = reason, len(self.chunks)
+                self.chunks.append((t, 0))
+            else:
+                self.chunks.append((t, 1))
+                self.counted += 1
+
+    def record(
+        self, index: int, start_s: float, end_s: float, max_tokens: int, error: str | None, detail: str
+    ) -> RequestRecord:
+        return record_from_chunks(
+            index, start_s, self.chunks, end_s, self.prompt_tokens, max_tokens, self.finish, error, detail
+        )
+
+
+class RawHTTPError(Exception):
+    """An answer the raw client could not take: an error status (``status``; its OpenAI error
+    message as the text), or a connection that broke or spoke no HTTP/1.1 (``status`` 0)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection with Nagle off. A request goes out in one write; the
+    answer is read off the socket as it comes (a Content-Length body, or chunked)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float):
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        self.reused = False  # has answered a request before (the server may have closed it since)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
+        self.buf += data
+
+    def _line(self) -> bytes:
+        while (i := self.buf.find(b"\r\n")) < 0:
+            self._fill()
+        line, self.buf = self.buf[:i], self.buf[i + 2 :]
+        return line
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+    def send(self, head: bytes, body: bytes) -> tuple[int, dict[bytes, bytes]]:
+        """Send one request; return the answer's status and headers (names lowercased)."""
+        self.sock.sendall(head + body)
+        status_line = self._line()
+        parts = status_line.split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise RawHTTPError(0, f"not an HTTP/1.1 status line: {status_line[:80]!r}")
+        headers = {}
+        while line := self._line():
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        self.reused = True
+        return int(parts[1]), headers
+
+    def body(self, headers: dict[bytes, bytes]) -> Iterator[bytes]:
+        """The answer's body as it arrives (a chunk at a time when chunked); read it to its end
+        before the next request."""
+        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            while size := int(self._line().split(b";")[0], 16):
+                yield self._exactly(size)
+                self._exactly(2)  # the chunk's CRLF
+            while self._line():  # trailers, then the empty line
+                pass
+        else:
+            yield self._exactly(int(headers.get(b"content-length", b"0")))
+
+
+class RawHTTPClient:
+    """``--http-client raw``: streamed requests over bare sockets, the HTTP API's counterpart of
+    the gRPC client in weight. Per request it writes one JSON body; per event it splits the SSE
+    lines and runs ``json.loads``, as the gRPC client parses one message per token. The official
+    client builds typed request options and a pydantic object per event, about 4 ms more per
+    request on the tiny model (docs/performance.md): a cost of that client, not of the server.
+
+    Keep-alive connections (``TCP_NODELAY``), one per request in flight, kept between requests
+    (and runs: the warm-up's serve the measured requests) and opened again when the server closed
+    one between two requests.
+
+    Args:
+        address: the HTTP API's host:port.
+        timeout_s: each socket operation's limit.
+        model: the model id sent in each request.
+    """
+
+    def __init__(self, address: str, timeout_s: float, model: str = ""):
+        host, _, port = address.rpartition(":")
+        self.host, self.port, self.timeout_s, self.model = host.strip("[]"), int(port), timeout_s, model
+        self._idle: list[_Connection] = []  # kept-alive connections no request holds
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, cfg: BenchConfig) -> RawHTTPClient:
+        """A client on ``cfg.http_address`` with the model id of ``cfg.layout`` or, when it names
+        none, the first of ``/v1/models``.
+
+        Raises:
+            RawHTTPError: ``/v1/models`` failed. OSError: no server there.
+        """
+        client = cls(cfg.http_address, cfg.timeout_s)
+        if cfg.layout:
+            client.model = cfg.layout
+        else:
+            status, body = client.get("/v1/models")
+            if status != 200:
+                raise RawHTTPError(status, _error_message(body))
+            client.model = json.loads(body)["data"][0]["id"]
+        return client
+
+    def close(self) -> None:
+        """Close the idle connections (those of requests still running close as they end)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _connection(self) -> _Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return _Connection(self.host, self.port, self.timeout_s)
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+
+    def _open(self, method: str, path: str, body: bytes, extra: str) -> tuple[_Connection, int, dict[bytes, bytes]]:
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
+        ).encode()
+        for attempt in (0, 1):
+            conn = self._connection()
+            try:
+                status, headers = conn.send(head, body)
+            except (ConnectionError, RawHTTPError):
+                self._drop(conn)
+                if attempt or not conn.reused:  # a fresh connection failed: no retry
+                    raise
+                continue  # a kept-alive connection the server had closed: once more, on a new one
+            except BaseException:
+                self._drop(conn)
+                raise
+            return conn, status, headers
+        raise AssertionError("unreachable")
+
+    def _done(self, conn: _Connection, headers: dict[bytes, bytes]) -> None:
+        """The answer was read to its end: keep the connection for the next request, unless the
+        server said it closes it."""
+        if headers.get(b"connection", b"").lower() == b"close":
+            conn.close()
+        else:
+            with self._lock:
+                self._idle.append(conn)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        """``GET path``: the status and the whole body."""
+        conn, status, headers = self._open("GET", path, b"", "")
+        try:
+            body = b"".join(conn.body(headers))
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._done(conn, headers)
+        return status, body
+
+    def stream(self, path: str, body: dict[str, Any], request_id: str) -> Iterator[Any]:
+        """POST ``body`` to ``path`` and yield each SSE event's JSON as it arrives, up to
+        ``[DONE]``.
+
+        Raises:
+            RawHTTPError: an error status (``status``; OpenAI's message), an error event mid-stream
+                (``status`` 200), or a broken answer (0).
+        """
+        data = json.dumps(body, separators=(",", ":")).encode()
+        conn, status, headers = self._open(
+            "POST", path, data, f"Accept: text/event-stream\r\nx-request-id: {request_id}\r\n"
+        )
+        try:
+            if status != 200:
+                raise RawHTTPError(status, _error_message(b"".join(conn.body(headers))))
+            pending = b""
+            for piece in conn.body(headers):
+                pending += piece
+                while (i := pending.find(b"\n\n")) >= 0:
+                    event, pending = pending[:i], pending[i + 2 :]
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        text = line[5:].lstrip(b" ")
+                        if text == b"[DONE]":
+                            continue  # the body ends next
+                        obj = json.loads(text)
+                        if "error" in obj:
+                            raise RawHTTPError(200, str(obj["error"].get("message", obj["error"])))
+                        yield obj
+        except BaseException:
+            self._drop(conn)  # the rest of the answer is unread: this connection is done
+            raise
+        self._done(conn, headers)
+
+
+def _error_message(body: bytes) -> str:
+    """OpenAI's error message in ``body``, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode("utf-8", errors="replace")
+
+
+def send_raw(raw: RawHTTPClient, spec: RequestSpec, index: int, run_start: float, cfg: BenchConfig) -> RequestRecord:
+    """:func:`send_openai`'s request and timing with :class:`RawHTTPClient` (never raises for an
+    HTTP or stream error: it is recorded as ``HTTP <status>``, or ``APIError`` for an error event
+    mid-stream and ``APIConnectionError`` for a connection that failed, the official client's
+    names)."""
+    body: dict[str, Any] = {
+        "model": raw.model,
+        "max_tokens": spec.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if spec.chat is not None:
+        path, body["messages"] = "/v1/chat/completions", [{"role": r, "content": c} for r, c in spec.chat]
+    else:
+        path, body["prompt"] = "/v1/completions", list(spec.token_ids) if spec.token_ids is not None else spec.prompt
+    tally = _StreamTally(spec.sent_prompt_tokens)
+    error, detail = None, ""
+    t0 = time.perf_counter()
+    try:
+        for event in raw.stream(path, body, f"bench-{index}"):
+            usage = event.get("usage")
+            tally.add(
+                time.perf_counter() - t0,
+                None if usage is None else (usage["prompt_tokens"], usage["completion_tokens"]),
+                [choice["finish_reason"] for choice in event["choices"]],
+            )
+    except RawHTTPError as exc:
+        error = f"HTTP {exc.status}" if exc.status not in (0, 200) else "APIError"
+        detail = exc.message
+    except OSError as exc:  # refused, reset, timed out
+        error, detail = "APIConnectionError", str(exc) or type(exc).__name__
+    end = time.perf_counter() - t0
+    return tally.record(index, t0 - run_start, end, spec.max_tokens, error, detail)
 
 
 def poisson_offsets(n: int, rate: float, rng: np.random.Generator) -> list[float]:
@@ -686,8 +979,10 @@ def run_specs(
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send ``specs`` (closed loop at ``cfg.concurrency``, or at ``offsets`` seconds from the
-    start) with ``client`` (a ``Client`` for gRPC, an ``OpenAIClient`` for ``cfg.api`` "openai");
+    start) with ``client`` (a ``Client`` for gRPC; for ``cfg.api`` "openai" an ``OpenAIClient``, or
+    a ``RawHTTPClient`` with ``cfg.http_client`` "raw");
     return the records in index order and the wall time from the first send to the last end."""
+    sender = send if cfg.api == "grpc" else send_raw if cfg.http_client == "raw" else send_openai
     workers = cfg.concurrency if offsets is None else min(cfg.concurrency or len(specs), len(specs))
     workers = max(1, min(workers or 1, len(specs)))
     run_start = time.perf_counter()
@@ -703,7 +998,7 @@ def run_specs(
                 delay = run_start + offsets[i] - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            futures.append(pool.submit(send if cfg.api == "grpc" else send_openai, client, spec, i, run_start, cfg))
+            futures.append(pool.submit(sender, client, spec, i, run_start, cfg))
             futures[-1].add_done_callback(done)
         # In index order; re-raises anything but a gRPC error (those are recorded).
         records = [fut.result() for fut in futures]
@@ -733,7 +1028,13 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         from benchmarks.sweep import pick_hardware  # before the load: "auto" on a CPU measures it
 
         hardware, hardware_line = pick_hardware(cfg.hardware, info.platform, info.device_kind)
-        sender: Any = client if cfg.api == "grpc" else OpenAIClient.connect(cfg)
+        sender: Any = (
+            client
+            if cfg.api == "grpc"
+            else RawHTTPClient.connect(cfg)
+            if cfg.http_client == "raw"
+            else OpenAIClient.connect(cfg)
+        )
         rng = np.random.default_rng(cfg.seed)
         total = cfg.warmup + cfg.num_requests
         if cfg.dataset:
@@ -750,7 +1051,9 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
         if cfg.warmup:
             run_specs(sender, specs[: cfg.warmup], dataclasses.replace(cfg, concurrency=cfg.concurrency or 1))
         with tqdm(total=cfg.num_requests, desc="bench", unit="req", disable=not cfg.progress, leave=False) as bar:
+            cpu0 = time.process_time()
             records, duration = run_specs(sender, specs[cfg.warmup :], cfg, offsets, on_done=lambda _r: bar.update())
+            client_cpu_s = time.process_time() - cpu0
         if sender is not client:
             sender.close()
     finally:
@@ -771,6 +1074,9 @@ def run_bench(cfg: BenchConfig, client: Any = None) -> dict[str, Any]:
             "num_parameters": info.num_parameters,
         },
         **summarize_run(records, duration, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        # The load generator's own weight: this process's CPU time (every thread) over the measured
+        # requests, per request. Only the client's: a server on this machine runs in its own process.
+        "client_cpu_ms_per_request": client_cpu_s / len(records) * 1e3,
         "requests": [{**dataclasses.asdict(r), "tpot_s": r.tpot_s} for r in records],
     }
     report["roofline"] = roofline_report(
@@ -784,8 +1090,9 @@ COMPARED = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_m
 
 def compare_reports(grpc_report: dict[str, Any], openai_report: dict[str, Any]) -> dict[str, Any]:
     """The HTTP API against gRPC for the same requests: per latency (TTFT, TPOT, ITL, E2E), the
-    mean, p50 and p90 of each (ms), their difference (HTTP minus gRPC, ms) and ratio, and the
-    output tokens/s of each."""
+    mean, p50 and p90 of each (ms), their difference (HTTP minus gRPC, ms) and ratio, the
+    output tokens/s of each, which HTTP client ran (``http_client``) and each client's CPU time per
+    request."""
     out: dict[str, Any] = {}
     for key, _ in COMPARED:
         a, b = grpc_report[key], openai_report[key]
@@ -802,13 +1109,20 @@ def compare_reports(grpc_report: dict[str, Any], openai_report: dict[str, Any]) 
         "grpc": grpc_report["output_tokens_per_s"],
         "openai": openai_report["output_tokens_per_s"],
     }
+    out["http_client"] = openai_report.get("config", {}).get("http_client", "openai")
+    if "client_cpu_ms_per_request" in grpc_report and "client_cpu_ms_per_request" in openai_report:
+        out["client_cpu_ms_per_request"] = {
+            "grpc": grpc_report["client_cpu_ms_per_request"],
+            "openai": openai_report["client_cpu_ms_per_request"],
+        }
     return out
 
 
 def format_comparison(comparison: dict[str, Any]) -> str:
     """The side-by-side table of :func:`compare_reports`."""
     lines = [
-        "gRPC and the OpenAI-compatible HTTP API, the same requests (ms; delta = HTTP - gRPC):",
+        f"gRPC and the OpenAI-compatible HTTP API ({comparison.get('http_client', 'openai')} client), the same "
+        "requests (ms; delta = HTTP - gRPC):",
         f"{'':6s} {'gRPC p50':>9s} {'HTTP p50':>9s} {'delta':>8s} {'ratio':>6s}   "
         f"{'gRPC p90':>9s} {'HTTP p90':>9s} {'delta':>8s}   {'gRPC mean':>9s} {'HTTP mean':>9s} {'delta':>8s}",
     ]
@@ -822,6 +1136,12 @@ def format_comparison(comparison: dict[str, Any]) -> str:
         )
     tps = comparison["output_tokens_per_s"]
     lines.append(f"output tokens/s: gRPC {tps['grpc']:.1f}, HTTP {tps['openai']:.1f}")
+    cpu = comparison.get("client_cpu_ms_per_request")
+    if cpu:
+        lines.append(
+            f"client CPU per request (the load generator's own): gRPC {cpu['grpc']:.2f} ms, HTTP "
+            f"({comparison.get('http_client', 'openai')} client) {cpu['openai']:.2f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -855,6 +1175,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--http-address",
         default=DEFAULT_HTTP_ADDRESS,
         help="the server's HTTP API host:port (serve --http-port) for --api openai|both (default %(default)s)",
+    )
+    p.add_argument(
+        "--http-client",
+        choices=HTTP_CLIENTS,
+        default="openai",
+        help="over HTTP: the official openai client, or raw, a bare-socket client about as light as the gRPC one "
+        "(compares the servers' two layers rather than the clients) (default %(default)s)",
     )
     p.add_argument("-n", "--num-requests", type=positive_int, default=100, help="measured requests (%(default)s)")
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="requests sent first, not counted (%(default)s)")
@@ -922,19 +1249,20 @@ def run_from_args(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             api="grpc" if args.api == "both" else args.api,
             http_address=args.http_address,
+            http_client=args.http_client,
         )
     except ValueError as exc:
         raise SystemExit(f"meshserve bench: {exc}") from None
     apis = list(APIS) if args.api == "both" else [cfg.api]
-    http_errors: tuple[type[Exception], ...] = ()  # openai.APIError: /v1/models failed
-    if "openai" in apis:
+    http_errors: tuple[type[Exception], ...] = (RawHTTPError,)  # /v1/models failed (or openai.APIError)
+    if "openai" in apis and cfg.http_client == "openai":
         try:
             import openai
         except ImportError:
             raise SystemExit(
                 "meshserve bench: --api openai needs the openai package: pip install 'meshserve[bench]'"
             ) from None
-        http_errors = (openai.APIError,)
+        http_errors = (RawHTTPError, openai.APIError)
     client = Client(cfg.address)
     reports: dict[str, dict[str, Any]] = {}
     try:

@@ -21,20 +21,22 @@ generated) cancels every sequence of its request, which frees their slots within
 as gRPC's cancel does; the request is logged as 499 (client closed request) and counted
 ``cancelled``.
 
-Library choice: FastAPI for the routes and the pydantic request models, uvicorn (``h11``) as the
-ASGI server, both run as tasks of the asyncio loop that runs grpc.aio, so one process serves both
-APIs from the same pools without threads between them. SSE framing is FastAPI's own encoder
-(``fastapi.sse.format_sse_event``) written through Starlette's ``StreamingResponse``: a FastAPI
-generator endpoint (``EventSourceResponse``) would commit to status 200 before the request is
-admitted, where a refusal must still be answered with its own status; and ``StreamingResponse``
-listens for the client's disconnect while it streams.
+Library choice: FastAPI for the routes and the pydantic request models, uvicorn as the ASGI server
+(its ``httptools`` parser, or ``h11`` where httptools is missing: :func:`http_parser`), both run
+as tasks of the asyncio loop that runs grpc.aio, so one process serves both APIs from the same
+pools without threads between them. The events are ``data: <compact JSON>``
+lines (``openai_api.sse_event``; a token's chunk is written from a prefix built once per request,
+``Responses.event_bytes``) written through Starlette's ``StreamingResponse``: a FastAPI generator
+endpoint (``EventSourceResponse``) would commit to status 200 before the request is admitted, where
+a refusal must still be answered with its own status; and ``StreamingResponse`` listens for the
+client's disconnect while it streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import importlib.util
 import logging
 import re
 import socket
@@ -47,7 +49,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.sse import format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,6 +59,7 @@ from service.openai_api import (
     Responses,
     chat_request,
     completion_request,
+    sse_event,
 )
 from service.validation import ValidatedRequest
 
@@ -103,12 +105,6 @@ class OpenAIError(Exception):
         self.status = status
         self.message = message
         self.code = code
-
-
-def _sse(data: Any) -> bytes:
-    """One server-sent event whose ``data`` is ``data`` as compact JSON (or a raw string)."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return format_sse_event(data_str=text)
 
 
 async def _client_gone(request: Request) -> None:
@@ -303,19 +299,19 @@ async def _events(generation: Generation, responses: Responses, include_usage: b
     rid = generation.request_id
     try:
         async for index, chunk in generation:
-            yield _sse(responses.event(index, chunk, include_usage))
+            yield responses.event_bytes(index, chunk, include_usage)
         if include_usage:
-            yield _sse(responses.usage_event())
+            yield sse_event(responses.usage_event())
         log.info("request %s: finished, %d tokens", rid, responses.completion_tokens)
     except StreamFailed as exc:
         log.warning("request %s: failed: %s", rid, exc)
-        yield _sse(error_body(503, str(exc)))
+        yield sse_event(error_body(503, str(exc)))
     except asyncio.CancelledError:
         log.info("request %s: %d, the client closed the stream", rid, CLIENT_CLOSED)
         raise
     finally:
         generation.close()
-    yield _sse("[DONE]")
+    yield sse_event("[DONE]")
 
 
 async def _collect(request: Request, generation: Generation, responses: Responses) -> Response:
@@ -362,12 +358,34 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (SO_REUSEADDR, no SO_REUSEPORT, as gRPC binds here),
     bound before uvicorn starts so that a busy port is this process's error, not uvicorn's exit.
 
+    The socket is made with ``proto=IPPROTO_TCP`` (``socket.create_server`` leaves it 0): asyncio
+    turns Nagle's algorithm off (TCP_NODELAY) only on the connections of a socket whose ``proto``
+    says TCP, and with Nagle on, a streamed event written while the previous one is unacknowledged
+    waits for the client's delayed ACK (40 ms on Linux).
+
     Raises:
         OSError: the address cannot be bound (``errno.EADDRINUSE``: the port is held).
     """
     bare = host.strip("[]")
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    return socket.create_server((bare, port), family=family, reuse_port=False)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as socket.create_server
+        sock.bind((bare, port))
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def http_parser() -> str:
+    """uvicorn's HTTP/1.1 implementation: ``httptools`` (a dependency; llhttp, in C) where it
+    imports, else ``h11`` (pure Python, uvicorn's own dependency), as uvicorn's "auto" picks; named
+    here so that the log says which one served."""
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
 class HttpServer:
@@ -381,8 +399,10 @@ class HttpServer:
     def __init__(self, service: GenerationService, sock: socket.socket):
         self.sock = sock
         self.port: int = sock.getsockname()[1]
+        self.parser = http_parser()
         config = uvicorn.Config(
             create_app(service),
+            http=self.parser,
             log_config=None,  # keep the server's logging configuration
             access_log=False,
             lifespan="off",

@@ -24,6 +24,7 @@ Every ``InvalidRequest`` message starts with the field's name as the body spelle
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -273,6 +274,16 @@ def completion_request(
 
 
 # ---- response bodies -------------------------------------------------------------------------------------
+# Compact JSON as every body is sent (an encoder built once: json.dumps builds one per call when
+# given options). Its output holds no raw CR or LF, so one SSE event is "data: <json>\n\n".
+json_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def sse_event(data: Any) -> bytes:
+    """One server-sent event whose ``data`` is ``data`` as compact JSON (or a raw string)."""
+    return f"data: {data if isinstance(data, str) else json_compact(data)}\n\n".encode()
+
+
 def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     """A token's string and bytes for logprobs: its bytes decoded as UTF-8, with bytes that are
     part of a character split across tokens written as ``\\xNN`` escapes."""
@@ -338,6 +349,7 @@ class Responses:
         self.want_logprobs = logprobs
         self.tokenizer = tokenizer
         self.choices = [_Choice() for _ in range(n)]
+        self._event_prefix: str | None = None  # event_bytes' text up to a choice's index
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -436,6 +448,30 @@ class Responses:
         if include_usage:
             body["usage"] = None
         return body
+
+    def event_bytes(self, index: int, chunk: Chunk, include_usage: bool) -> bytes:
+        """:meth:`event` framed as one server-sent event, ``sse_event(self.event(...))`` byte for
+        byte. Without logprobs (a streamed chunk's usual shape) it is written from a prefix built
+        once per request and the JSON of the text alone, not a dict encoded whole for every
+        token."""
+        if self.want_logprobs:
+            return sse_event(self.event(index, chunk, include_usage))
+        if self._event_prefix is None:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            self._event_prefix = "data: " + json_compact(self._head(obj))[:-1] + ',"choices":[{"index":'
+        choice = self._record(index, chunk)
+        finish = "null" if choice.finish_reason is None else f'"{choice.finish_reason}"'
+        text = json_compact(chunk.text)
+        if self.chat:
+            role = ""
+            if not choice.started:
+                role = '"role":"assistant",'
+                choice.started = True
+            body = f'{index},"delta":{{{role}"content":{text}}},"logprobs":null,"finish_reason":{finish}}}]'
+        else:
+            body = f'{index},"text":{text},"logprobs":null,"finish_reason":{finish}}}]'
+        usage = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        return (self._event_prefix + body + usage).encode()
 
     def usage_event(self) -> dict[str, Any]:
         """The last streamed chunk with ``stream_options.include_usage``: no choices, the usage."""

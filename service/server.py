@@ -975,7 +975,12 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
         if cfg.http_port:
             running.http = await start_openai_api(service, cfg.host, cfg.http_port)
             running.http_port = running.http.port
-            log.info("OpenAI-compatible API on http://%s:%d/v1", cfg.host, running.http_port)
+            log.info(
+                "OpenAI-compatible API on http://%s:%d/v1 (uvicorn, %s)",
+                cfg.host,
+                running.http_port,
+                running.http.parser,
+            )
         await asyncio.to_thread(service.load)
         if cfg.admin_token:
             running.admin_server, running.admin_port = await start_admin_server(service, cfg)

@@ -343,21 +343,25 @@ def test_bench_poisson_with_dataset(tiny_server, tmp_path: Path, monkeypatch: py
     assert "hardware 'cpu-this-machine' (20.0 GB/s, 100 GFLOP/s float32)" in report["roofline"]["hardware"]
 
 
-def test_bench_both_apis_side_by_side(tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    """The same greedy requests over gRPC and over the OpenAI-compatible HTTP API: the same tokens
-    (counted from usage over HTTP), and the comparison of the two."""
+@pytest.mark.parametrize("client", ["openai", "raw"])
+def test_bench_both_apis_side_by_side(
+    tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str], client: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The same greedy requests over gRPC and over the OpenAI-compatible HTTP API, with either
+    HTTP client: the same tokens (counted from usage over HTTP), and the comparison of the two."""
     from service.cli import main
 
     out = tmp_path / "both.json"
     argv = ["bench", "--address", tiny_server.address, "--api", "both", "--http-address",
-            f"127.0.0.1:{tiny_server.running.http_port}", "-n", "4", "--warmup", "1", "--concurrency", "2",
-            "--prompt-len", "4:8", "--output-len", "3:6", "--out", str(out), "--no-progress",
+            f"127.0.0.1:{tiny_server.running.http_port}", "--http-client", client, "-n", "4", "--warmup", "1",
+            "--concurrency", "2", "--prompt-len", "4:8", "--output-len", "3:6", "--out", str(out), "--no-progress",
             "--hardware", "cpu-peers-md"]  # fmt: skip
     assert main(argv) == 0
     both = json.loads(out.read_text())
     for api in ("grpc", "openai"):
         _check_sane(both[api], 4)
         assert both[api]["config"]["api"] == api
+    assert both["openai"]["config"]["http_client"] == client and both["comparison"]["http_client"] == client
     by_api = {
         api: [(r["prompt_tokens"], r["output_tokens"]) for r in both[api]["requests"]] for api in ("grpc", "openai")
     }
@@ -367,4 +371,93 @@ def test_bench_both_apis_side_by_side(tiny_server, tmp_path: Path, capsys: pytes
     assert c["grpc"] == both["grpc"]["ttft_ms"]["p50"] and c["delta"] == pytest.approx(c["openai"] - c["grpc"])
     text = capsys.readouterr().out
     assert "--- over the OpenAI-compatible HTTP API" in text and "meshserve bench over HTTP" in text
-    assert "gRPC and the OpenAI-compatible HTTP API, the same requests" in text and "TPOT" in text
+    assert f"{client} client)" in text and "client CPU per request (the load generator's own): gRPC" in text
+    cpu = both["comparison"]["client_cpu_ms_per_request"]
+    assert cpu["grpc"] == both["grpc"]["client_cpu_ms_per_request"] > 0 and cpu["openai"] > 0
+    assert f"gRPC and the OpenAI-compatible HTTP API ({client} client), the same requests" in text and "TPOT" in text
+
+
+def test_raw_client_counts_chat_and_records_the_servers_refusal(tiny_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``--http-client raw`` on chat turns and on a prompt past ``max_seq_len``: the same counts as
+    gRPC for the one, ``HTTP 400`` with the server's message for the other (the official client's
+    names)."""
+    from benchmarks.bench import run_bench
+
+    data = tmp_path / "mixed.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        {"token_ids": [5] * 100, "max_tokens": 100},
+    ]
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = dict(address=tiny_server.address, num_requests=4, warmup=0, dataset=str(data), progress=False)
+    http = f"127.0.0.1:{tiny_server.running.http_port}"
+    raw = run_bench(BenchConfig(**common, api="openai", http_address=http, http_client="raw", hardware="none"))
+    grpc = run_bench(BenchConfig(**common, hardware="none"))
+    assert raw["completed"] == grpc["completed"] == 2 and raw["errors"] == {"HTTP 400": 2}
+    assert "128" in raw["error_details"]["HTTP 400"]  # the server's reason, with the limit
+    ok = [(r["prompt_tokens"], r["output_tokens"]) for r in raw["requests"] if r["error"] is None]
+    assert ok == [(r["prompt_tokens"], r["output_tokens"]) for r in grpc["requests"] if r["error"] is None]
+
+
+def test_raw_client_reconnects_and_reads_events_split_anywhere() -> None:
+    """A server that closes each connection after one answer, sends the SSE body in chunks cut
+    mid-event (and mid-line), and fails the third request mid-stream with an error event: the raw
+    client opens a new connection for the second request, counts the tokens as the official
+    client does (the last event's from usage), and records the error event as ``APIError``."""
+    import socketserver
+    import threading
+
+    from benchmarks.bench import RawHTTPClient, RequestSpec, send_raw
+
+    def event(obj: object) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def choice(finish: str | None) -> dict:
+        return {"id": "x", "choices": [{"index": 0, "text": "a", "finish_reason": finish}], "usage": None}
+
+    good = event(choice(None)) * 2 + event(choice("length"))
+    good += event({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
+    bad = event(choice(None)) + event({"error": {"message": "the engine loop died", "type": "server_error"}})
+    answers = iter([good, good, bad])
+    requests: list[bytes] = []
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += self.rfile.read(1)
+            length = int(
+                next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")).split(b":")[1]
+            )
+            requests.append(self.rfile.read(length))
+            body = next(answers) + b"data: [DONE]\n\n"
+            self.wfile.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for i in range(0, len(body), 7):
+                piece = body[i : i + 7]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")  # then the handler returns: the connection closes
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        raw = RawHTTPClient(f"127.0.0.1:{server.server_address[1]}", timeout_s=10, model="m")
+        cfg = BenchConfig(api="openai", http_client="raw")
+        spec = RequestSpec(max_tokens=3, token_ids=(1, 2, 3))
+        try:
+            records = [send_raw(raw, spec, i, 0.0, cfg) for i in range(3)]
+        finally:
+            raw.close()
+            server.shutdown()
+    for r in records[:2]:
+        assert (r.error, r.output_tokens, r.prompt_tokens, r.finish_reason) == (None, 3, 3, "length")
+        assert r.ttft_s is not None and len(r.itl_s) == 2
+    assert (records[2].error, records[2].error_detail, records[2].output_tokens) == (
+        "APIError",
+        "the engine loop died",
+        1,
+    )
+    sent = [json.loads(b) for b in requests]
+    assert sent[0] == {"model": "m", "max_tokens": 3, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}, "prompt": [1, 2, 3]}  # fmt: skip
+    assert len(sent) == 3

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,13 +26,23 @@ from typing import Any
 
 import openai
 import pytest
+from fastapi.sse import format_sse_event
 from helpers import free_port, full_queue, held_port, scrape, value, wait_for
 
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from service.client import Client, make_request
 from service.engine import EngineConfig
-from service.openai_api import ChatCompletionRequest, CompletionRequest, chat_request, completion_request
+from service.http_server import bind
+from service.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Responses,
+    chat_request,
+    completion_request,
+    sse_event,
+)
+from service.request import Chunk, FinishReason, TokenLogprob
 from service.scheduler import StepPlan
 from service.server import GenerationService, PortInUse, ServerConfig, ServerThread, start_server
 from service.validation import InvalidRequest
@@ -478,6 +489,45 @@ def test_completions_default_to_16_tokens_as_openai(tiny_tokenizer: Tokenizer) -
     assert near_the_end.max_tokens == 8  # the room left
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_streamed_event_bytes_are_the_event_as_compact_json(
+    tiny_tokenizer: Tokenizer, chat: bool, include_usage: bool, logprobs: bool
+) -> None:
+    """``Responses.event_bytes`` (a prefix built once, the text's JSON per token) writes what
+    FastAPI's SSE encoder wrote of ``Responses.event``'s dict, byte for byte: n = 2 interleaved,
+    the chat role on each choice's first delta only, text that JSON escapes or keeps as UTF-8,
+    every finish reason."""
+    texts = ["", " plain", 'q"uote\\', "tab\tnew\nline\r", "\x00\x1f\x7f", "é中😀", "\u2028\u2029\x85", "</script>"]
+    finishes = [FinishReason.EOS, FinishReason.STOP_STRING, FinishReason.LENGTH, FinishReason.CANCELLED]
+    chunks: list[tuple[int, Chunk]] = []
+    for i, text in enumerate(texts):
+        lps = [TokenLogprob(token_id=5 + i, logprob=-0.25 * i, top=((5 + i, -0.25 * i), (7, -3.5)))]
+        chunks.append((i % 2, Chunk(text=text, token_ids=[5 + i], logprobs=lps if logprobs else [])))
+    for i, reason in enumerate(finishes[:2]):
+        chunks.append((i, Chunk(text="end", token_ids=[9], finish_reason=reason, completion_tokens=5)))
+    for reason in finishes[2:]:  # the other reasons, on fresh answers
+        chunks.append((0, Chunk(text="", token_ids=[], finish_reason=reason, completion_tokens=1)))
+
+    def responses() -> Responses:
+        r = Responses(chat, 'id"é', "m\\odel", 2, 3, logprobs, tiny_tokenizer)
+        r.created = 1_700_000_000
+        return r
+
+    fast, reference = responses(), responses()
+    for index, chunk in chunks:
+        want = format_sse_event(
+            data_str=json.dumps(reference.event(index, chunk, include_usage), separators=(",", ":"), ensure_ascii=False)
+        )
+        got = fast.event_bytes(index, chunk, include_usage)
+        assert got == want
+        assert json.loads(got.decode().removeprefix("data: ")) == json.loads(want.decode().removeprefix("data: "))
+    assert [c.started for c in fast.choices] == [c.started for c in reference.choices]
+    assert fast.completion_tokens == reference.completion_tokens
+    assert sse_event("[DONE]") == b"data: [DONE]\n\n"
+
+
 # ---- servers of their own: loading, a dead engine, ports, signals ----------------------------------
 
 
@@ -562,6 +612,36 @@ def test_a_taken_http_port_is_one_clear_line() -> None:
         "pick a free one with --http-port, or --http-port 0 for no HTTP API"
     )
     assert ServerConfig().http_port == 0  # off unless asked for
+
+
+def test_http_connections_have_nagle_off() -> None:
+    """The HTTP socket's connections are TCP_NODELAY, as gRPC's are: with Nagle on, a streamed
+    event written while the previous one is unacknowledged waited for the client's delayed ACK
+    (40 ms; a raw keep-alive client saw every event of a short answer arrive at once, 40 ms late).
+    asyncio sets the option only where the listening socket's ``proto`` is IPPROTO_TCP, and
+    uvicorn serves ``bind``'s socket through ``loop.create_server(sock=...)`` as here."""
+
+    async def accepted_nodelay() -> int:
+        sock = bind("127.0.0.1", 0)
+        got: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
 
 
 def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_path: Path) -> None:

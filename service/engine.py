@@ -258,8 +258,6 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens < 0:
             raise ValueError(f"kv_cache_tokens must be >= 0 (0: num_slots x max_seq_len), got {self.kv_cache_tokens}")
-        if self.paged and self.num_pages < 1:
-            raise ValueError(f"kv_cache_tokens {self.kv_cache_tokens} holds no page of {self.page_size} tokens")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -271,9 +269,9 @@ class EngineConfig:
     @property
     def num_pages(self) -> int:
         """Pages in the paged pool: ``kv_cache_tokens`` (0: num_slots x max_seq_len) over
-        ``page_size``, rounded down."""
+        ``page_size``, rounded up."""
         tokens = self.kv_cache_tokens or self.num_slots * self.max_seq_len
-        return tokens // self.page_size
+        return -(-tokens // self.page_size)
 
     @property
     def max_request_tokens(self) -> int:

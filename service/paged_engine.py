@@ -309,6 +309,39 @@ class PagedEngine:
         )
         return StepOutput(packed, logits)
 
+    def prompt_batch(self, ids: list[int], row: int = 0) -> RaggedBatch:
+        """One prompt's first chunk alone: ``ids`` (at most the largest prefill bucket) at
+        positions 0.. in ``row``, over pages 0, 1, ... (a fresh pool's), sampling at its last
+        token. For tests and benchmarks; the loop builds its batches from plans.
+
+        Raises:
+            ValueError: more ids than a step's prefill region holds.
+        """
+        S, n = self.ecfg.num_slots, len(ids)
+        if not 1 <= n <= self.prefill_buckets[-1]:
+            raise ValueError(f"{n} ids: a prompt batch holds 1 to {self.prefill_buckets[-1]}")
+        P = self.prefill_bucket(-(-n // self.seq_block) * self.seq_block)
+        tokens = np.zeros(S + P, np.int32)
+        positions = np.full(S + P, -1, np.int32)
+        rows = np.full(S + P, -1, np.int32)
+        tokens[S : S + n], positions[S : S + n], rows[S : S + n] = ids, np.arange(n), row
+        last_index = np.zeros(S, np.int32)
+        last_index[row] = S + n - 1
+        tables = np.zeros((S, self.max_pages), np.int32)
+        tables[row] = np.arange(self.max_pages) % self.num_pages
+        return RaggedBatch(
+            tokens=tokens,
+            positions=positions,
+            rows=rows,
+            source=np.zeros(S + P, np.int32),
+            generated=np.zeros(S + P, bool),
+            last_index=last_index,
+            ban_eos=np.zeros(S, bool),
+            page_tables=tables,
+            num_real=n,
+            max_position=n - 1,
+        )
+
     def idle_batch(self, prefill_tokens: int, max_position: int) -> RaggedBatch:
         """A batch with a prefill region of ``prefill_tokens``, all padding but one token, row 0's
         decode token at ``max_position``, page table all page 0: for warm-up (it writes one

@@ -26,16 +26,19 @@ class QueueFull(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
-    """Write prompt tokens [start, start + length) of ``request`` into ``slot``'s KV cache."""
+    """Write prompt tokens [start, start + length) of ``request`` into ``slot``'s KV cache.
+
+    ``is_last``: the chunk ends the prefill (``Request.prefill_len``), fixed when the chunk is
+    made, before the id it samples joins the request's output."""
 
     request: Request
     slot: int
     start: int
     length: int
+    is_last: bool = dataclasses.field(init=False, compare=False)
 
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.length == self.request.prefill_len
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_last", self.start + self.length == self.request.prefill_len)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from model.config import LlamaConfig
 from model.loader import abstract_llama, load_gguf_model, model_format, random_llama
 from model.tokenizer import Tokenizer
 from service.engine import Engine, EngineConfig
+from service.paged_engine import PagedEngine
 from sharding.layouts import load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
@@ -58,7 +59,10 @@ def restored_state(path: Path, cfg: LlamaConfig, layout_name: str) -> nnx.State:
     return state
 
 
-def prefill_logits(engine: Engine) -> np.ndarray:
+def prefill_logits(engine: Engine | PagedEngine) -> np.ndarray:
+    """The logits after PROMPT, prefilled alone into a fresh engine's first row."""
+    if isinstance(engine, PagedEngine):
+        return np.asarray(engine.step(engine.prompt_batch(PROMPT)).logits)[0]
     return np.asarray(engine.prefill(0, PROMPT, 0).logits)[0]
 
 
@@ -113,7 +117,7 @@ def test_service_serves_a_checkpoint(converted: Path, gguf_model, smollm2_gguf: 
     assert set(service.startup_seconds) == {"restore", "place", "compile", "warmup"}
     assert service.info is not None and service.info.name == converted.name
     engine = service.pools[0].loop.engine
-    reference = prefill_logits(Engine(cfg, graphdef, gguf_params, load_layout("1x4"), ECFG))
+    reference = prefill_logits(type(engine)(cfg, graphdef, gguf_params, load_layout("1x4"), ECFG))
     np.testing.assert_array_equal(prefill_logits(engine), reference)
 
 
@@ -279,7 +283,7 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model,
         assert len(w_gate_up.sharding.device_set) == 4  # born sharded, not placed by the engine
         switched = old.relayout(layout, jax.devices(), restored)
         assert switched.params["layers"]["w_gate_up"][...] is w_gate_up  # used as restored
-        reference = prefill_logits(Engine(cfg, graphdef, gguf_params, layout, ECFG))
+        reference = prefill_logits(type(switched)(cfg, graphdef, gguf_params, layout, ECFG))
         np.testing.assert_array_equal(prefill_logits(switched), reference)
     finally:
         for pool in service.pools:

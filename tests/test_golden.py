@@ -89,7 +89,7 @@ def test_long_prompt_really_is_long(golden: dict[str, np.ndarray]) -> None:
 def paged_loop(smollm2_gguf: Path) -> Iterator[PagedEngineLoop]:
     """The paged engine (pages of 16, three prompts per step) behind its loop."""
     cfg, graphdef, params = load_gguf_model(smollm2_gguf)
-    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, kv_cache="paged", max_num_batched_tokens=1024)
+    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, kv_cache="paged")
     loop = engine_loop(PagedEngine(cfg, graphdef, params, Layout("single"), ecfg), max_queue=8)
     assert isinstance(loop, PagedEngineLoop)
     loop.start()

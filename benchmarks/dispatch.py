@@ -141,7 +141,7 @@ def paged_decode(engine: Any, slots: int, position: int) -> Any:
     tables = np.arange(slots * maxp, dtype=np.int32).reshape(slots, maxp) % engine.num_pages
 
     def decode() -> Any:
-        n = slots  # the decode region only: row s's token at index s
+        n = engine.decode_bucket(slots)  # the decode region only: row s's token at index s
         positions = np.full(n, position, np.int32)
         rows = np.arange(slots, dtype=np.int32)
         batch = RaggedBatch(
@@ -155,6 +155,7 @@ def paged_decode(engine: Any, slots: int, position: int) -> Any:
             page_tables=tables.copy(),
             num_real=slots,
             max_position=position,
+            decode_tokens=n,
         )
         return engine.step(batch)
 

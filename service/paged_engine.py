@@ -9,17 +9,19 @@ whose token is a decode token or the last of its prefill. Its jit arguments are 
 and eleven small metadata arrays: their number is the same whatever the pool size, the longest
 sequence or the number of rows, so the call's dispatch does not grow with them.
 
-The flat batch has two regions (``RaggedBatch``): the decode region, one position per row
-(row s's decode token at index s; rows without one are padding), and the prefill region, where
-each chunk starts at a multiple of ``seq_block`` tokens, so that ``ragged_step`` gathers each
-block's window once (``ragged_paged_attention_blocks``) rather than once per token.
+The flat batch has two regions (``RaggedBatch``): the decode region, one position per decode
+token (each gathers its own window, so padding there costs a whole window of copies: the region
+is a bucket of the decoding rows, not always one position per row), and the prefill region,
+where each chunk starts at a multiple of ``seq_block`` tokens, so that ``ragged_step`` gathers
+each block's window once (``ragged_paged_attention_blocks``) rather than once per token.
 
-Shape variants: the prefill region is 0 tokens or a power of two times ``seq_block`` up to
-``max_num_batched_tokens`` (rounded up to a block), and attention reads a power-of-two number
-of pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least): programs =
-prefill buckets x window buckets, e.g. 5 x 5 = 25 for 512 tokens a step in blocks of 64 and
-2,048-token sequences in pages of 16. ``warmup`` compiles the ones short sequences need
-(``warm_programs``: 7 of those 25); the rest compile on first use (and land in JAX's
+Shape variants: the decode region is a power of two from ``MIN_DECODE`` up to the row count;
+the prefill region 0 tokens or a power of two times ``seq_block`` up to
+``max_num_batched_tokens`` (rounded up to a block); attention reads a power-of-two number of
+pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least). Programs =
+decode x prefill x window buckets, e.g. 1 x 5 x 5 = 25 for 4 rows, 512 tokens a step in blocks
+of 64 and 2,048-token sequences in pages of 16. ``warmup`` compiles the ones short sequences
+need (``warm_programs``: 7 of those 25); the rest compile on first use (and land in JAX's
 persistent compilation cache).
 
 The token history (``model.sampling.TokenHistory``, for the penalties) is kept as the slots
@@ -65,15 +67,16 @@ from sharding.rules import cache_shardings, param_shardings, replicated
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 128  # tokens: the smallest attention window
+MIN_DECODE = 8  # the smallest decode region (all rows when there are fewer)
 WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-full
 
 
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
-    """One step's inputs on the host: N = R + P tokens, the decode region [0, R) (one position
-    per row: row s's decode token, if any, at index s) and the prefill region [R, N), P a
-    prefill bucket (``PagedEngine.prefill_bucket``), each chunk starting at a multiple of
-    ``PagedEngine.seq_block`` from R.
+    """One step's inputs on the host: N = D + P tokens, the decode region [0, D) (the decode
+    tokens, then padding; D = ``decode_tokens``, a ``PagedEngine.decode_bucket``) and the
+    prefill region [D, N), P a ``PagedEngine.prefill_bucket``, each chunk starting at a
+    multiple of ``PagedEngine.seq_block`` from D.
 
     Attributes:
         tokens: [N] int32 input ids (those with ``source`` 1 are read on the device).
@@ -89,6 +92,7 @@ class RaggedBatch:
         page_tables: [R, max_pages] int32, each row's pages in order.
         num_real: real tokens (the rest are padding).
         max_position: the largest position of a real token.
+        decode_tokens: D, the decode region's length.
     """
 
     tokens: np.ndarray
@@ -101,6 +105,7 @@ class RaggedBatch:
     page_tables: np.ndarray
     num_real: int
     max_position: int
+    decode_tokens: int
 
 
 class PagedEngine:
@@ -164,6 +169,7 @@ class PagedEngine:
         self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)
         region = -(-engine_cfg.max_num_batched_tokens // self.seq_block) * self.seq_block
         self.prefill_buckets = [0, *power_of_two_buckets(self.seq_block, region)]
+        self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S), S)
         self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)
         self._fns: dict[tuple[int, int], Any] = {}
         # Sampling parameters: host arrays changed by set_sampling, uploaded once before the next
@@ -174,8 +180,8 @@ class PagedEngine:
         self._set_row = jax.jit(_set_history_row, out_shardings=self.repl, donate_argnums=(0,))
 
     # ---- the compiled step ---------------------------------------------------------------
-    def _step_fn(self, prefill_tokens: int, window_pages: int) -> Any:
-        key = (prefill_tokens, window_pages)
+    def _step_fn(self, decode_tokens: int, prefill_tokens: int, window_pages: int) -> Any:
+        key = (decode_tokens, prefill_tokens, window_pages)
         if key not in self._fns:
             # Locals, not ``self``: a jitted function closing over its engine is a reference
             # cycle that kept old engines alive until a full garbage collection.
@@ -206,7 +212,7 @@ class PagedEngine:
                 model = nnx.merge(graphdef, params)
                 logits, cache = ragged_step(
                     model, cache, tokens, positions, rows, page_tables, last_index,
-                    window_pages=window_pages, prefill_from=S, seq_block=seq_block,
+                    window_pages=window_pages, prefill_from=decode_tokens, seq_block=seq_block,
                 )  # fmt: skip
                 sp = dataclasses.replace(sp, ban_eos=ban)
                 next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)
@@ -264,6 +270,10 @@ class PagedEngine:
         return self._sp_device
 
     # ---- the step ---------------------------------------------------------------------------
+    def decode_bucket(self, num_tokens: int) -> int:
+        """The decode region's length for ``num_tokens`` decode tokens (<= the row count)."""
+        return pick_bucket(num_tokens, self.decode_buckets)
+
     def prefill_bucket(self, num_tokens: int) -> int:
         """The prefill region's length for ``num_tokens`` (chunks already padded to blocks).
 
@@ -288,10 +298,13 @@ class PagedEngine:
         if batch.max_position >= self.ecfg.max_seq_len:
             raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
         window = pick_bucket(batch.max_position // self.ecfg.page_size + 1, self.window_buckets)
-        prefill = len(batch.tokens) - self.ecfg.num_slots
-        if prefill not in self.prefill_buckets:
-            raise ValueError(f"a prefill region of {prefill} tokens is no bucket ({self.prefill_buckets})")
-        fn = self._step_fn(prefill, window)
+        decode, prefill = batch.decode_tokens, len(batch.tokens) - batch.decode_tokens
+        if decode not in self.decode_buckets or prefill not in self.prefill_buckets:
+            raise ValueError(
+                f"regions of {decode} decode and {prefill} prefill tokens: buckets are "
+                f"{self.decode_buckets} and {self.prefill_buckets}"
+            )
+        fn = self._step_fn(decode, prefill, window)
         packed, logits, self.cache, self.history = fn(
             self.params,
             self.cache,
@@ -317,37 +330,38 @@ class PagedEngine:
         Raises:
             ValueError: more ids than a step's prefill region holds.
         """
-        S, n = self.ecfg.num_slots, len(ids)
+        S, n, D = self.ecfg.num_slots, len(ids), self.decode_buckets[0]
         if not 1 <= n <= self.prefill_buckets[-1]:
             raise ValueError(f"{n} ids: a prompt batch holds 1 to {self.prefill_buckets[-1]}")
         P = self.prefill_bucket(-(-n // self.seq_block) * self.seq_block)
-        tokens = np.zeros(S + P, np.int32)
-        positions = np.full(S + P, -1, np.int32)
-        rows = np.full(S + P, -1, np.int32)
-        tokens[S : S + n], positions[S : S + n], rows[S : S + n] = ids, np.arange(n), row
+        tokens = np.zeros(D + P, np.int32)
+        positions = np.full(D + P, -1, np.int32)
+        rows = np.full(D + P, -1, np.int32)
+        tokens[D : D + n], positions[D : D + n], rows[D : D + n] = ids, np.arange(n), row
         last_index = np.zeros(S, np.int32)
-        last_index[row] = S + n - 1
+        last_index[row] = D + n - 1
         tables = np.zeros((S, self.max_pages), np.int32)
         tables[row] = np.arange(self.max_pages) % self.num_pages
         return RaggedBatch(
             tokens=tokens,
             positions=positions,
             rows=rows,
-            source=np.zeros(S + P, np.int32),
-            generated=np.zeros(S + P, bool),
+            source=np.zeros(D + P, np.int32),
+            generated=np.zeros(D + P, bool),
             last_index=last_index,
             ban_eos=np.zeros(S, bool),
             page_tables=tables,
             num_real=n,
             max_position=n - 1,
+            decode_tokens=D,
         )
 
-    def idle_batch(self, prefill_tokens: int, max_position: int) -> RaggedBatch:
-        """A batch with a prefill region of ``prefill_tokens``, all padding but one token, row 0's
-        decode token at ``max_position``, page table all page 0: for warm-up (it writes one
-        position of page 0, which no sequence has yet)."""
+    def idle_batch(self, decode_tokens: int, prefill_tokens: int, max_position: int) -> RaggedBatch:
+        """A batch with regions of ``decode_tokens`` and ``prefill_tokens``, all padding but
+        row 0's decode token at ``max_position``, page table all page 0: for warm-up (it writes
+        one position of page 0, which no sequence has yet)."""
         S = self.ecfg.num_slots
-        num_tokens = S + prefill_tokens
+        num_tokens = decode_tokens + prefill_tokens
         positions = np.full(num_tokens, -1, np.int32)
         rows = np.full(num_tokens, -1, np.int32)
         positions[0], rows[0] = max_position, 0
@@ -362,27 +376,29 @@ class PagedEngine:
             page_tables=np.zeros((S, self.max_pages), np.int32),
             num_real=1,
             max_position=max_position,
+            decode_tokens=decode_tokens,
         )
 
-    def warm_programs(self, full: bool = False) -> list[tuple[int, int]]:
-        """The (prefill bucket, window pages) programs ``warmup`` compiles: every prefill bucket
-        at the smallest window (new prompts while sequences are short), and decode-only steps
-        (prefill bucket 0) at every window up to ``WARM_WINDOW`` tokens (sequences growing);
-        every pair if ``full``."""
+    def warm_programs(self, full: bool = False) -> list[tuple[int, int, int]]:
+        """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
+        decode and prefill bucket at the smallest window (new prompts while sequences are short),
+        and decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences growing);
+        with ``full``, every prefill bucket and window with all rows decoding, and decode-only
+        steps of every decode bucket and window."""
         ps = self.ecfg.page_size
+        D, P, W = self.decode_buckets, self.prefill_buckets, self.window_buckets
         if full:
-            return [(p, w) for p in self.prefill_buckets for w in self.window_buckets]
-        smallest = self.window_buckets[0]
-        warm = [w for w in self.window_buckets if w == smallest or w * ps <= WARM_WINDOW]
-        return [(p, smallest) for p in self.prefill_buckets] + [(0, w) for w in warm if w != smallest]
+            return [(D[-1], p, w) for p in P for w in W] + [(d, 0, w) for d in D[:-1] for w in W]
+        warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
+        return [(d, p, W[0]) for d in D for p in P] + [(d, 0, w) for d in D for w in warm]
 
     def warmup(self, full: bool = False) -> float:
         """Compile (and run once) ``warm_programs(full)``; the rest compile on first use.
         Returns the seconds spent."""
         t0 = time.perf_counter()
         programs = self.warm_programs(full)
-        for prefill, window in programs:
-            self.step(self.idle_batch(prefill, window * self.ecfg.page_size - 1)).host()
+        for decode, prefill, window in programs:
+            self.step(self.idle_batch(decode, prefill, window * self.ecfg.page_size - 1)).host()
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
         return elapsed

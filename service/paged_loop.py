@@ -39,8 +39,8 @@ class PagedEngineLoop(EngineLoop):
     scheduler: PagedScheduler  # type: ignore[assignment]
 
     def dispatch(self, plan: RaggedPlan) -> DispatchedRaggedStep:  # type: ignore[override]
-        """Build the flat batch (``RaggedBatch``: each decode token at its row's index, then each
-        chunk from a block boundary of the prefill region), launch it, and advance the host
+        """Build the flat batch (``RaggedBatch``: the decode tokens, then each chunk from a block
+        boundary of the prefill region), launch it, and advance the host
         bookkeeping that does not wait for results (cached lengths, states, sampled counts),
         then register completed pages in the prefix cache.
 
@@ -57,7 +57,8 @@ class PagedEngineLoop(EngineLoop):
         self._dispatched += 1
         S, block = engine.ecfg.num_slots, engine.seq_block
         padded = sum(-(-c.length // block) * block for c in plan.prefills)
-        N = S + engine.prefill_bucket(padded)
+        D = engine.decode_bucket(len(plan.decode))
+        N = D + engine.prefill_bucket(padded)
         tokens = np.zeros(N, np.int32)
         positions = np.full(N, -1, np.int32)
         rows = np.full(N, -1, np.int32)
@@ -66,10 +67,9 @@ class PagedEngineLoop(EngineLoop):
         last_index = np.zeros(S, np.int32)
         ban = np.zeros(S, bool)
         samplers: list[tuple[Request, int]] = []
-        for r in plan.decode:
+        for i, r in enumerate(plan.decode):
             slot = r.slot
             assert slot is not None
-            i = slot
             positions[i], rows[i], generated[i] = r.num_cached, slot, True
             if prev is not None and r.last_token_from == ("step", number - 1):
                 source[i] = 1
@@ -80,7 +80,7 @@ class PagedEngineLoop(EngineLoop):
             r.num_cached += 1
             r.sampled += 1
             r.last_token_from = ("step", number)
-        i = S
+        i = D
         for chunk in plan.prefills:
             r, slot, n = chunk.request, chunk.slot, chunk.length
             if r in plan.admitted:
@@ -110,6 +110,7 @@ class PagedEngineLoop(EngineLoop):
             page_tables=sched.page_tables.copy(),
             num_real=len(plan.decode) + sum(c.length for c in plan.prefills),
             max_position=int(positions.max()),
+            decode_tokens=D,
         )
         out = engine.step(batch, prev.out if prev is not None else None)  # type: ignore[attr-defined]
         sched.commit(plan)

@@ -167,7 +167,7 @@ def test_tensor_parallel_layout_gives_the_same_ids(refs: dict) -> None:
 def test_the_step_signature_does_not_grow_with_the_pool() -> None:
     def leaves(pool_tokens: int) -> int:
         engine = paged(pool_tokens=pool_tokens).engine
-        batch = engine.idle_batch(16, 3)
+        batch = engine.idle_batch(4, 16, 3)
         args = (engine.params, engine.cache, engine.history, engine._sampling(), batch)
         return len(jax.tree.leaves(args))
 
@@ -177,5 +177,17 @@ def test_the_step_signature_does_not_grow_with_the_pool() -> None:
 def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -> None:
     engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
     assert engine.prefill_buckets == [0, 64, 128, 256, 512] and engine.window_buckets == [8, 16, 32, 64, 128]
-    assert engine.warm_programs() == [(0, 8), (64, 8), (128, 8), (256, 8), (512, 8), (0, 16), (0, 32)]
+    assert engine.decode_buckets == [4]  # 4 rows: one decode region
+    assert engine.warm_programs() == [
+        (4, 0, 8),
+        (4, 64, 8),
+        (4, 128, 8),
+        (4, 256, 8),
+        (4, 512, 8),
+        (4, 0, 16),
+        (4, 0, 32),
+    ]
     assert len(engine.warm_programs(full=True)) == 25
+    many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048))
+    assert many.decode_buckets == [8, 16, 32, 64]
+    assert len(many.warm_programs()) == 4 * 5 + 4 * 2

@@ -297,6 +297,31 @@ def resolve_layers(layers: str, platform: str) -> str:
     return "scan" if platform == "cpu" else "unrolled"
 
 
+def write_sampling_row(
+    sp: dict[str, np.ndarray], slot: int, options: SamplingOptions, logprobs: bool, eos_ids: Collection[int]
+) -> None:
+    """Write one request's sampling parameters into row ``slot`` of the host arrays ``sp``
+    (``SamplingParams.host``'s, in place). More EOS ids than the per-row width replaces
+    ``sp["eos_ids"]`` with one widened to the next power of two (-1 padding)."""
+    sp["temperature"][slot] = options.temperature
+    sp["top_k"][slot] = options.top_k
+    sp["top_p"][slot] = options.top_p
+    sp["keys"][slot] = seed_to_key(options.seed)
+    sp["logprobs"][slot] = logprobs
+    sp["presence_penalty"][slot] = options.presence_penalty
+    sp["frequency_penalty"][slot] = options.frequency_penalty
+    sp["repetition_penalty"][slot] = options.repetition_penalty
+    sp["min_p"][slot] = options.min_p
+    ids = sorted(eos_ids)
+    rows, width = sp["eos_ids"].shape
+    if len(ids) > width:
+        wider = np.full((rows, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
+        wider[:, :width] = sp["eos_ids"]
+        sp["eos_ids"] = wider
+    sp["eos_ids"][slot] = -1
+    sp["eos_ids"][slot, : len(ids)] = ids
+
+
 class Engine:
     """Owns the sharded params, the KV cache and the compiled steps of one layout.
 
@@ -513,23 +538,7 @@ class Engine:
         Writes the host arrays, then uploads them once for the decode steps to read. More EOS
         ids than any request so far widens the per-slot array to the next power of two (the
         steps then compile once more for the new shape)."""
-        self._sp["temperature"][slot] = options.temperature
-        self._sp["top_k"][slot] = options.top_k
-        self._sp["top_p"][slot] = options.top_p
-        self._sp["keys"][slot] = seed_to_key(options.seed)
-        self._sp["logprobs"][slot] = logprobs
-        self._sp["presence_penalty"][slot] = options.presence_penalty
-        self._sp["frequency_penalty"][slot] = options.frequency_penalty
-        self._sp["repetition_penalty"][slot] = options.repetition_penalty
-        self._sp["min_p"][slot] = options.min_p
-        ids = sorted(eos_ids)
-        width = self._sp["eos_ids"].shape[1]
-        if len(ids) > width:
-            wider = np.full((self.ecfg.num_slots, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
-            wider[:, :width] = self._sp["eos_ids"]
-            self._sp["eos_ids"] = wider
-        self._sp["eos_ids"][slot] = -1
-        self._sp["eos_ids"][slot, : len(ids)] = ids
+        write_sampling_row(self._sp, slot, options, logprobs, eos_ids)
         self._sampling = self._upload(self._sp)
 
     def _upload(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:

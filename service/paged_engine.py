@@ -48,7 +48,7 @@ from model import cpu_argmax
 from model.config import LlamaConfig
 from model.llama import SEQ_BLOCK, ragged_step, stack_layers
 from model.paged_kv import PagedKVCache
-from model.sampling import SamplingParams, TokenHistory, first_argmax, sample, seed_to_key
+from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
 from service.engine import (
     TOP_LOGPROBS,
     EngineConfig,
@@ -57,6 +57,7 @@ from service.engine import (
     pick_bucket,
     power_of_two_buckets,
     resolve_kv_dtype,
+    write_sampling_row,
 )
 from service.request import SamplingOptions
 from sharding.layouts import Layout
@@ -171,7 +172,7 @@ class PagedEngine:
         self.prefill_buckets = [0, *power_of_two_buckets(self.seq_block, region)]
         self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S), S)
         self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)
-        self._fns: dict[tuple[int, int], Any] = {}
+        self._fns: dict[tuple[int, int, int], Any] = {}
         # Sampling parameters: host arrays changed by set_sampling, uploaded once before the next
         # step that follows a change (not on every step).
         self._sp = SamplingParams.host(S)
@@ -234,24 +235,7 @@ class PagedEngine:
         """Install a request's sampling parameters in row ``slot`` (uploaded before the next step;
         no recompile, except when more EOS ids than any request so far widen the per-row array
         to the next power of two)."""
-        sp = self._sp
-        sp["temperature"][slot] = options.temperature
-        sp["top_k"][slot] = options.top_k
-        sp["top_p"][slot] = options.top_p
-        sp["keys"][slot] = seed_to_key(options.seed)
-        sp["logprobs"][slot] = logprobs
-        sp["presence_penalty"][slot] = options.presence_penalty
-        sp["frequency_penalty"][slot] = options.frequency_penalty
-        sp["repetition_penalty"][slot] = options.repetition_penalty
-        sp["min_p"][slot] = options.min_p
-        ids = sorted(eos_ids)
-        width = sp["eos_ids"].shape[1]
-        if len(ids) > width:
-            wider = np.full((self.ecfg.num_slots, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
-            wider[:, :width] = sp["eos_ids"]
-            sp["eos_ids"] = wider
-        sp["eos_ids"][slot] = -1
-        sp["eos_ids"][slot, : len(ids)] = ids
+        write_sampling_row(self._sp, slot, options, logprobs, eos_ids)
         self._sp_device = None
 
     def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:

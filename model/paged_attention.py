@@ -1,7 +1,8 @@
 """Ragged attention over a paged KV cache (``model.paged_kv``): one call attends a flat batch of
 query tokens that mixes decode tokens and prefill chunks of several sequences; the XLA path.
 
-Building blocks of the paged engine (issue 19), not yet used by the engine.
+``model.llama.ragged_step`` runs the decode region through ``ragged_paged_attention`` and the
+prefill region through ``ragged_paged_attention_blocks``.
 
 A step's metadata, all step inputs (none of it is static but the window):
 
@@ -136,20 +137,12 @@ def ragged_paged_attention(
     N, K, G, H = q.shape
     if query_block is not None and query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
-    B = page_tables.shape[0]
-    tables, gather = _window(k_pages, v_pages, page_tables, window_pages, layer)
-    f32 = jnp.float32
-    hi = jax.lax.Precision.HIGHEST
-    keys_at = jnp.arange(tables.shape[1] * k_pages.shape[-2], dtype=jnp.int32)
 
     def attend(qb: jax.Array, sb: jax.Array, pb: jax.Array) -> jax.Array:
-        real = padding_mask(sb, pb, B)
-        kw, vw = gather(tables[jnp.clip(sb, 0, B - 1)])  # [n, K, S, H] each
-        scores = jnp.einsum("nKGH,nKSH->nKGS", qb.astype(f32), kw, precision=hi, preferred_element_type=f32)
-        mask = (keys_at[None, :] <= pb[:, None]) & real[:, None]  # [n, S]
-        probs = jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, NEG_INF), axis=-1)
-        out = jnp.einsum("nKGS,nKSH->nKGH", probs, vw, precision=hi, preferred_element_type=f32)
-        return jnp.where(real[:, None, None, None], out, 0.0)
+        # Blocks of one token: each token gathers its own sequence's window.
+        return ragged_paged_attention_blocks(
+            qb, k_pages, v_pages, page_tables, sb, pb, window_pages=window_pages, block=1, layer=layer
+        )
 
     if query_block is None or query_block >= N:
         return attend(q, seq_of_token, positions)
@@ -192,7 +185,7 @@ def ragged_paged_attention_blocks(
         q, k_pages, v_pages, page_tables, seq_of_token, positions, window_pages, layer: as for
             ``ragged_paged_attention``.
         block: static, >= 1, tokens per block. 1 is ``ragged_paged_attention`` (each token its
-            own window).
+            own window), which runs through here.
 
     Returns:
         [N, K, G, H] float32; zeros for padding tokens (and for tokens that break the promise).

@@ -254,6 +254,9 @@ class EngineConfig:
             raise ValueError("matmul='bf16x3' needs layers='unrolled' and dtype='float32'")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, got {self.kv_cache!r}")
+        if self.kv_cache == "paged" and self.layers == "unrolled":
+            # The paged step runs the scan form only; saying both would silently lose one.
+            raise ValueError("kv_cache='paged' runs the scan form: layers='unrolled' needs kv_cache 'slots' or 'auto'")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens < 0:
@@ -320,6 +323,23 @@ def write_sampling_row(
         sp["eos_ids"] = wider
     sp["eos_ids"][slot] = -1
     sp["eos_ids"][slot, : len(ids)] = ids
+
+
+def upload_host_arrays(host: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Device copies of host arrays (the sampling parameters), shapes and dtypes kept. Copies
+    first: ``write_sampling_row`` writes the host arrays in place, and a CPU ``device_put`` may
+    alias numpy memory."""
+    return jax.device_put({k: v.copy() for k, v in host.items()}, sharding)
+
+
+def bytes_per_device(tree: Any) -> dict[str, int]:
+    """Bytes of ``tree``'s array shards held by each device, keyed by device id string."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device.id)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
 
 
 class Engine:
@@ -445,7 +465,7 @@ class Engine:
         # device copy, which decode steps read (device arrays skip a host transfer per step).
         self._sp = SamplingParams.host(S)
         del self._sp["ban_eos"]
-        self._sampling = self._upload(self._sp)
+        self._sampling = upload_host_arrays(self._sp, self.repl)
         # Stand-ins for "no previous step" outputs: device arrays with the outputs' sharding, so
         # a decode step's argument signature is the same whether or not the previous step's
         # outputs are passed (a numpy stand-in made the loop's second step compile again).
@@ -539,13 +559,7 @@ class Engine:
         ids than any request so far widens the per-slot array to the next power of two (the
         steps then compile once more for the new shape)."""
         write_sampling_row(self._sp, slot, options, logprobs, eos_ids)
-        self._sampling = self._upload(self._sp)
-
-    def _upload(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Replicated device copies of the host sampling arrays (``SamplingParams``'s fields but
-        ``ban_eos``; shapes and dtypes kept). Copies first: ``set_sampling`` writes the host
-        arrays in place, and a CPU ``device_put`` may alias numpy memory."""
-        return jax.device_put({k: v.copy() for k, v in host.items()}, self.repl)
+        self._sampling = upload_host_arrays(self._sp, self.repl)
 
     def _slot_sampling(self, slot: int, ban_eos: bool) -> SamplingParams:
         """Row ``slot`` of the host sampling arrays ([1, ...] each) with ``ban_eos`` [1] bool."""
@@ -695,9 +709,4 @@ class Engine:
     def weight_bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters held by each device, keyed by device id string (without the
         packed copy of the native matmuls, ``panel_bytes``)."""
-        out: dict[str, int] = {}
-        for leaf in jax.tree.leaves(self.params):
-            for shard in leaf.addressable_shards:
-                key = str(shard.device.id)
-                out[key] = out.get(key, 0) + shard.data.nbytes
-        return out
+        return bytes_per_device(self.params)

@@ -53,10 +53,12 @@ from service.engine import (
     TOP_LOGPROBS,
     EngineConfig,
     StepOutput,
+    bytes_per_device,
     pack_step,
     pick_bucket,
     power_of_two_buckets,
     resolve_kv_dtype,
+    upload_host_arrays,
     write_sampling_row,
 )
 from service.request import SamplingOptions
@@ -249,8 +251,7 @@ class PagedEngine:
 
     def _sampling(self) -> SamplingParams:
         if self._sp_device is None:
-            host = {k: v.copy() for k, v in self._sp.items()}
-            self._sp_device = jax.device_put(SamplingParams(**host), self.repl)
+            self._sp_device = SamplingParams(**upload_host_arrays(self._sp, self.repl))
         return self._sp_device
 
     # ---- the step ---------------------------------------------------------------------------
@@ -410,12 +411,7 @@ class PagedEngine:
 
     def weight_bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters held by each device, keyed by device id string."""
-        out: dict[str, int] = {}
-        for leaf in jax.tree.leaves(self.params):
-            for shard in leaf.addressable_shards:
-                key = str(shard.device.id)
-                out[key] = out.get(key, 0) + shard.data.nbytes
-        return out
+        return bytes_per_device(self.params)
 
 
 def _set_history_row(history: TokenHistory, slot: jax.Array, counts: jax.Array, in_prompt: jax.Array) -> TokenHistory:

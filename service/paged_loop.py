@@ -108,7 +108,7 @@ class PagedEngineLoop(EngineLoop):
             last_index=last_index,
             ban_eos=ban,
             page_tables=sched.page_tables.copy(),
-            num_real=len(plan.decode) + sum(c.length for c in plan.prefills),
+            num_real=plan.num_tokens,
             max_position=int(positions.max()),
             decode_tokens=D,
         )

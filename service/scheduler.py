@@ -62,6 +62,11 @@ class StepPlan:
         """The step's prefill chunks (at most one here; ``RaggedPlan`` has several)."""
         return () if self.prefill is None else (self.prefill,)
 
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens: decode tokens plus the chunk's tokens."""
+        return len(self.decode) + (self.prefill.length if self.prefill is not None else 0)
+
 
 class Scheduler:
     """Slots, the waiting queue and the per-step plan.

@@ -61,7 +61,7 @@ from service.paged_loop import engine_loop
 from service.paged_scheduler import PagedScheduler, RaggedPlan
 from service.pools import Pool, PoolSpec, assign_devices, parse_pool
 from service.request import Chunk, FinishReason, Request, RequestState
-from service.scheduler import QueueFull, StepPlan
+from service.scheduler import QueueFull, Scheduler, StepPlan
 from service.text_stream import TextStream
 from service.validation import InvalidRequest, ValidatedRequest, validate
 from service.wire import add_servicer
@@ -397,7 +397,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
             t2 = time.perf_counter()
             for i, (spec, ds, engine) in enumerate(zip(specs, device_sets, engines, strict=True)):
-                loop = engine_loop(engine, cfg.max_queue, self._step_observer(spec.name))
+                loop = engine_loop(engine, cfg.max_queue)
+                loop.on_step = self._step_observer(spec.name, loop.scheduler)
                 pool = Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0)
                 self._track_pool(pool)
                 loop.start(warmup_full=cfg.warmup_full)
@@ -551,8 +552,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         lay = pool.layout
         self.metrics.set_layout(pool.name, lay.name, lay.data, lay.model, pool.loop.engine.plan.attention)
 
-    def _step_observer(self, pool_name: str):  # type: ignore[no-untyped-def]
-        """The engine loop's ``on_step`` hook for one pool (runs on the loop thread, never raises)."""
+    def _step_observer(self, pool_name: str, sched: Scheduler | PagedScheduler):  # type: ignore[no-untyped-def]
+        """The engine loop's ``on_step`` hook for one pool whose loop's scheduler is ``sched``
+        (runs on the loop thread, never raises)."""
         m = self.metrics
 
         seen = {"queried": 0, "hits": 0, "preemptions": 0}  # the paged scheduler's totals, last step
@@ -560,14 +562,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         def on_step(plan: StepPlan | RaggedPlan, seconds: float) -> None:
             try:
                 m.step_time.labels(pool=pool_name).observe(seconds)
-                m.step_tokens.labels(pool=pool_name).observe(
-                    len(plan.decode) + sum(chunk.length for chunk in plan.prefills)
-                )
+                m.step_tokens.labels(pool=pool_name).observe(plan.num_tokens)
                 for r in plan.admitted:
                     if r.preemptions == 0:  # a recomputation's wait is not queue time
                         started = time.monotonic() - seconds
                         m.queue_time.labels(pool=pool_name).observe(max(0.0, started - r.arrival_s))
-                sched = self.find_pool(pool_name).loop.scheduler
                 if isinstance(sched, PagedScheduler):
                     now = {
                         "queried": sched.blocks.queried_tokens,

@@ -39,6 +39,21 @@ def test_unknown_layer_form_is_refused() -> None:
         EngineConfig(layers="loop")
 
 
+@pytest.mark.parametrize(
+    ("kv_cache", "layers", "paged"),
+    [("auto", "auto", True), ("auto", "scan", True), ("auto", "unrolled", False), ("slots", "auto", False),
+     ("paged", "scan", True), ("slots", "unrolled", False)],
+)  # fmt: skip
+def test_kv_cache_resolves_from_the_layer_form(kv_cache: str, layers: str, paged: bool) -> None:
+    assert EngineConfig(kv_cache=kv_cache, layers=layers).paged is paged
+
+
+def test_a_paged_cache_with_the_unrolled_form_is_refused() -> None:
+    """The paged step runs the scan form only: asking for both is an error, not a silent scan."""
+    with pytest.raises(ValueError, match="kv_cache='paged' runs the scan form"):
+        EngineConfig(kv_cache="paged", layers="unrolled")
+
+
 def test_engine_resolves_auto_on_its_devices() -> None:
     """The default config ("auto") builds the scanned form on a CPU device (stacked weights, the
     one-array ``KVCache``) and the unrolled one on an accelerator (``BlockedKVCache``); the

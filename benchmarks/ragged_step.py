@@ -12,7 +12,8 @@ shared machine slows all of them, not one:
 * decode: ``--seqs`` sequences, one token each at position ``--position`` (its earlier
   positions cached), a window of ``--window`` positions: ``ragged_step`` (``window_pages`` =
   window / page size, every token attended on its own) against ``decode_step`` on a
-  ``KVCache`` of ``--seqs`` slots with ``kv_len`` = window;
+  ``KVCache`` of ``--seqs`` slots with ``kv_len`` = window, and, where the native CPU kernels
+  are built, ``ragged_step native`` (decode attention by ``model.cpu_paged_attention``);
 * prefill: a first chunk of ``--prompt`` tokens (nothing cached, window = the prompt rounded up
   to whole pages): ``ragged_step`` with the chunk in the blocked region (``prefill_from`` = 0,
   ``seq_block`` from ``--seq-blocks``; 0 there means no blocked region, every token attended on
@@ -103,12 +104,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from model import cpu_paged_attention
     from model.build import random_llama
     from model.kv_cache import KVCache
     from model.llama import decode_step, prefill, ragged_step
     from model.paged_kv import PagedKVCache
 
     cfg = config(args.config)
+    native_kernels = cpu_paged_attention.supports(cfg.q_per_kv, cfg.head_dim, jnp.float32) and (
+        cpu_paged_attention.available()
+    )
     graphdef, params = random_llama(cfg, args.seed)
     rng = np.random.default_rng(args.seed)
     ps = args.page_size
@@ -119,10 +124,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_pages = max(args.pages, args.seqs * window_pages, prompt_pages)
     variants: list[Variant] = []
 
-    def ragged(window: int, prefill_from: int | None, seq_block: int) -> Callable[..., Any]:
+    def ragged(window: int, prefill_from: int | None, seq_block: int, native: bool = False) -> Callable[..., Any]:
         def step(params, cache, *meta):  # type: ignore[no-untyped-def]
             model = nnx.merge(graphdef, params)
-            return ragged_step(model, cache, *meta, window_pages=window, prefill_from=prefill_from, seq_block=seq_block)
+            return ragged_step(
+                model, cache, *meta, window_pages=window, prefill_from=prefill_from, seq_block=seq_block,
+                native_decode=native,
+            )  # fmt: skip
 
         return jax.jit(step, donate_argnums=1)
 
@@ -146,6 +154,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             Variant("decode", "ragged_step", bound(fn, meta), PagedKVCache.zeros(cfg, num_pages, ps)),
             Variant("decode", "decode_step", lambda c: dec(params, c, tokens, positions), KVCache.zeros(cfg, B, args.window)),
         ]  # fmt: skip
+        if native_kernels and jax.default_backend() == "cpu":
+            nfn = ragged(window_pages, None, 1, native=True)
+            variants.append(
+                Variant("decode", "ragged_step native", bound(nfn, meta), PagedKVCache.zeros(cfg, num_pages, ps))
+            )
 
     # ---- prefill --------------------------------------------------------------------------
     T = args.prompt

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention, cpu_matmul
+from model import cpu_attention, cpu_matmul, cpu_paged_attention
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
@@ -865,6 +865,7 @@ def ragged_step(
     window_pages: int,
     prefill_from: int | None = None,
     seq_block: int = SEQ_BLOCK,
+    native_decode: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:
     """One step of the paged engine over a flat batch of N tokens mixing decode tokens and
     prefill chunks of several sequences: every real token's key and value is written into its
@@ -896,6 +897,10 @@ def ragged_step(
             attended as padding (zero attention output): a broken promise gives that token
             wrong hidden states and keys, never another sequence's keys or NaN.
         seq_block: static, >= 1: tokens per block of the prefill region.
+        native_decode: static: tokens [0, prefill_from) (every token, with ``prefill_from``
+            None) attend through the CPU kernel of ``model.cpu_paged_attention`` (registered
+            first by its ``available()``; one CPU device) instead of gathering windows for
+            XLA's dots; it reads each token's pages in place, up to its own position.
 
     Returns:
         logits [B, V] float32 (row b: token ``last_index[b]``'s), and the cache with every real
@@ -920,7 +925,13 @@ def ragged_step(
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
         parts = []
-        if split > 0:
+        if split > 0 and native_decode:
+            parts.append(
+                cpu_paged_attention.paged_attention(
+                    q[:split], k, v, page_tables, seq_of_token[:split], positions[:split], layer
+                )
+            )
+        elif split > 0:
             parts.append(
                 ragged_paged_attention(
                     q[:split], k, v, page_tables, seq_of_token[:split], positions[:split],

@@ -1,7 +1,8 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Six kernels, one shared library: the decode step's KV-cache write and attention, a prefill
+Seven kernels, one shared library: the decode step's KV-cache write and attention, a prefill
 chunk's KV-cache write and a first prefill chunk's causal attention (``model.cpu_attention``),
+decode tokens' attention over the paged cache (``model.cpu_paged_attention``),
 the weight matmuls over packed weights (``model.cpu_matmul``): float32 panels, and bf16x3 on
 AMX tiles where the CPU has AMX (``amx_available``), and greedy decoding's argmax
 (``model.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
@@ -47,6 +48,7 @@ AMX_MATMUL = "meshserve_amx_matmul"
 CAUSAL_ATTENTION = "meshserve_causal_attention"
 FIRST_ARGMAX = "meshserve_first_argmax"
 CACHE_WRITE = "meshserve_cache_write"
+PAGED_ATTENTION = "meshserve_paged_attention"
 TARGETS = {  # -> exported symbol
     DECODE_ATTENTION: "MeshserveDecodeAttention",
     CAUSAL_ATTENTION: "MeshserveCausalAttention",
@@ -54,6 +56,7 @@ TARGETS = {  # -> exported symbol
     AMX_MATMUL: "MeshserveAmxMatmul",
     FIRST_ARGMAX: "MeshserveFirstArgmax",
     CACHE_WRITE: "MeshserveCacheWrite",
+    PAGED_ATTENTION: "MeshservePagedAttention",
 }
 MARCH_ENV = "MESHSERVE_NATIVE_MARCH"  # the build target's -march value; default "native"
 SUPPORTED_MACHINES = ("x86_64", "AMD64")  # platform.machine() values the kernels are built for

@@ -189,8 +189,10 @@ class EngineConfig:
             ``model.cpu_attention`` where they apply: CPU, one device, a float32 or bfloat16
             cache, G <= 8, head_dim a multiple of 16, the kernels built; decode
             steps then write and attend through one kernel, a first prefill chunk attends
-            causally through the other; else XLA's dots) or "xla" (always XLA's dots). The scan
-            form always uses XLA's.
+            causally through the other; else XLA's dots) or "xla" (always XLA's dots). The
+            slots engine's scan form always uses XLA's; the paged engine's decode tokens attend
+            through ``model.cpu_paged_attention`` under "auto" on one CPU device (G <= 8,
+            head_dim a multiple of 16, the kernels built).
         matmul: how unrolled steps multiply by the weights: "auto" (the native CPU kernel of
             ``model.cpu_matmul`` over a second, panel-packed copy of the layer and LM-head
             weights where it applies: CPU, one device, float32 weights whose output widths are

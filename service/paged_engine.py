@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_argmax
+from model import cpu_argmax, cpu_paged_attention
 from model.config import LlamaConfig
 from model.llama import SEQ_BLOCK, ragged_step, stack_layers
 from model.paged_kv import PagedKVCache
@@ -115,7 +115,10 @@ class PagedEngine:
     """Owns the sharded params, the paged KV pool and the compiled ragged steps of one layout.
 
     Not thread-safe: one engine-loop thread calls every method after construction. The weights
-    always take the stacked (scan) form and attention XLA's path (``ecfg.layers`` says "scan").
+    always take the stacked (scan) form (``ecfg.layers`` says "scan"); decode tokens attend
+    through the native CPU kernel of ``model.cpu_paged_attention`` on one CPU device where it
+    is built and ``ecfg.decode_attention`` is "auto" (``native_attention``), else, like the
+    prefill region, through XLA's path.
 
     Args: as ``service.engine.Engine``; ``engine_cfg.paged`` holds.
 
@@ -165,7 +168,15 @@ class PagedEngine:
         self.history = jax.jit(partial(TokenHistory.zeros, S, cfg.vocab_size), out_shardings=self.repl)()
         one_cpu = self.mesh.devices.size == 1 and platform == "cpu"
         self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
-        self.native_attention = False
+        # Decode tokens attend through the native kernel where it runs (one CPU device): XLA's
+        # per-token windows and tiny dots cost ~10x more there (model/cpu_paged_attention.py).
+        self.native_attention = (
+            one_cpu
+            and engine_cfg.decode_attention == "auto"
+            and cpu_paged_attention.supports(cfg.q_per_kv, cfg.head_dim, self.kv_dtype)
+            and cpu_paged_attention.available()
+        )
+        log.info("paged decode attention: %s", "native CPU kernel" if self.native_attention else "XLA dots")
         self.panels = None
 
         # Blocks of the prefill region: a chunk pads to a whole block, so no bigger than a chunk.
@@ -188,7 +199,7 @@ class PagedEngine:
         if key not in self._fns:
             # Locals, not ``self``: a jitted function closing over its engine is a reference
             # cycle that kept old engines alive until a full garbage collection.
-            graphdef, argmax, seq_block = self.graphdef, self.argmax, self.seq_block
+            graphdef, argmax, seq_block, native = self.graphdef, self.argmax, self.seq_block, self.native_attention
 
             def run(
                 params,
@@ -216,6 +227,7 @@ class PagedEngine:
                 logits, cache = ragged_step(
                     model, cache, tokens, positions, rows, page_tables, last_index,
                     window_pages=window_pages, prefill_from=decode_tokens, seq_block=seq_block,
+                    native_decode=native,
                 )  # fmt: skip
                 sp = dataclasses.replace(sp, ban_eos=ban)
                 next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)

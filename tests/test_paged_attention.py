@@ -24,6 +24,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model import cpu_paged_attention
 from model.config import LlamaConfig
 from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
 from model.paged_kv import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
@@ -127,11 +128,16 @@ STACK_LAYERS, LAYER = 3, 1  # the stacked form: layer 1 of 3
 
 
 def run_step(
-    step: Step, dtype: jnp.dtype, query_block: int | None = None, stacked: bool = False, block: int | None = None
+    step: Step,
+    dtype: jnp.dtype,
+    query_block: int | None = None,
+    stacked: bool = False,
+    block: int | None = None,
+    native: bool = False,
 ) -> tuple[np.ndarray, jax.Array, jax.Array]:
     """Write the history, then the step's tokens, through ``write_kv`` at ``slot_mapping``'s
-    slots; attend (``ragged_paged_attention``, or ``ragged_paged_attention_blocks`` with
-    ``block``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
+    slots; attend (``ragged_paged_attention``, ``ragged_paged_attention_blocks`` with
+    ``block``, or with ``native`` the CPU kernel of ``model.cpu_paged_attention``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
     ``stacked``: the pages are layer ``LAYER`` of a stacked array whose other layers are
     filled with 7s (so reading the wrong layer shows)."""
     shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)[1:]
@@ -154,7 +160,10 @@ def run_step(
     @jax.jit
     def attend(kp, vp, q, seq, pos):  # type: ignore[no-untyped-def]
         kp, vp = write_kv(kp, vp, slot_mapping(tables, seq, pos, step.page_size), k_new, v_new, layer)
-        if block is not None:
+        if native:  # the kernel reads stacked pages: one layer is a stack of one
+            stack = (kp, vp) if stacked else (kp[None], vp[None])
+            out = cpu_paged_attention.paged_attention(q, *stack, tables, seq, pos, LAYER if stacked else 0)
+        elif block is not None:
             out = ragged_paged_attention_blocks(
                 q, kp, vp, tables, seq, pos, window_pages=step.window_pages, block=block, layer=layer
             )
@@ -206,6 +215,51 @@ def test_float32_matches_dense_attention(page_size: int, stacked: bool) -> None:
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
     assert padding.sum() == 3 and not out[padding].any()  # padding tokens give exact zeros
+
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_paged_attention.available() or jax.devices()[0].platform != "cpu", reason="native CPU kernels not built"
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
+@pytest.mark.parametrize("page_size", [8, 16, 128])
+def test_the_native_kernel_matches_dense_attention(page_size: int, stacked: bool) -> None:
+    """``cpu_paged_attention.paged_attention`` on the mixed step (every token on its own, -1
+    filler in the tables, padding of every kind): the dense reference, padding exact zeros."""
+    step = mixed_step(page_size)
+    out, _, _ = run_step(step, jnp.float32, stacked=stacked, native=True)
+    np.testing.assert_allclose(out, dense_attention(step, step.dense_k, step.dense_v), rtol=1e-5, atol=1e-5)
+    padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
+    assert padding.sum() == 3 and not out[padding].any()
+
+
+@needs_kernels
+def test_the_native_kernel_reads_a_bfloat16_cache() -> None:
+    step = mixed_step(16, seed=1)
+    out, kp, _ = run_step(step, jnp.bfloat16, stacked=True, native=True)
+    assert kp.dtype == jnp.bfloat16
+    rounded_k, rounded_v = [as_bf16(k) for k in step.dense_k], [as_bf16(v) for v in step.dense_v]
+    np.testing.assert_allclose(out, dense_attention(step, rounded_k, rounded_v), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 16), (4, 64), (8, 128), (7, 32)])
+def test_the_native_kernel_equals_xla_for_every_group_size(group: int, head_dim: int) -> None:
+    """Random pages, tables and positions (up to a window of 8 pages of 16) for G query heads per
+    KV head: the kernel's register tiles are compiled per G, each checked against XLA's path."""
+    rng = np.random.default_rng(group)
+    L, num_pages, kv_heads, ps, rows, n = 2, 40, 2, 16, 6, 9
+    kp = jnp.asarray(rng.standard_normal((L, num_pages, kv_heads, ps, head_dim)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((L, num_pages, kv_heads, ps, head_dim)), jnp.float32)
+    tables = jnp.asarray(rng.integers(0, num_pages, (rows, 8)), jnp.int32)
+    seq = jnp.asarray(rng.integers(0, rows, n), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 8 * ps, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((n, kv_heads, group, head_dim)) * head_dim**-0.5, jnp.float32)
+    got = cpu_paged_attention.paged_attention(q, kp, vp, tables, seq, pos, 1)
+    want = ragged_paged_attention(q, kp, vp, tables, seq, pos, window_pages=8, layer=1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def rounding_bound(step: Step) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_engine_penalties import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, T, make, reference, run
 
+from model import cpu_paged_attention
 from service.engine import EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import PagedEngineLoop, engine_loop
@@ -25,8 +26,9 @@ N = 12
 
 
 def paged(page_size: int = 4, slots: int = 4, pool_tokens: int = 0, budget: int = 32, layout: str = "1x1",
-          devices: list | None = None) -> PagedEngineLoop:  # fmt: skip
+          devices: list | None = None, decode_attention: str = "auto") -> PagedEngineLoop:  # fmt: skip
     ecfg = EngineConfig(
+        decode_attention=decode_attention,
         num_slots=slots,
         max_seq_len=T,
         chunk_size=CHUNK,
@@ -105,6 +107,21 @@ def test_pages_go_back_when_requests_end_or_are_cancelled(loop: PagedEngineLoop)
             break
         deadline.wait(0.05)
     assert blocks.num_used == 0 and loop.scheduler.active_slots == 0 and r.finish_reason is FinishReason.CANCELLED
+
+
+def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
+    """The module's loop attends decode tokens through the native CPU kernel where it is built
+    (``model.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
+    reference's ids."""
+    assert loop.engine.native_attention is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
+    xla = paged(decode_attention="xla")
+    assert not xla.engine.native_attention
+    xla.start()
+    try:
+        assert xla.ready.wait(600)
+        assert run(xla, [make(PROMPT_A, N), make(PROMPT_C, N)]) == [refs["A"], refs["C"]]
+    finally:
+        xla.stop()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

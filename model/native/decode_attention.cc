@@ -52,17 +52,6 @@ using meshserve::kLanes;
 using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
-typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline vf load(const uint16_t* p) {  // kLanes bfloat16 values widened to float32
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
 constexpr int kAhead = 16;  // rows prefetched ahead (hardware prefetchers restart at every 4 KiB page)
 // Into L2 (locality 1, prefetcht2), not L1 (3): a (slot, head)'s keys and values outgrow L1,
 // and L1's few miss buffers cap the lines in flight; L2 took the stream faster.

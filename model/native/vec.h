@@ -45,6 +45,18 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// kLanes bfloat16 values (the high halves of float32s, uint16_t here) widened exactly to float32.
+inline vf load(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 // e^x for x <= 0 (softmax after max subtraction), kLanes at a time: x = k ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 3e-7 there), 2^k
 // through the exponent bits; x below -87 (e^x < 2^-126) gives 0.

@@ -122,7 +122,7 @@ class AdminService(apb_grpc.AdminServicer):
             def build():  # type: ignore[no-untyped-def]
                 restored = self.service.restore_for_layout(layout, pool.devices)
                 engine = old.relayout(layout, pool.devices, restored)
-                engine.warmup(full=True)
+                engine.warmup_to_replace(old)
                 return engine
 
             new_engine = await asyncio.to_thread(build)

@@ -674,6 +674,11 @@ class Engine:
         return elapsed
 
     # ---- layout switch -----------------------------------------------------------------------
+    def warmup_to_replace(self, old: Engine) -> float:
+        """Before this engine takes over from ``old`` (a live switch): compile every variant
+        (``warmup(full=True)``), so nothing compiles after the switch. Returns the seconds spent."""
+        return self.warmup(full=True)
+
     def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> Engine:
         """A new engine with this engine's weights on ``layout``'s mesh over ``devices``.
 

@@ -389,11 +389,11 @@ class PagedEngine:
         warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
         return [(d, p, W[0]) for d in D for p in P] + [(d, 0, w) for d in D for w in warm]
 
-    def warmup(self, full: bool = False) -> float:
-        """Compile (and run once) ``warm_programs(full)``; the rest compile on first use.
-        Returns the seconds spent."""
+    def warmup(self, full: bool = False, also: Collection[tuple[int, int, int]] = ()) -> float:
+        """Compile (and run once) ``warm_programs(full)`` and the programs ``also`` names; the rest
+        compile on first use. Returns the seconds spent."""
         t0 = time.perf_counter()
-        programs = self.warm_programs(full)
+        programs = list(dict.fromkeys([*self.warm_programs(full), *also]))
         for decode, prefill, window in programs:
             self.step(self.idle_batch(decode, prefill, window * self.ecfg.page_size - 1)).host()
         elapsed = time.perf_counter() - t0
@@ -401,6 +401,12 @@ class PagedEngine:
         return elapsed
 
     # ---- layout switch -----------------------------------------------------------------------
+    def warmup_to_replace(self, old: PagedEngine) -> float:
+        """Before this engine takes over from ``old`` (a live switch): compile the programs
+        ``warmup`` does and every one ``old`` has compiled, so traffic like ``old``'s compiles
+        nothing after the switch. Returns the seconds spent."""
+        return self.warmup(also=list(old._fns))
+
     def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
         """A new engine with these weights on ``layout``'s mesh over ``devices`` (as
         ``Engine.relayout``); its pool is empty until ``adopt_state``."""

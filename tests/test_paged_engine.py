@@ -208,3 +208,19 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
     many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048))
     assert many.decode_buckets == [8, 16, 32, 64]
     assert len(many.warm_programs()) == 4 * 5 + 4 * 2
+
+
+def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:
+    """A live switch's new engine warms the short-sequence programs and every program the old
+    engine compiled (a long window here), not all of them."""
+    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32)
+    old = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
+    old.warmup()
+    long = old.idle_batch(old.decode_buckets[0], 0, 1023)  # a decode token at the last position
+    old.step(long).host()
+    used = set(old._fns)
+    assert len(used) == len(old.warm_programs()) + 1
+    new = old.relayout(Layout("1x1"), jax.devices()[:1])
+    new.warmup_to_replace(old)
+    assert set(new._fns) == used
+    assert len(used) < len(new.warm_programs(full=True))

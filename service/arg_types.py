@@ -49,3 +49,27 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
     return value
+
+
+BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: an integer with an optional unit (B, KB, MB, GB, KiB, MiB, GiB; any
+    case), e.g. "4GiB", "512 MiB", "1000000"; fractional values allowed with a unit ("1.5GiB").
+
+    Raises:
+        argparse.ArgumentTypeError: not a number and unit of that form, or below 1 byte.
+    """
+    stripped = text.strip()
+    number = stripped.rstrip("bBkKmMgGiI ")
+    unit = stripped[len(number) :].strip().upper()
+    if unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"unknown unit {unit!r} in {text!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+    try:
+        value = float(number) * BYTE_UNITS[unit] if unit else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB or 1000000, got {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return int(value)

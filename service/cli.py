@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.arg_types import nonnegative_float, port_number, positive_float, positive_int
+from service.arg_types import byte_size, nonnegative_float, port_number, positive_float, positive_int
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -28,7 +28,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "page_size", "kv_cache_tokens",
+                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "page_size", "kv_cache_tokens", "kv_cache_memory",
                 "max_num_batched_tokens", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
@@ -377,7 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-cache-tokens",
         type=int,
-        help="with --kv-cache paged: token positions in the pool (default: slots x max-seq-len)",
+        help="with --kv-cache paged: token positions in the pool (default: 90%% of each accelerator's memory "
+        "left after the weights; on CPU slots x max-seq-len, at most half the host's available memory)",
+    )
+    s.add_argument(
+        "--kv-cache-memory",
+        type=byte_size,
+        help="with --kv-cache paged: the pool's bytes per device, e.g. 4GiB, 512MiB or 1000000 (instead of "
+        "--kv-cache-tokens)",
     )
     s.add_argument(
         "--max-num-batched-tokens",

@@ -213,8 +213,11 @@ class EngineConfig:
             "unrolled" (asked for by name: the native kernels run only there), else "paged".
             ``paged`` holds the resolved choice.
         page_size: token positions per page of the paged cache (a power of two).
-        kv_cache_tokens: positions in the paged pool (0: ``num_slots x max_seq_len``, the slots
-            cache's memory); ``max_seq_len`` stays each request's limit.
+        kv_cache_tokens: positions in the paged pool (0: from ``kv_cache_memory``, or by default
+            from the devices' memory: ``service.kv_pool``); ``max_seq_len`` stays each request's
+            limit. A ``PagedEngine``'s ``ecfg`` holds the resolved size.
+        kv_cache_memory: bytes of the paged pool per device (0: not given); at most one of it
+            and ``kv_cache_tokens``.
         max_num_batched_tokens: most prefill tokens one paged step runs, over the chunks of
             several prompts (each padded to whole blocks of the step's prefill region); decode
             tokens have a region of their own, one position per slot.
@@ -231,6 +234,7 @@ class EngineConfig:
     kv_cache: str = "auto"
     page_size: int = 16
     kv_cache_tokens: int = 0
+    kv_cache_memory: int = 0
     max_num_batched_tokens: int = 512
 
     def __post_init__(self) -> None:
@@ -263,6 +267,10 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens < 0:
             raise ValueError(f"kv_cache_tokens must be >= 0 (0: num_slots x max_seq_len), got {self.kv_cache_tokens}")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"kv_cache_memory must be >= 0 bytes (0: not given), got {self.kv_cache_memory}")
+        if self.kv_cache_tokens and self.kv_cache_memory:
+            raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -273,8 +281,9 @@ class EngineConfig:
 
     @property
     def num_pages(self) -> int:
-        """Pages in the paged pool: ``kv_cache_tokens`` (0: num_slots x max_seq_len) over
-        ``page_size``, rounded up."""
+        """Pages in the paged pool: ``kv_cache_tokens`` over ``page_size``, rounded up; before a
+        ``PagedEngine`` resolves a size that was not given in tokens (``service.kv_pool``),
+        num_slots x max_seq_len positions'."""
         tokens = self.kv_cache_tokens or self.num_slots * self.max_seq_len
         return -(-tokens // self.page_size)
 

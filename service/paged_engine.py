@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Collection
 from functools import partial
@@ -61,6 +62,7 @@ from service.engine import (
     upload_host_arrays,
     write_sampling_row,
 )
+from service import kv_pool
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
@@ -153,15 +155,39 @@ class PagedEngine:
         self.kv_dtype = jnp.dtype(kv_dtype)
         rules = self.plan.rules
         S, ps = engine_cfg.num_slots, engine_cfg.page_size
-        self.num_pages = engine_cfg.num_pages
         self.max_pages = -(-engine_cfg.max_seq_len // ps)
         params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
         params = stack_layers(params)
         self.param_sharding = param_shardings(params, self.mesh, rules)
-        cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
-        self._cache_sh = cache_sh
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
+        # The pool's size, from what was asked or from the memory left once the weights are placed.
+        one_page = cache_shardings(PagedKVCache.abstract(cfg, 1, ps, self.kv_dtype), self.mesh, rules).k
+        shape = PagedKVCache.shape(cfg, 1, ps)
+        per_token = 2 * math.prod(one_page.shard_shape(shape)) * self.kv_dtype.itemsize // ps
+        devices_of_mesh = list(self.mesh.devices.flat)
+        tokens = kv_pool.pool_tokens(
+            kv_cache_tokens=engine_cfg.kv_cache_tokens,
+            kv_cache_memory=engine_cfg.kv_cache_memory,
+            num_slots=S,
+            max_seq_len=engine_cfg.max_seq_len,
+            page_size=ps,
+            per_token=per_token,
+            num_devices=len(devices_of_mesh),
+            device_free=kv_pool.device_free_bytes(devices_of_mesh),
+            host_available=kv_pool.host_available_bytes(),
+        )
+        # The resolved size replaces the ask, so a relayout (live switch) keeps the same pages.
+        engine_cfg = dataclasses.replace(engine_cfg, kv_cache_tokens=tokens, kv_cache_memory=0)
+        self.ecfg = engine_cfg
+        self.num_pages = engine_cfg.num_pages
+        self.pool_bytes_per_device = tokens * per_token
+        cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
+        self._cache_sh = cache_sh
+        log.info(
+            "KV pool: %d pages of %d positions (%d tokens, %.1f MiB per device)",
+            self.num_pages, ps, tokens, self.pool_bytes_per_device / 2**20,
+        )  # fmt: skip
         self.cache = jax.jit(
             partial(PagedKVCache.zeros, cfg, self.num_pages, ps, self.kv_dtype), out_shardings=cache_sh
         )()

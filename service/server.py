@@ -392,6 +392,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 for s, ds, params in zip(specs, device_sets, params_per_pool, strict=True)
             ]
             del params_per_pool
+            if ecfg.paged:  # the pools' sizes as resolved (service.kv_pool); requests are held to the least
+                tokens = min(e.ecfg.kv_cache_tokens for e in engines)
+                ecfg = dataclasses.replace(ecfg, kv_cache_tokens=tokens, kv_cache_memory=0)
+                self.cfg = cfg = dataclasses.replace(cfg, engine=ecfg)
             t_place = time.perf_counter() - t1
             c_place = clock.seconds() - c_load
 

@@ -55,6 +55,9 @@ def test_engine_mapping_flat_keys_and_flags(tmp_path: Path) -> None:
     assert (cfg.port, cfg.layout) == (7000, "1x2")
     assert cfg.engine == EngineConfig(num_slots=6, max_seq_len=128, layers="scan")
     assert serve_config("--slots", "3").engine.num_slots == 3  # no file: the flags alone
+    assert serve_config("--kv-cache-memory", "2GiB").engine.kv_cache_memory == 2 * 2**30
+    with pytest.raises(SystemExit):  # both sizes: the engine's config refuses it, one line
+        serve_config("--kv-cache-memory", "2GiB", "--kv-cache-tokens", "4096")
 
 
 def test_empty_file_is_the_defaults(tmp_path: Path) -> None:

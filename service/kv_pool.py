@@ -1,0 +1,123 @@
+"""How many token positions the paged KV pool holds: asked for in tokens (``--kv-cache-tokens``)
+or in bytes per device (``--kv-cache-memory``), or, by default, from the devices' memory.
+
+The default follows what a user of vLLM's or SGLang's scheduler expects, per platform:
+
+* accelerators that report their memory (``Device.memory_stats()``'s ``bytes_limit``, GPUs and
+  TPUs): the pool takes ``ACCELERATOR_FRACTION`` of each device's memory limit less what is in
+  use once the weights are placed (vLLM's ``gpu_memory_utilization``, 0.9 by default, counts the
+  weights and activations inside its fraction; the 0.1 left here is the activations' and
+  compiler's room), at least one page;
+* CPU devices, which share the host's memory with the process and with each other:
+  ``num_slots x max_seq_len`` positions (every slot at its longest), capped so that the pool of
+  all the mesh's devices takes at most ``HOST_FRACTION`` of the memory the host has available
+  (``/proc/meminfo``'s MemAvailable); the cap is logged.
+
+Bytes per position and device: 2 (K and V) x layers x KV heads held by the device (all of them,
+or KV heads / the model axis where the layout splits heads) x head_dim x the cache dtype's size.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from model.config import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+ACCELERATOR_FRACTION = 0.9  # of each device's memory limit, weights already in use inside it
+HOST_FRACTION = 0.5  # of the host's available memory, for the pools of all CPU devices
+
+
+def bytes_per_token(cfg: LlamaConfig, kv_dtype: Any, kv_heads_split: int) -> int:
+    """Bytes of K and V one cached position takes on one device: 2 x L x (K / kv_heads_split) x
+    H x the dtype's size (``kv_heads_split``: the model axis where the layout splits KV heads
+    over it, else 1)."""
+    heads = cfg.num_kv_heads // kv_heads_split
+    return 2 * cfg.num_layers * heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def device_free_bytes(devices: list[jax.Device]) -> int | None:
+    """The least, over ``devices``, of ``ACCELERATOR_FRACTION`` x the memory limit less the bytes
+    in use; None when a device reports no limit (CPU devices)."""
+    free = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(int(ACCELERATOR_FRACTION * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    return min(free) if free else None
+
+
+def pool_tokens(
+    *,
+    kv_cache_tokens: int,
+    kv_cache_memory: int,
+    num_slots: int,
+    max_seq_len: int,
+    page_size: int,
+    per_token: int,
+    num_devices: int,
+    device_free: int | None,
+    host_available: int | None,
+) -> int:
+    """The pool's token positions, a whole number of pages (see the module docstring).
+
+    Args:
+        kv_cache_tokens, kv_cache_memory: the user's ask (0 = not given; at most one given).
+        num_slots, max_seq_len, page_size: the engine's sizes.
+        per_token: ``bytes_per_token`` on one device.
+        num_devices: devices of the mesh (each holds its share of every position).
+        device_free: ``device_free_bytes`` (None on CPU devices).
+        host_available: ``host_available_bytes`` (used when ``device_free`` is None).
+
+    Raises:
+        ValueError: the memory asked for, or the memory free on the devices, holds less than one
+            page.
+    """
+    pages = lambda tokens: -(-tokens // page_size) * page_size  # noqa: E731
+    if kv_cache_tokens:
+        return pages(kv_cache_tokens)
+    if kv_cache_memory:
+        tokens = kv_cache_memory // per_token // page_size * page_size
+        if tokens < page_size:
+            raise ValueError(
+                f"kv_cache_memory {kv_cache_memory} bytes holds no page of {page_size} positions "
+                f"({per_token} bytes a position per device)"
+            )
+        return tokens
+    if device_free is not None:
+        tokens = max(device_free, 0) // per_token // page_size * page_size
+        if tokens < page_size:
+            raise ValueError(
+                f"the devices have {max(device_free, 0)} bytes free for the KV cache, less than one page "
+                f"({page_size} x {per_token} bytes): give kv_cache_tokens or kv_cache_memory"
+            )
+        return tokens
+    tokens = pages(num_slots * max_seq_len)
+    if host_available is not None:
+        cap = int(HOST_FRACTION * host_available) // (per_token * num_devices) // page_size * page_size
+        if cap < tokens:
+            log.warning(
+                "KV pool: %d positions (slots x max_seq_len) would take more than %.0f%% of the host's "
+                "available memory; %d positions instead (give kv_cache_tokens to choose)",
+                tokens, 100 * HOST_FRACTION, max(cap, page_size),
+            )  # fmt: skip
+            tokens = max(cap, page_size)
+    return tokens

@@ -50,6 +50,7 @@ from model.config import LlamaConfig
 from model.llama import SEQ_BLOCK, ragged_step, stack_layers
 from model.paged_kv import PagedKVCache
 from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
+from service import kv_pool
 from service.engine import (
     TOP_LOGPROBS,
     EngineConfig,
@@ -62,7 +63,6 @@ from service.engine import (
     upload_host_arrays,
     write_sampling_row,
 )
-from service import kv_pool
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh

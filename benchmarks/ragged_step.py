@@ -171,6 +171,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name = f"ragged_step seq_block={block}" if block else "ragged_step per token"
             cache = PagedKVCache.zeros(cfg, num_pages, ps)
             variants.append(Variant("prefill", name, bound(pfn, pmeta), cache))
+        if native_kernels and jax.default_backend() == "cpu":  # every token through the decode kernel
+            pfn = ragged(prompt_pages, None, 1, native=True)
+            cache = PagedKVCache.zeros(cfg, num_pages, ps)
+            variants.append(Variant("prefill", "ragged_step per token, native", bound(pfn, pmeta), cache))
         pf = jax.jit(
             lambda p, c, t: prefill(nnx.merge(graphdef, p), c, t, jnp.int32(0), jnp.int32(T), jnp.int32(0), kv_len=0),
             donate_argnums=1,

@@ -17,7 +17,8 @@ each block's window once (``ragged_paged_attention_blocks``) rather than once pe
 
 Shape variants: the decode region is a power of two from ``MIN_DECODE`` up to the row count;
 the prefill region 0 tokens or a power of two times ``seq_block`` up to
-``max_num_batched_tokens`` (rounded up to a block); attention reads a power-of-two number of
+``max_num_batched_tokens`` (rounded up to a block), or up to one chunk per row where that is
+less; attention reads a power-of-two number of
 pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least). Programs =
 decode x prefill x window buckets, e.g. 1 x 5 x 5 = 25 for 4 rows, 512 tokens a step in blocks
 of 64 and 2,048-token sequences in pages of 16. ``warmup`` compiles the ones short sequences
@@ -207,7 +208,9 @@ class PagedEngine:
 
         # Blocks of the prefill region: a chunk pads to a whole block, so no bigger than a chunk.
         self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)
-        region = -(-engine_cfg.max_num_batched_tokens // self.seq_block) * self.seq_block
+        # The region holds a step's chunks: at most the budget, and at most one chunk per row.
+        blocks_of = lambda n: -(-n // self.seq_block) * self.seq_block  # noqa: E731
+        region = min(blocks_of(engine_cfg.max_num_batched_tokens), S * blocks_of(engine_cfg.chunk_size))
         self.prefill_buckets = [0, *power_of_two_buckets(self.seq_block, region)]
         self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S), S)
         self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)

@@ -42,7 +42,9 @@ def test_a_cpu_takes_slots_times_length_within_half_the_host() -> None:
     assert plenty == 400
     # 8 devices of 1,000 bytes a position in half of 4 MB: 250 positions, 240 in whole pages.
     sizes = {**SIZES, "num_devices": 8}
-    tight = kv_pool.pool_tokens(kv_cache_tokens=0, kv_cache_memory=0, device_free=None, host_available=4 * 10**6, **sizes)
+    tight = kv_pool.pool_tokens(
+        kv_cache_tokens=0, kv_cache_memory=0, device_free=None, host_available=4 * 10**6, **sizes
+    )
     assert tight == 240
 
 

@@ -208,6 +208,9 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
     many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048))
     assert many.decode_buckets == [8, 16, 32, 64]
     assert len(many.warm_programs()) == 4 * 5 + 4 * 2
+    # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
+    small = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
+    assert small.prefill_buckets == [0, 32, 64]
 
 
 def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:

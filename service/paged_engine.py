@@ -19,11 +19,13 @@ Shape variants: the decode region is a power of two from ``MIN_DECODE`` up to th
 the prefill region 0 tokens or a power of two times ``seq_block`` up to
 ``max_num_batched_tokens`` (rounded up to a block), or up to one chunk per row where that is
 less; attention reads a power-of-two number of
-pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least). Programs =
-decode x prefill x window buckets, e.g. 1 x 5 x 5 = 25 for 4 rows, 512 tokens a step in blocks
-of 64 and 2,048-token sequences in pages of 16. ``warmup`` compiles the ones short sequences
-need (``warm_programs``: 7 of those 25); the rest compile on first use (and land in JAX's
-persistent compilation cache).
+pages per sequence covering the step's longest (``MIN_WINDOW`` tokens at least; where decode
+tokens attend through the native CPU kernel, which reads any position, the prefill region's
+longest only). Programs = decode x prefill x window buckets, e.g. 1 x 5 x 5 = 25 for 4 rows,
+512 tokens a step in blocks of 64 and 2,048-token sequences in pages of 16 (with native decode
+attention: decode-only steps are one program per decode bucket, 1 + 4 x 5 = 21). ``warmup``
+compiles the ones short sequences need (``warm_programs``: 7 of those 25, 5 with native decode
+attention); the rest compile on first use (and land in JAX's persistent compilation cache).
 
 The token history (``model.sampling.TokenHistory``, for the penalties) is kept as the slots
 engine keeps it, with one difference: a request's row is written whole when it is admitted
@@ -323,8 +325,13 @@ class PagedEngine:
         """
         if batch.max_position >= self.ecfg.max_seq_len:
             raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
-        window = pick_bucket(batch.max_position // self.ecfg.page_size + 1, self.window_buckets)
         decode, prefill = batch.decode_tokens, len(batch.tokens) - batch.decode_tokens
+        # The window covers the tokens that gather one: all of them on XLA's path, only the
+        # prefill region's where decode tokens attend natively (the kernel reads any position).
+        reach = batch.max_position
+        if self.native_attention:
+            reach = int(batch.positions[decode:].max()) if prefill else 0
+        window = pick_bucket(max(reach, 0) // self.ecfg.page_size + 1, self.window_buckets)
         if decode not in self.decode_buckets or prefill not in self.prefill_buckets:
             raise ValueError(
                 f"regions of {decode} decode and {prefill} prefill tokens: buckets are "
@@ -383,14 +390,16 @@ class PagedEngine:
         )
 
     def idle_batch(self, decode_tokens: int, prefill_tokens: int, max_position: int) -> RaggedBatch:
-        """A batch with regions of ``decode_tokens`` and ``prefill_tokens``, all padding but
-        row 0's decode token at ``max_position``, page table all page 0: for warm-up (it writes
-        one position of page 0, which no sequence has yet)."""
+        """A batch with regions of ``decode_tokens`` and ``prefill_tokens``, all padding but one
+        token of row 0 at ``max_position``, the prefill region's first (the decode region's
+        without one), page table all page 0: for warm-up (it writes one position of page 0,
+        which no sequence has yet). Its window is ``max_position``'s."""
         S = self.ecfg.num_slots
         num_tokens = decode_tokens + prefill_tokens
         positions = np.full(num_tokens, -1, np.int32)
         rows = np.full(num_tokens, -1, np.int32)
-        positions[0], rows[0] = max_position, 0
+        real = decode_tokens if prefill_tokens else 0
+        positions[real], rows[real] = max_position, 0
         return RaggedBatch(
             tokens=np.zeros(num_tokens, np.int32),
             positions=positions,
@@ -408,14 +417,19 @@ class PagedEngine:
     def warm_programs(self, full: bool = False) -> list[tuple[int, int, int]]:
         """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
         decode and prefill bucket at the smallest window (new prompts while sequences are short),
-        and decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences growing);
-        with ``full``, every prefill bucket and window with all rows decoding, and decode-only
-        steps of every decode bucket and window."""
+        and, unless decode tokens attend natively (``native_attention``: then a step's window
+        covers its prefill region only, and decode-only steps are one program per decode
+        bucket), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
+        growing); with ``full``, every prefill bucket and window with all rows decoding, and
+        decode-only steps of every decode bucket and window."""
         ps = self.ecfg.page_size
         D, P, W = self.decode_buckets, self.prefill_buckets, self.window_buckets
+        if full and self.native_attention:
+            return [(d, p, W[0]) for d in D for p in P] + [(D[-1], p, w) for p in P[1:] for w in W[1:]]
         if full:
             return [(D[-1], p, w) for p in P for w in W] + [(d, 0, w) for d in D[:-1] for w in W]
-        warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
+        # Decode tokens attending natively need no window: decode-only steps are one program each.
+        warm = [] if self.native_attention else [w for w in W[1:] if w * ps <= WARM_WINDOW]
         return [(d, p, W[0]) for d in D for p in P] + [(d, 0, w) for d in D for w in warm]
 
     def warmup(self, full: bool = False, also: Collection[tuple[int, int, int]] = ()) -> float:

@@ -192,7 +192,7 @@ def test_the_step_signature_does_not_grow_with_the_pool() -> None:
 
 
 def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -> None:
-    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
+    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048, decode_attention="xla"))
     assert engine.prefill_buckets == [0, 64, 128, 256, 512] and engine.window_buckets == [8, 16, 32, 64, 128]
     assert engine.decode_buckets == [4]  # 4 rows: one decode region
     assert engine.warm_programs() == [
@@ -205,7 +205,17 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         (4, 0, 32),
     ]
     assert len(engine.warm_programs(full=True)) == 25
-    many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048))
+    # Decode tokens attending natively: a window covers the prefill region only, so decode-only
+    # steps are one program, whatever their positions.
+    native = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
+    if native.native_attention:
+        assert native.warm_programs() == [(4, p, 8) for p in (0, 64, 128, 256, 512)]
+        assert len(native.warm_programs(full=True)) == 5 + 4 * 4
+        long_decode = native.idle_batch(4, 0, 2047)
+        native.step(long_decode).host()
+        assert list(native._fns) == [(4, 0, 8)]
+    ecfg = EngineConfig(num_slots=64, max_seq_len=2048, decode_attention="xla")
+    many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
     assert many.decode_buckets == [8, 16, 32, 64]
     assert len(many.warm_programs()) == 4 * 5 + 4 * 2
     # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
@@ -219,7 +229,7 @@ def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:
     ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32)
     old = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
     old.warmup()
-    long = old.idle_batch(old.decode_buckets[0], 0, 1023)  # a decode token at the last position
+    long = old.idle_batch(old.decode_buckets[0], old.prefill_buckets[1], 1023)  # a chunk's token, last position
     old.step(long).host()
     used = set(old._fns)
     assert len(used) == len(old.warm_programs()) + 1

@@ -8,9 +8,11 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import pytest
 
 from benchmarks.ragged_step import config, main
+from model import cpu_paged_attention
 
 
 def test_a_tiny_run_measures_every_variant(tmp_path: Path) -> None:
@@ -19,11 +21,14 @@ def test_a_tiny_run_measures_every_variant(tmp_path: Path) -> None:
     assert main([*argv, "--page-size", "8", "--seq-blocks", "0", "8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
+    native = cpu_paged_attention.available() and jax.default_backend() == "cpu"  # the kernel's variants
     assert [(r["case"], r["variant"]) for r in rows] == [
         ("decode", "ragged_step"),
         ("decode", "decode_step"),
+        *([("decode", "ragged_step native")] if native else []),
         ("prefill", "ragged_step per token"),
         ("prefill", "ragged_step seq_block=8"),
+        *([("prefill", "ragged_step per token, native")] if native else []),
         ("prefill", "prefill"),
     ]
     for r in rows:

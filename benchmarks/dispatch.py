@@ -97,17 +97,6 @@ CONFIGS = {
 }
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def memory_needed(cfg: Any, layers: str, max_len: int, slots: int) -> int:
     """Bytes a point is expected to hold at its peak: ``CACHE_COPIES[layers]`` float32 caches
     of ``slots`` x ``max_len`` positions, plus two float32 copies of the weights (the
@@ -343,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from model import native_kernels
+    from service.kv_pool import host_available_bytes
 
     devices = jax.devices()
-    free = available_memory_bytes()
+    free = host_available_bytes()
     print(
         f"{ap.prog}: jax {jax.__version__} on {devices[0].platform} ({devices[0].device_kind}), "
         f"{os.cpu_count()} CPU cores; native kernels: "
@@ -396,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_row(row), flush=True)
                 write_json(rows)
                 gc.collect()  # the engine's cache and weights, before the next point reads the free memory
-                free = available_memory_bytes()
+                free = host_available_bytes()
 
     summary = ratios(rows)
     for s in summary:

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 from model.config import LlamaConfig
 
 # Logical axes of the stacked page arrays, in order. sharding/plan.py's rules map "layers" to
-# no mesh axis (the scan over layers indexes it) and "kv_heads" to the ``model`` mesh axis (with
-# attention="heads"), and name neither "pages" nor "page_len", which ``sharding.rules.spec_for``
-# then leaves unsplit: every device holds every page of its KV heads, so one page table serves
-# all devices.
+# no mesh axis (the scan over layers indexes it), "kv_heads" to the ``model`` mesh axis (with
+# attention="heads") and "pages" to the ``data`` axis (each data replica holds its own range of
+# pages, which only its own rows' page tables name), and leave "page_len" and "head_dim" whole.
 PAGE_AXES = ("layers", "pages", "kv_heads", "page_len", "head_dim")
 
 

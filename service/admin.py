@@ -115,6 +115,17 @@ class AdminService(apb_grpc.AdminServicer):
                 )
         except LayoutError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ecfg = self.service.cfg.engine
+        if ecfg.paged:
+            # Each data replica has its own share of the pool; a request admitted now must still fit one.
+            per_replica = -(-ecfg.num_pages // layout.data) * ecfg.page_size
+            if min(ecfg.max_seq_len, per_replica) < self.service.max_request_tokens:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"layout {layout.name!r}: each of its {layout.data} data replicas holds {per_replica} of the "
+                    f"pool's {ecfg.num_pages * ecfg.page_size} tokens, fewer than the {self.service.max_request_tokens} "
+                    "one request may hold now; serve with a bigger --kv-cache-tokens to switch to it",
+                )
         async with self._switch_lock:
             t0 = time.perf_counter()
             old = pool.loop.engine

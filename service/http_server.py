@@ -210,7 +210,7 @@ def create_app(service: GenerationService) -> FastAPI:
                 "created": started,
                 "owned_by": "meshserve",
                 "root": service.info.name,
-                "max_model_len": service.cfg.engine.max_request_tokens,
+                "max_model_len": service.max_request_tokens,
                 "pool": pool.name,
                 "layout": pool.layout.name,
             }
@@ -265,7 +265,7 @@ def create_app(service: GenerationService) -> FastAPI:
         return await respond(
             request,
             body,
-            lambda tok: completion_request(body, tok, cfg.engine.max_request_tokens, cfg.max_queue),
+            lambda tok: completion_request(body, tok, service.max_request_tokens, cfg.max_queue),
             chat=False,
             logprobs=body.logprobs is not None,
         )
@@ -276,7 +276,7 @@ def create_app(service: GenerationService) -> FastAPI:
         return await respond(
             request,
             body,
-            lambda tok: chat_request(body, tok, cfg.engine.max_request_tokens, cfg.default_max_tokens, cfg.max_queue),
+            lambda tok: chat_request(body, tok, service.max_request_tokens, cfg.default_max_tokens, cfg.max_queue),
             chat=True,
             logprobs=bool(body.logprobs),
         )

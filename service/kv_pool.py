@@ -76,35 +76,41 @@ def pool_tokens(
     num_devices: int,
     device_free: int | None,
     host_available: int | None,
+    replicas: int = 1,
 ) -> int:
-    """The pool's token positions, a whole number of pages (see the module docstring).
+    """The pool's token positions, a whole number of pages for each data replica (see the module
+    docstring).
 
     Args:
-        kv_cache_tokens, kv_cache_memory: the user's ask (0 = not given; at most one given).
+        kv_cache_tokens, kv_cache_memory: the user's ask (0 = not given; at most one given):
+            tokens of all replicas together, or bytes on each device.
         num_slots, max_seq_len, page_size: the engine's sizes.
         per_token: ``bytes_per_token`` on one device.
-        num_devices: devices of the mesh (each holds its share of every position).
+        num_devices: devices of the mesh (each holds its share of its replica's positions).
         device_free: ``device_free_bytes`` (None on CPU devices).
         host_available: ``host_available_bytes`` (used when ``device_free`` is None).
+        replicas: data replicas, each with its own pool on its own devices (a device holds
+            1 / ``replicas`` of the positions), >= 1.
 
     Raises:
         ValueError: the memory asked for, or the memory free on the devices, holds less than one
             page.
     """
-    pages = lambda tokens: -(-tokens // page_size) * page_size  # noqa: E731
+    unit = page_size * replicas  # a page in each replica's pool
+    pages = lambda tokens: -(-tokens // unit) * unit  # noqa: E731
     if kv_cache_tokens:
         return pages(kv_cache_tokens)
     if kv_cache_memory:
-        tokens = kv_cache_memory // per_token // page_size * page_size
-        if tokens < page_size:
+        tokens = kv_cache_memory // per_token // page_size * unit
+        if tokens < unit:
             raise ValueError(
                 f"kv_cache_memory {kv_cache_memory} bytes holds no page of {page_size} positions "
                 f"({per_token} bytes a position per device)"
             )
         return tokens
     if device_free is not None:
-        tokens = max(device_free, 0) // per_token // page_size * page_size
-        if tokens < page_size:
+        tokens = max(device_free, 0) // per_token // page_size * unit
+        if tokens < unit:
             raise ValueError(
                 f"the devices have {max(device_free, 0)} bytes free for the KV cache, less than one page "
                 f"({page_size} x {per_token} bytes): give kv_cache_tokens or kv_cache_memory"
@@ -112,12 +118,12 @@ def pool_tokens(
         return tokens
     tokens = pages(num_slots * max_seq_len)
     if host_available is not None:
-        cap = int(HOST_FRACTION * host_available) // (per_token * num_devices) // page_size * page_size
+        cap = int(HOST_FRACTION * host_available) * replicas // (per_token * num_devices) // unit * unit
         if cap < tokens:
             log.warning(
                 "KV pool: %d positions (slots x max_seq_len) would take more than %.0f%% of the host's "
                 "available memory; %d positions instead (give kv_cache_tokens to choose)",
-                tokens, 100 * HOST_FRACTION, max(cap, page_size),
+                tokens, 100 * HOST_FRACTION, max(cap, unit),
             )  # fmt: skip
-            tokens = max(cap, page_size)
+            tokens = max(cap, unit)
     return tokens

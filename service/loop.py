@@ -155,10 +155,15 @@ class EngineLoop:
         new_engine, done = pending
         t0 = time.perf_counter()
         self._finish_inflight()  # the old engine's last step must land before its cache moves
-        new_engine.adopt_state(self.engine)
-        self.engine = new_engine
+        self.adopt_engine(new_engine)
         log.info("layout switched to %s in %.2f s", new_engine.layout.name, time.perf_counter() - t0)
         done.set()
+
+    def adopt_engine(self, new_engine: Engine) -> None:
+        """Make ``new_engine`` this loop's, with the old one's live state (between two steps,
+        nothing in flight)."""
+        new_engine.adopt_state(self.engine)
+        self.engine = new_engine
 
     # ---- the loop ------------------------------------------------------------------------------
     def _run(self, warmup_full: bool) -> None:

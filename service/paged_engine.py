@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model import cpu_argmax, cpu_paged_attention
 from model.config import LlamaConfig
@@ -81,10 +83,13 @@ WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-fu
 
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
-    """One step's inputs on the host: N = D + P tokens, the decode region [0, D) (the decode
-    tokens, then padding; D = ``decode_tokens``, a ``PagedEngine.decode_bucket``) and the
-    prefill region [D, N), P a ``PagedEngine.prefill_bucket``, each chunk starting at a
-    multiple of ``PagedEngine.seq_block`` from D.
+    """One step's inputs on the host: one region of n = D + P tokens for each of the engine's
+    ``replicas`` (N = replicas x n, region r at [r n, (r + 1) n)). A region has its decode
+    region [0, D) (its replica's decode tokens, then padding; D = ``decode_tokens``, a
+    ``PagedEngine.decode_bucket``) and its prefill region [D, n), P a
+    ``PagedEngine.prefill_bucket``, each chunk starting at a multiple of
+    ``PagedEngine.seq_block`` from D. Region r holds only tokens of replica r's rows
+    (``PagedEngine.replica_of``), whose page tables number the pages of replica r's pool.
 
     Attributes:
         tokens: [N] int32 input ids (those with ``source`` 1 are read on the device).
@@ -94,13 +99,17 @@ class RaggedBatch:
             for the token's row (still on the device).
         generated: [N] bool, the token is a decode token (its id is a generated one, counted
             in the row's history for the penalties).
-        last_index: [R] int32, for each row the index of the token whose logits it samples
-            from (0 for rows that sample nothing).
+        last_index: [R] int32, for each row the index in [0, N) of the token whose logits it
+            samples from, within its replica's region (that region's first index for rows that
+            sample nothing).
         ban_eos: [R] bool, the row's sampled id may not be one of its EOS ids.
-        page_tables: [R, max_pages] int32, each row's pages in order.
+        page_tables: [R, max_pages] int32, each row's pages in order, numbered within its
+            replica's pool ([0, ``PagedEngine.pages_per_replica``)).
         num_real: real tokens (the rest are padding).
         max_position: the largest position of a real token.
-        decode_tokens: D, the decode region's length.
+        decode_tokens: D, each region's decode region's length.
+        prefill_max_position: the largest position of a real token in a prefill region; -1
+            when there is none.
     """
 
     tokens: np.ndarray
@@ -114,6 +123,7 @@ class RaggedBatch:
     num_real: int
     max_position: int
     decode_tokens: int
+    prefill_max_position: int = -1
 
 
 class PagedEngine:
@@ -164,9 +174,14 @@ class PagedEngine:
         self.param_sharding = param_shardings(params, self.mesh, rules)
         self.repl = replicated(self.mesh)
         self.params = jax.device_put(params, self.param_sharding)
+        # Data parallelism: each data replica serves its own rows from its own pool (pages split
+        # over ``data``: replica r holds pages [r P/d, (r + 1) P/d), numbered 0.. in its tables).
+        self.replicas = layout.data
+        self.rows_per_replica = S // self.replicas  # make_plan checked that data divides S
         # The pool's size, from what was asked or from the memory left once the weights are placed.
-        one_page = cache_shardings(PagedKVCache.abstract(cfg, 1, ps, self.kv_dtype), self.mesh, rules).k
-        shape = PagedKVCache.shape(cfg, 1, ps)
+        d = self.replicas
+        one_page = cache_shardings(PagedKVCache.abstract(cfg, d, ps, self.kv_dtype), self.mesh, rules).k
+        shape = PagedKVCache.shape(cfg, d, ps)
         per_token = 2 * math.prod(one_page.shard_shape(shape)) * self.kv_dtype.itemsize // ps
         devices_of_mesh = list(self.mesh.devices.flat)
         tokens = kv_pool.pool_tokens(
@@ -179,17 +194,19 @@ class PagedEngine:
             num_devices=len(devices_of_mesh),
             device_free=kv_pool.device_free_bytes(devices_of_mesh),
             host_available=kv_pool.host_available_bytes(),
+            replicas=d,
         )
         # The resolved size replaces the ask, so a relayout (live switch) keeps the same pages.
         engine_cfg = dataclasses.replace(engine_cfg, kv_cache_tokens=tokens, kv_cache_memory=0)
         self.ecfg = engine_cfg
         self.num_pages = engine_cfg.num_pages
-        self.pool_bytes_per_device = tokens * per_token
+        self.pages_per_replica = self.num_pages // d
+        self.pool_bytes_per_device = tokens // d * per_token
         cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
         self._cache_sh = cache_sh
         log.info(
-            "KV pool: %d pages of %d positions (%d tokens, %.1f MiB per device)",
-            self.num_pages, ps, tokens, self.pool_bytes_per_device / 2**20,
+            "KV pool: %d pages of %d positions (%d tokens, %.1f MiB per device) in %d data replica(s)",
+            self.num_pages, ps, tokens, self.pool_bytes_per_device / 2**20, d,
         )  # fmt: skip
         self.cache = jax.jit(
             partial(PagedKVCache.zeros, cfg, self.num_pages, ps, self.kv_dtype), out_shardings=cache_sh
@@ -212,15 +229,19 @@ class PagedEngine:
         self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)
         # The region holds a step's chunks: at most the budget, and at most one chunk per row.
         blocks_of = lambda n: -(-n // self.seq_block) * self.seq_block  # noqa: E731
-        region = min(blocks_of(engine_cfg.max_num_batched_tokens), S * blocks_of(engine_cfg.chunk_size))
+        # (Per replica: each replica's region holds its own rows' tokens under its own budget.)
+        S_r = self.rows_per_replica
+        region = min(blocks_of(engine_cfg.max_num_batched_tokens), S_r * blocks_of(engine_cfg.chunk_size))
         self.prefill_buckets = [0, *power_of_two_buckets(self.seq_block, region)]
-        self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S), S)
+        self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S_r), S_r)
         self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)
         self._fns: dict[tuple[int, int, int], Any] = {}
         # Sampling parameters: host arrays changed by set_sampling, uploaded once before the next
         # step that follows a change (not on every step).
         self._sp = SamplingParams.host(S)
         self._sp_device: SamplingParams | None = None
+        # Step inputs split by replica: token regions, page tables and rows over ``data``.
+        self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
         self._no_prev = jax.device_put(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
         self._set_row = jax.jit(_set_history_row, out_shardings=self.repl, donate_argnums=(0,))
 
@@ -231,6 +252,7 @@ class PagedEngine:
             # Locals, not ``self``: a jitted function closing over its engine is a reference
             # cycle that kept old engines alive until a full garbage collection.
             graphdef, argmax, seq_block, native = self.graphdef, self.argmax, self.seq_block, self.native_attention
+            d = self.replicas
 
             def run(
                 params,
@@ -255,20 +277,24 @@ class PagedEngine:
                 counts = history.counts.at[jnp.where(generated & real, rows, S), tokens].add(1, mode="drop")
                 history = TokenHistory(counts=counts, in_prompt=history.in_prompt)
                 model = nnx.merge(graphdef, params)
-                logits, cache = ragged_step(
-                    model, cache, tokens, positions, rows, page_tables, last_index,
-                    window_pages=window_pages, prefill_from=decode_tokens, seq_block=seq_block,
-                    native_decode=native,
+                step = partial(
+                    ragged_step, model, window_pages=window_pages, prefill_from=decode_tokens,
+                    seq_block=seq_block, native_decode=native,
                 )  # fmt: skip
+                if d == 1:
+                    logits, cache = step(cache, tokens, positions, rows, page_tables, last_index)
+                else:
+                    logits, cache = _per_replica(step, d, cache, tokens, positions, rows, page_tables, last_index)
                 sp = dataclasses.replace(sp, ban_eos=ban)
                 next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)
                 return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
 
-            r = self.repl
+            r, by = self.repl, self.by_replica
             self._fns[key] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, self._cache_sh, r, r, r, r, r, r, r, r, r, r, r),
-                out_shardings=(r, r, self._cache_sh, r),
+                in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, r),
+                # Logits stay with their replica's devices (read by tests, not by the loop).
+                out_shardings=(r, by, self._cache_sh, r),
                 donate_argnums=(1, 2),
             )
         return self._fns[key]
@@ -325,12 +351,13 @@ class PagedEngine:
         """
         if batch.max_position >= self.ecfg.max_seq_len:
             raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
-        decode, prefill = batch.decode_tokens, len(batch.tokens) - batch.decode_tokens
+        decode = batch.decode_tokens
+        prefill = len(batch.tokens) // self.replicas - decode
+        if len(batch.tokens) % self.replicas:
+            raise ValueError(f"{len(batch.tokens)} tokens do not split into {self.replicas} equal regions")
         # The window covers the tokens that gather one: all of them on XLA's path, only the
         # prefill region's where decode tokens attend natively (the kernel reads any position).
-        reach = batch.max_position
-        if self.native_attention:
-            reach = int(batch.positions[decode:].max()) if prefill else 0
+        reach = batch.prefill_max_position if self.native_attention else batch.max_position
         window = pick_bucket(max(reach, 0) // self.ecfg.page_size + 1, self.window_buckets)
         if decode not in self.decode_buckets or prefill not in self.prefill_buckets:
             raise ValueError(
@@ -355,6 +382,36 @@ class PagedEngine:
         )
         return StepOutput(packed, logits)
 
+    def replica_of(self, row: int) -> int:
+        """The data replica serving ``row`` (rows [r S/d, (r + 1) S/d) are replica r's)."""
+        return row // self.rows_per_replica
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may hold here: ``max_seq_len``, and no more than one
+        replica's pool (a sequence's pages all come from its replica's)."""
+        return min(self.ecfg.max_seq_len, self.pages_per_replica * self.ecfg.page_size)
+
+    def empty_batch(self, decode_tokens: int, prefill_tokens: int) -> RaggedBatch:
+        """All padding: ``replicas`` regions of ``decode_tokens`` + ``prefill_tokens`` tokens,
+        every row sampling from its region's first token, page tables all page 0. The loop's
+        batches and the builders below fill one in."""
+        S, n = self.ecfg.num_slots, decode_tokens + prefill_tokens
+        N = self.replicas * n
+        return RaggedBatch(
+            tokens=np.zeros(N, np.int32),
+            positions=np.full(N, -1, np.int32),
+            rows=np.full(N, -1, np.int32),
+            source=np.zeros(N, np.int32),
+            generated=np.zeros(N, bool),
+            last_index=(np.arange(S, dtype=np.int32) // self.rows_per_replica * n).astype(np.int32),
+            ban_eos=np.zeros(S, bool),
+            page_tables=np.zeros((S, self.max_pages), np.int32),
+            num_real=0,
+            max_position=-1,
+            decode_tokens=decode_tokens,
+        )
+
     def prompt_batch(self, ids: list[int], row: int = 0) -> RaggedBatch:
         """One prompt's first chunk alone: ``ids`` (at most the largest prefill bucket) at
         positions 0.. in ``row``, over pages 0, 1, ... (a fresh pool's), sampling at its last
@@ -363,55 +420,26 @@ class PagedEngine:
         Raises:
             ValueError: more ids than a step's prefill region holds.
         """
-        S, n, D = self.ecfg.num_slots, len(ids), self.decode_buckets[0]
+        n, D = len(ids), self.decode_buckets[0]
         if not 1 <= n <= self.prefill_buckets[-1]:
             raise ValueError(f"{n} ids: a prompt batch holds 1 to {self.prefill_buckets[-1]}")
-        P = self.prefill_bucket(-(-n // self.seq_block) * self.seq_block)
-        tokens = np.zeros(D + P, np.int32)
-        positions = np.full(D + P, -1, np.int32)
-        rows = np.full(D + P, -1, np.int32)
-        tokens[D : D + n], positions[D : D + n], rows[D : D + n] = ids, np.arange(n), row
-        last_index = np.zeros(S, np.int32)
-        last_index[row] = D + n - 1
-        tables = np.zeros((S, self.max_pages), np.int32)
-        tables[row] = np.arange(self.max_pages) % self.num_pages
-        return RaggedBatch(
-            tokens=tokens,
-            positions=positions,
-            rows=rows,
-            source=np.zeros(D + P, np.int32),
-            generated=np.zeros(D + P, bool),
-            last_index=last_index,
-            ban_eos=np.zeros(S, bool),
-            page_tables=tables,
-            num_real=n,
-            max_position=n - 1,
-            decode_tokens=D,
-        )
+        b = self.empty_batch(D, self.prefill_bucket(-(-n // self.seq_block) * self.seq_block))
+        start = self.replica_of(row) * len(b.tokens) // self.replicas + D
+        b.tokens[start : start + n], b.positions[start : start + n], b.rows[start : start + n] = ids, np.arange(n), row
+        b.last_index[row] = start + n - 1
+        b.page_tables[row] = np.arange(self.max_pages) % self.pages_per_replica
+        return dataclasses.replace(b, num_real=n, max_position=n - 1, prefill_max_position=n - 1)
 
     def idle_batch(self, decode_tokens: int, prefill_tokens: int, max_position: int) -> RaggedBatch:
         """A batch with regions of ``decode_tokens`` and ``prefill_tokens``, all padding but one
         token of row 0 at ``max_position``, the prefill region's first (the decode region's
         without one), page table all page 0: for warm-up (it writes one position of page 0,
         which no sequence has yet). Its window is ``max_position``'s."""
-        S = self.ecfg.num_slots
-        num_tokens = decode_tokens + prefill_tokens
-        positions = np.full(num_tokens, -1, np.int32)
-        rows = np.full(num_tokens, -1, np.int32)
+        b = self.empty_batch(decode_tokens, prefill_tokens)
         real = decode_tokens if prefill_tokens else 0
-        positions[real], rows[real] = max_position, 0
-        return RaggedBatch(
-            tokens=np.zeros(num_tokens, np.int32),
-            positions=positions,
-            rows=rows,
-            source=np.zeros(num_tokens, np.int32),
-            generated=np.zeros(num_tokens, bool),
-            last_index=np.zeros(S, np.int32),
-            ban_eos=np.zeros(S, bool),
-            page_tables=np.zeros((S, self.max_pages), np.int32),
-            num_real=1,
-            max_position=max_position,
-            decode_tokens=decode_tokens,
+        b.positions[real], b.rows[real] = max_position, 0
+        return dataclasses.replace(
+            b, num_real=1, max_position=max_position, prefill_max_position=max_position if prefill_tokens else -1
         )
 
     def warm_programs(self, full: bool = False) -> list[tuple[int, int, int]]:
@@ -447,8 +475,11 @@ class PagedEngine:
     def warmup_to_replace(self, old: PagedEngine) -> float:
         """Before this engine takes over from ``old`` (a live switch): compile the programs
         ``warmup`` does and every one ``old`` has compiled, so traffic like ``old``'s compiles
-        nothing after the switch. Returns the seconds spent."""
-        return self.warmup(also=list(old._fns))
+        nothing after the switch (with another number of data replicas, each of ``old``'s
+        programs maps to the buckets its regions would take here). Returns the seconds spent."""
+        fit = lambda n, buckets: pick_bucket(min(n, buckets[-1]), buckets)  # noqa: E731
+        D, P, W = self.decode_buckets, self.prefill_buckets, self.window_buckets
+        return self.warmup(also=[(fit(d, D), fit(p, P), fit(w, W)) for d, p, w in old._fns])
 
     def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
         """A new engine with these weights on ``layout``'s mesh over ``devices`` (as
@@ -458,9 +489,13 @@ class PagedEngine:
         )
 
     def adopt_state(self, old: PagedEngine) -> None:
-        """Take over ``old``'s pages, token history and sampling state (moved to this mesh); the
-        page numbers stay, so the scheduler's tables remain valid. Call between two steps."""
-        self.cache = jax.device_put(old.cache, self._cache_sh)
+        """Take over ``old``'s token history and sampling state (moved to this mesh) and, when
+        both have as many data replicas, its pages: the page numbers stay, so the scheduler's
+        tables remain valid. With another replica count the pages are not taken (each replica's
+        pool is another range of them): the scheduler must have recomputed every sequence
+        (``PagedScheduler.repartition``). Call between two steps."""
+        if old.replicas == self.replicas:
+            self.cache = jax.device_put(old.cache, self._cache_sh)
         self.history = jax.device_put(old.history, self.repl)
         self._sp = {k: v.copy() for k, v in old._sp.items()}
         self._sp_device = None
@@ -481,3 +516,47 @@ def _set_history_row(history: TokenHistory, slot: jax.Array, counts: jax.Array, 
         counts=jax.lax.dynamic_update_slice_in_dim(history.counts, counts[None], slot, 0),
         in_prompt=jax.lax.dynamic_update_slice_in_dim(history.in_prompt, in_prompt[None], slot, 0),
     )
+
+
+def _per_replica(
+    step: Any,
+    replicas: int,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    rows: jax.Array,
+    page_tables: jax.Array,
+    last_index: jax.Array,
+) -> tuple[jax.Array, PagedKVCache]:
+    """``step`` (``ragged_step`` with its static arguments bound) run by each data replica on its
+    own region, rows and pool, as one ``jax.vmap`` over a leading replica axis that the SPMD
+    partitioner keeps on the ``data`` mesh axis (``spmd_axis_name``), so no replica reads
+    another's pages.
+
+    Args: as ``ragged_step``'s, for the whole flat batch (``RaggedBatch``'s layout): tokens,
+        positions, rows [N] (rows global, N = replicas x n), page_tables [S, max_pages]
+        (pages numbered within each replica's pool), last_index [S] (global indices), cache
+        [L, P, ...] (replica r's pool: pages [r P/d, (r + 1) P/d)).
+
+    Returns:
+        logits [S, V] and the cache, as ``ragged_step``'s.
+    """
+    d, S = replicas, page_tables.shape[0]
+    n, S_r = tokens.shape[0] // d, S // d
+    replica = jnp.arange(d, dtype=jnp.int32)[:, None]
+    split = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
+    local_rows = jnp.where(split(rows) >= 0, split(rows) - replica * S_r, -1)
+    local_last = split(last_index) - replica * n
+
+    def pages(a: jax.Array) -> jax.Array:  # [L, P, ...] -> [L, d, P/d, ...]
+        return a.reshape(a.shape[0], d, a.shape[1] // d, *a.shape[2:])
+
+    def one(k, v, tokens, positions, rows, tables, last):  # type: ignore[no-untyped-def]
+        logits, c = step(PagedKVCache(k=k, v=v), tokens, positions, rows, tables, last)
+        return logits, c.k, c.v
+
+    logits, k, v = jax.vmap(one, in_axes=(1, 1, 0, 0, 0, 0, 0), out_axes=(0, 1, 1), spmd_axis_name="data")(
+        pages(cache.k), pages(cache.v), split(tokens), split(positions), local_rows, split(page_tables), local_last
+    )
+    whole = lambda a: a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])  # noqa: E731
+    return logits.reshape(S, logits.shape[-1]), PagedKVCache(k=whole(k), v=whole(v))

@@ -13,7 +13,7 @@ import numpy as np
 from service.block_manager import BlockManager
 from service.engine import Engine, StepOutput
 from service.loop import EngineLoop, bans_eos, token_logprob
-from service.paged_engine import PagedEngine, RaggedBatch
+from service.paged_engine import PagedEngine
 from service.paged_scheduler import PagedScheduler, RaggedPlan
 from service.request import Request, RequestState
 from service.scheduler import Scheduler
@@ -55,21 +55,25 @@ class PagedEngineLoop(EngineLoop):
         prev = self._inflight
         number = self._dispatched
         self._dispatched += 1
-        S, block = engine.ecfg.num_slots, engine.seq_block
-        padded = sum(-(-c.length // block) * block for c in plan.prefills)
-        D = engine.decode_bucket(len(plan.decode))
-        N = D + engine.prefill_bucket(padded)
-        tokens = np.zeros(N, np.int32)
-        positions = np.full(N, -1, np.int32)
-        rows = np.full(N, -1, np.int32)
-        source = np.zeros(N, np.int32)
-        generated = np.zeros(N, bool)
-        last_index = np.zeros(S, np.int32)
-        ban = np.zeros(S, bool)
+        block, d = engine.seq_block, engine.replicas
+        # Each replica's region holds its own rows' tokens: size the regions by the busiest.
+        decode_of, padded_of = [0] * d, [0] * d
+        for r in plan.decode:
+            decode_of[sched.replica_of(r)] += 1
+        for c in plan.prefills:
+            padded_of[sched.replica_of(c.request)] += -(-c.length // block) * block
+        D = engine.decode_bucket(max(decode_of))
+        batch = engine.empty_batch(D, engine.prefill_bucket(max(padded_of)))
+        n = len(batch.tokens) // d
+        tokens, positions, rows, source = batch.tokens, batch.positions, batch.rows, batch.source
+        generated, last_index, ban = batch.generated, batch.last_index, batch.ban_eos
+        at = [replica * n for replica in range(d)]  # the next free decode position of each region
         samplers: list[tuple[Request, int]] = []
-        for i, r in enumerate(plan.decode):
+        for r in plan.decode:
             slot = r.slot
             assert slot is not None
+            i = at[sched.replica_of(r)]
+            at[sched.replica_of(r)] += 1
             positions[i], rows[i], generated[i] = r.num_cached, slot, True
             if prev is not None and r.last_token_from == ("step", number - 1):
                 source[i] = 1
@@ -80,37 +84,34 @@ class PagedEngineLoop(EngineLoop):
             r.num_cached += 1
             r.sampled += 1
             r.last_token_from = ("step", number)
-        i = D
+        at = [replica * n + D for replica in range(d)]  # each region's next chunk start
+        prefill_max = -1
         for chunk in plan.prefills:
-            r, slot, n = chunk.request, chunk.slot, chunk.length
+            r, slot, k = chunk.request, chunk.slot, chunk.length
             if r in plan.admitted:
                 engine.set_sampling(slot, r.sampling, logprobs=r.logprobs is not None, eos_ids=r.eos_ids)
                 o = r.sampling
                 if o.presence_penalty or o.frequency_penalty or o.repetition_penalty != 1:
                     engine.set_history(slot, r.prompt_ids, r.output_ids)
-            tokens[i : i + n] = r.prefill_ids(chunk.start, n)
-            positions[i : i + n] = np.arange(chunk.start, chunk.start + n, dtype=np.int32)
-            rows[i : i + n] = slot
-            r.num_cached += n
+            i = at[sched.replica_of(r)]
+            at[sched.replica_of(r)] += -(-k // block) * block
+            tokens[i : i + k] = r.prefill_ids(chunk.start, k)
+            positions[i : i + k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
+            rows[i : i + k] = slot
+            prefill_max = max(prefill_max, chunk.start + k - 1)
+            r.num_cached += k
             if chunk.is_last:
-                last_index[slot], ban[slot] = i + n - 1, bans_eos(r)
+                last_index[slot], ban[slot] = i + k - 1, bans_eos(r)
                 samplers.append((r, slot))
                 r.state = RequestState.DECODING
                 r.sampled += 1
                 r.last_token_from = ("step", number)
-            i += -(-n // block) * block
-        batch = RaggedBatch(
-            tokens=tokens,
-            positions=positions,
-            rows=rows,
-            source=source,
-            generated=generated,
-            last_index=last_index,
-            ban_eos=ban,
+        batch = dataclasses.replace(
+            batch,
             page_tables=sched.page_tables.copy(),
             num_real=plan.num_tokens,
             max_position=int(positions.max()),
-            decode_tokens=D,
+            prefill_max_position=prefill_max,
         )
         out = engine.step(batch, prev.out if prev is not None else None)  # type: ignore[attr-defined]
         sched.commit(plan)
@@ -126,18 +127,31 @@ class PagedEngineLoop(EngineLoop):
                 r.accept_token(int(host.ids[row]), token_logprob(host, row, r.logprobs))
         self.scheduler.release_finished()
 
+    def adopt_engine(self, new_engine: PagedEngine) -> None:  # type: ignore[override]
+        """Take over from the old engine (``EngineLoop.adopt_engine``); with another number of
+        data replicas, the scheduler first recomputes every sequence over the new pools
+        (``PagedScheduler.repartition``): the old pages are another replica's range."""
+        if new_engine.replicas != self.engine.replicas:
+            self.scheduler.repartition(block_managers(new_engine))
+        super().adopt_engine(new_engine)  # type: ignore[arg-type]
+
+
+def block_managers(engine: PagedEngine) -> list[BlockManager]:
+    """One ``BlockManager`` for each of the engine's data replicas, over its own pages."""
+    return [BlockManager(engine.pages_per_replica, engine.ecfg.page_size) for _ in range(engine.replicas)]
+
 
 def engine_loop(
     engine: Engine | PagedEngine, max_queue: int, on_step: Callable[[Any, float], None] | None = None
 ) -> EngineLoop:
     """The loop that drives ``engine``: an ``EngineLoop`` over a slots ``Scheduler``, or a
-    ``PagedEngineLoop`` over a ``PagedScheduler`` with a ``BlockManager`` of the engine's pool."""
+    ``PagedEngineLoop`` over a ``PagedScheduler`` with a ``BlockManager`` for each of the
+    engine's data replicas."""
     ecfg = engine.ecfg
     if isinstance(engine, PagedEngine):
-        blocks = BlockManager(engine.num_pages, ecfg.page_size)
         sched = PagedScheduler(
-            ecfg.num_slots, max_queue, ecfg.chunk_size, ecfg.max_num_batched_tokens, blocks, ecfg.max_seq_len,
-            chunk_align=engine.seq_block,
+            ecfg.num_slots, max_queue, ecfg.chunk_size, ecfg.max_num_batched_tokens, block_managers(engine),
+            ecfg.max_seq_len, chunk_align=engine.seq_block,
         )  # fmt: skip
         return PagedEngineLoop(engine, sched, on_step=on_step)  # type: ignore[arg-type]
     return EngineLoop(engine, Scheduler(ecfg.num_slots, max_queue, ecfg.chunk_size), on_step=on_step)

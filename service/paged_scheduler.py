@@ -24,6 +24,15 @@ Rows: a running sequence holds one of ``num_slots`` rows of the step's per-seque
 (page table, sampling parameters, token history) from admission until it finishes or is
 preempted. ``page_tables`` [num_slots, max_pages] is kept here, row by row, as pages are
 allocated and added.
+
+Data replicas (a layout's ``data`` axis, ``PagedEngine.replicas``): each replica serves rows
+[r S/d, (r + 1) S/d) from its own pool, one ``BlockManager`` each (page numbers are the
+replica's own; prefixes are shared within a replica). Each replica has the whole token budget
+for its own chunks (it runs them in its own region of the step, in parallel with the others).
+A new request goes to a replica with a free row and budget left: the one with the longest cached
+prefix of its prompt, then the one running fewest sequences (vLLM's data-parallel ranks each
+have their own scheduler and cache; SGLang's router places requests by cached prefix). A
+sequence that needs a page preempts the newest sequence of its own replica.
 """
 
 from __future__ import annotations
@@ -75,7 +84,8 @@ class PagedScheduler:
         max_num_batched_tokens: most prefill tokens per step (chunks charged in whole
             ``chunk_align`` units; at least one unit), >= 1. Decode tokens are not counted: each
             step has one position per row for them.
-        blocks: the pool's pages.
+        blocks: the pool's pages: one ``BlockManager``, or one per data replica (all of the same
+            page size; their number divides ``num_slots``).
         max_seq_len: the longest sequence; the page tables have room for it.
         chunk_align: each chunk is charged to the budget rounded up to a multiple of this (the
             engine pads every chunk to whole blocks of its prefill region), >= 1.
@@ -90,7 +100,7 @@ class PagedScheduler:
         max_queue: int,
         chunk_size: int,
         max_num_batched_tokens: int,
-        blocks: BlockManager,
+        blocks: BlockManager | list[BlockManager],
         max_seq_len: int,
         chunk_align: int = 1,
     ):
@@ -103,8 +113,8 @@ class PagedScheduler:
         self.chunk_size = chunk_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_align = max(1, chunk_align)
-        self.blocks = blocks
-        self.max_pages = -(-max_seq_len // blocks.page_size)
+        self.max_seq_len = max_seq_len
+        self._set_pools(blocks if isinstance(blocks, list) else [blocks])
         self.page_tables = np.zeros((num_slots, self.max_pages), np.int32)
         self.waiting: deque[Request] = deque()
         self.resuming: deque[Request] = deque()  # preempted, recomputed before new requests
@@ -113,6 +123,29 @@ class PagedScheduler:
         self.prefills_started = 0
         self.preemptions = 0
         self._committed: dict[Request, int] = {}  # pages passed to commit_full_pages, per request
+
+    def _set_pools(self, pools: list[BlockManager]) -> None:
+        if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
+            raise ValueError(f"{len(pools)} block managers for {self.num_slots} rows: one per replica, one page size")
+        self.pools = pools
+        self.rows_per_replica = self.num_slots // len(pools)
+        self.page_size = pools[0].page_size
+        self.max_pages = -(-self.max_seq_len // self.page_size)
+
+    @property
+    def blocks(self) -> BlockManager:
+        """The block manager, with one data replica (with several: ``pools``)."""
+        if len(self.pools) != 1:
+            raise AttributeError(f"{len(self.pools)} data replicas: each has its own pool (PagedScheduler.pools)")
+        return self.pools[0]
+
+    def replica_of(self, r: Request) -> int:
+        """The data replica of a running request's row."""
+        assert r.slot is not None
+        return r.slot // self.rows_per_replica
+
+    def _blocks(self, r: Request) -> BlockManager:
+        return self.pools[self.replica_of(r)]
 
     # ---- admission ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -129,26 +162,26 @@ class PagedScheduler:
         preempted = self.preemptions
         decode = self._decode_tokens()
         # Decode tokens ride in a region of their own (one position per row); prefill chunks
-        # share the budget in whole aligned units (each chunk is charged whole units).
+        # share each replica's budget in whole aligned units (each chunk is charged whole units).
         align = self.chunk_align
-        budget = max(align, self.max_num_batched_tokens // align * align)
+        budgets = [max(align, self.max_num_batched_tokens // align * align)] * len(self.pools)
         chunks: list[PrefillChunk] = []
         for r in self.running:
-            if budget <= 0:
-                break
-            if r.state is RequestState.PREFILLING:
-                chunks.append(self._chunk(r, budget))
-                budget -= -(-chunks[-1].length // align) * align
+            replica = self.replica_of(r)
+            if r.state is RequestState.PREFILLING and budgets[replica] > 0:
+                chunks.append(self._chunk(r, budgets[replica]))
+                budgets[replica] -= -(-chunks[-1].length // align) * align
         admitted = []
         # No admission in a step that had to preempt: the pages just freed would be taken back
         # at once and the next step would preempt again (vLLM's scheduler holds back likewise).
-        while budget > 0 and self.preemptions == preempted:
-            new = self._admit()
+        while any(b > 0 for b in budgets) and self.preemptions == preempted:
+            new = self._admit(budgets)
             if new is None:
                 break
+            replica = self.replica_of(new)
             admitted.append(new)
-            chunks.append(self._chunk(new, budget))
-            budget -= -(-chunks[-1].length // align) * align
+            chunks.append(self._chunk(new, budgets[replica]))
+            budgets[replica] -= -(-chunks[-1].length // align) * align
         return RaggedPlan(prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted))
 
     def _decode_tokens(self) -> list[Request]:
@@ -159,10 +192,12 @@ class PagedScheduler:
                 continue
             while True:
                 try:
-                    added = self.blocks.grow(r, 1)
+                    added = self._blocks(r).grow(r, 1)
                     break
                 except OutOfPages:
-                    self._preempt(self.running[-1])  # the newest; r itself when it is
+                    replica = self.replica_of(r)
+                    # The newest of r's replica (r itself when it is): only its pages help.
+                    self._preempt([o for o in self.running if self.replica_of(o) == replica][-1])
                     if r.slot is None:
                         break
             if r.slot is None:
@@ -171,22 +206,33 @@ class PagedScheduler:
             decode.append(r)
         return decode
 
-    def _admit(self) -> Request | None:
-        """Move the next preempted or waiting request into a free row, with pages for its whole
-        prompt (the cached prefix shared); None when there is no row, no request or no room."""
-        free = self.free_slot()
+    def _admit(self, budgets: list[int]) -> Request | None:
+        """Move the next preempted or waiting request into a free row of a replica with budget
+        left (``budgets``, per replica), with pages for its whole prompt (the cached prefix
+        shared); None when there is no row, no request or no room."""
+        rows: dict[int, int] = {}
+        for i in range(len(self.pools)):
+            row = self.free_slot(i) if budgets[i] > 0 else None
+            if row is not None:
+                rows[i] = row
         queue = self.resuming if self.resuming else self.waiting
-        if free is None or not queue:
+        if not rows or not queue:
             return None
         r = queue[0] if queue is self.resuming else next((w for w in queue if not self._waits_for_sibling(w)), None)
         if r is None:
             return None
         if r.sampled != len(r.output_ids):
             return None  # a preempted request's last id has not landed: its ids are not known yet
-        try:
-            alloc = self.blocks.allocate(r, r.prompt_ids + r.output_ids, use_prefix_cache=r.prefix_cache)
-        except OutOfPages:
+        ids = r.prompt_ids + r.output_ids
+        for replica in self._placement(r, ids, list(rows)):
+            try:
+                alloc = self.pools[replica].allocate(r, ids, use_prefix_cache=r.prefix_cache)
+                break
+            except OutOfPages:
+                continue
+        else:
             return None
+        free = rows[replica]
         queue.remove(r)
         r.slot = free
         r.state = RequestState.PREFILLING
@@ -194,16 +240,27 @@ class PagedScheduler:
         self.slots[free] = r
         self.running.append(r)
         self.page_tables[free, : len(alloc.page_table)] = alloc.page_table
-        self._committed[r] = alloc.num_cached_tokens // self.blocks.page_size
+        self._committed[r] = alloc.num_cached_tokens // self.page_size
         self.prefills_started += 1
         return r
+
+    def _placement(self, r: Request, ids: list[int], replicas: list[int]) -> list[int]:
+        """``replicas`` in the order ``r`` tries them: the longest cached prefix of ``ids`` first
+        (when ``r`` uses the prefix cache), then the fewest running sequences, then the lowest."""
+        if len(replicas) == 1:
+            return replicas
+        running = [0] * len(self.pools)
+        for o in self.running:
+            running[self.replica_of(o)] += 1
+        hit = {i: self.pools[i].match_prefix(ids).num_tokens if r.prefix_cache else 0 for i in replicas}
+        return sorted(replicas, key=lambda i: (-hit[i], running[i], i))
 
     def _waits_for_sibling(self, r: Request) -> bool:
         """Whether ``r`` is held back because a sequence of its group (the same request's n > 1)
         is still to write full pages of the shared prompt: admitted after, ``r`` hits them."""
         if r.group is None or not r.prefix_cache:
             return False
-        full = r.prompt_len // self.blocks.page_size * self.blocks.page_size
+        full = r.prompt_len // self.page_size * self.page_size
         return any(
             o.group == r.group and o.state is RequestState.PREFILLING and o.num_cached < full for o in self.running
         )
@@ -216,7 +273,7 @@ class PagedScheduler:
     def _set_pages(self, r: Request, added: list[int]) -> None:
         if added:
             assert r.slot is not None
-            n = len(self.blocks.page_table(r))
+            n = len(self._blocks(r).page_table(r))
             self.page_tables[r.slot, n - len(added) : n] = added
 
     def _preempt(self, victim: Request) -> None:
@@ -231,7 +288,7 @@ class PagedScheduler:
         self.preemptions += 1
 
     def _release(self, r: Request) -> None:
-        self.blocks.free(r)
+        self._blocks(r).free(r)
         self._committed.pop(r, None)
         assert r.slot is not None
         self.slots[r.slot] = None
@@ -254,18 +311,51 @@ class PagedScheduler:
         (call after the loop advanced ``num_cached``). Only ids known on the host count: a
         decoding sequence's newest ids may still be on the device, and are registered a step
         later."""
-        ps = self.blocks.page_size
+        ps = self.page_size
         for r in (*(c.request for c in plan.prefills), *plan.decode):
             if r.slot is None or not r.prefix_cache:
                 continue
             known = min(r.num_cached, r.prefill_len)
             if known // ps > self._committed.get(r, 0):
-                self.blocks.commit_full_pages(r, r.prefill_ids(0, known))
+                self._blocks(r).commit_full_pages(r, r.prefill_ids(0, known))
                 self._committed[r] = known // ps
 
     # ---- bookkeeping ------------------------------------------------------------------------
-    def free_slot(self) -> int | None:
-        return next((i for i, r in enumerate(self.slots) if r is None), None)
+    def free_slot(self, replica: int | None = None) -> int | None:
+        """The lowest free row (of ``replica``'s rows, when given), or None."""
+        rows = range(self.num_slots) if replica is None else range(
+            replica * self.rows_per_replica, (replica + 1) * self.rows_per_replica
+        )  # fmt: skip
+        return next((i for i in rows if self.slots[i] is None), None)
+
+    def repartition(self, pools: list[BlockManager]) -> None:
+        """Serve from ``pools`` from now on (a live switch to a layout with another number of
+        data replicas): every running sequence is preempted (newest first, so the oldest resumes
+        first), its pages and the old pools' cached prefixes dropped; each is recomputed from
+        its prompt and the ids it already streamed. Call between steps, with every dispatched
+        step's ids landed."""
+        for r in reversed(list(self.running)):
+            self._preempt(r)
+        self.page_tables[:] = 0
+        self._set_pools(pools)
+
+    def page_counts(self) -> dict[str, int]:
+        """Pages of all replicas' pools: ``used`` (held by a sequence), ``cached`` (held by no
+        sequence, kept for the prefix cache, evictable), ``free`` (empty): the block managers'
+        counts, summed."""
+        return {
+            "used": sum(b.num_used for b in self.pools),
+            "cached": sum(b.num_cached for b in self.pools),
+            "free": sum(b.num_free for b in self.pools),
+        }
+
+    @property
+    def num_pages(self) -> int:
+        return sum(b.num_pages for b in self.pools)
+
+    def prefix_tokens(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and found there, over all replicas."""
+        return sum(b.queried_tokens for b in self.pools), sum(b.hit_tokens for b in self.pools)
 
     def release_finished(self) -> None:
         """Return the pages and rows of finished requests; drop finished ones that wait to resume."""

@@ -322,6 +322,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         # stalls.
         self.inflight: dict[str, set[Request]] = {}
         self.serving = False  # what health reports (RunningServer.set_health), for HTTP's /health
+        # The most tokens (prompt + generated) a request may hold: set by load() from the engines
+        # (``max_seq_len``, and no more than one data replica's pool); a layout switch never lowers it.
+        self.max_request_tokens = cfg.engine.max_request_tokens
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -396,6 +399,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 tokens = min(e.ecfg.kv_cache_tokens for e in engines)
                 ecfg = dataclasses.replace(ecfg, kv_cache_tokens=tokens, kv_cache_memory=0)
                 self.cfg = cfg = dataclasses.replace(cfg, engine=ecfg)
+                # A request's pages all come from one data replica's pool.
+                self.max_request_tokens = min(e.max_request_tokens for e in engines)  # type: ignore[union-attr]
+            else:
+                self.max_request_tokens = ecfg.max_request_tokens
             t_place = time.perf_counter() - t1
             c_place = clock.seconds() - c_load
 
@@ -532,15 +539,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         def kv_usage() -> float:
             ecfg = pool.loop.engine.ecfg
             if isinstance(scheduler, PagedScheduler):
-                return scheduler.blocks.num_used / scheduler.blocks.num_pages
+                return scheduler.page_counts()["used"] / scheduler.num_pages
             cached = sum(min(r.num_cached, ecfg.max_seq_len) for r in list(scheduler.slots) if r is not None)
             return cached / (ecfg.num_slots * ecfg.max_seq_len)
 
         if isinstance(scheduler, PagedScheduler):
-            blocks = scheduler.blocks
-            self.metrics.track_pages(
-                pool.name, lambda: {"used": blocks.num_used, "cached": blocks.num_cached, "free": blocks.num_free}
-            )
+            self.metrics.track_pages(pool.name, scheduler.page_counts)
 
         self.metrics.track_pool(
             pool.name,
@@ -572,11 +576,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                         started = time.monotonic() - seconds
                         m.queue_time.labels(pool=pool_name).observe(max(0.0, started - r.arrival_s))
                 if isinstance(sched, PagedScheduler):
-                    now = {
-                        "queried": sched.blocks.queried_tokens,
-                        "hits": sched.blocks.hit_tokens,
-                        "preemptions": sched.preemptions,
-                    }
+                    queried, hits = sched.prefix_tokens()
+                    now = {"queried": queried, "hits": hits, "preemptions": sched.preemptions}
                     m.prefix_queried.labels(pool=pool_name).inc(now["queried"] - seen["queried"])
                     m.prefix_hits.labels(pool=pool_name).inc(now["hits"] - seen["hits"])
                     m.preemptions.labels(pool=pool_name).inc(now["preemptions"] - seen["preemptions"])
@@ -763,7 +764,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
         def prepare(tok: Tokenizer) -> ValidatedRequest:
             cfg = self.cfg
-            return validate(request, tok, cfg.engine.max_request_tokens, cfg.default_max_tokens, cfg.max_queue)
+            return validate(request, tok, self.max_request_tokens, cfg.default_max_tokens, cfg.max_queue)
 
         try:
             generation = self.open(rid, route, prepare)

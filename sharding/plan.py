@@ -113,5 +113,6 @@ def make_plan(layout: Layout, cfg: LlamaConfig, num_slots: int | None = None) ->
         "qkv": None,  # a KV head's group of query heads, its key and its value (wqkv)
         "gate_up": None,  # gate or up (w_gate_up)
         "slots": "data",
+        "pages": "data",  # the paged pool: each data replica its own pages (service/paged_engine.py)
     }
     return ShardingPlan(layout=layout, attention=attention, rules=rules)

@@ -72,11 +72,12 @@ def cache_shardings(abstract_cache: KVCache | BlockedKVCache | PagedKVCache, mes
     """The cache's tree of NamedSharding (same structure as ``abstract_cache``, whose leaves
     need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, the key blocks
     [S, K, H, n] and value blocks [S, K, n, H] of a ``BlockedKVCache``, or the [L, P, K,
-    page_size, H] pages of a ``PagedKVCache`` (KV heads over ``model``; pages unsplit, so every
-    data replica holds the whole pool and one page table serves every device).
+    page_size, H] pages of a ``PagedKVCache`` (KV heads over ``model``; pages over ``data``,
+    each data replica its own contiguous range, its own pool).
 
     Raises:
-        LayoutError: a split axis (slots over ``data``, KV heads over ``model``) does not divide.
+        LayoutError: a split axis (slots or pages over ``data``, KV heads over ``model``) does
+            not divide.
     """
     if isinstance(abstract_cache, KVCache):
         one = NamedSharding(mesh, spec_for(CACHE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV cache"))

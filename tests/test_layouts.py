@@ -236,46 +236,54 @@ def test_presets_load_and_resolve(model) -> None:  # type: ignore[no-untyped-def
 
 def run_greedy_paged(engine: PagedEngine) -> tuple[dict[int, list[int]], dict[int, np.ndarray]]:
     """``run_greedy`` on the paged engine: both prompts prefilled in one ragged step (each chunk
-    from a block boundary of the prefill region, rows 1 and 6 over pages 0-7 and 8-15), then
-    STEPS - 1 decode steps of both; ids and first-step logits."""
-    S, D, block = ECFG.num_slots, engine.decode_buckets[0], engine.seq_block
-    tables = np.zeros((S, engine.max_pages), np.int32)
-    for j, slot in enumerate(PROMPTS):
-        tables[slot] = np.arange(j * engine.max_pages, (j + 1) * engine.max_pages)
+    from a block boundary of its replica's prefill region, rows 1 and 6 over pages 0-7 and
+    8-15 of their replicas' pools, modulo a replica's pages), then STEPS - 1 decode steps of
+    both; ids and first-step logits."""
+    D, block = engine.decode_buckets[0], engine.seq_block
+    region = {slot: engine.replica_of(slot) for slot in PROMPTS}
+    tables = {
+        slot: np.arange(j * engine.max_pages, (j + 1) * engine.max_pages) % engine.pages_per_replica
+        for j, slot in enumerate(PROMPTS)
+    }
+    for slot in PROMPTS:
         engine.set_sampling(slot, SamplingOptions(temperature=0.0))
 
-    def batch(n: int, fill: Any) -> RaggedBatch:
-        tokens, positions, rows = np.zeros(n, np.int32), np.full(n, -1, np.int32), np.full(n, -1, np.int32)
-        last_index, generated = np.zeros(S, np.int32), np.zeros(n, bool)
-        fill(tokens, positions, rows, last_index, generated)
-        return RaggedBatch(
-            tokens=tokens, positions=positions, rows=rows, source=np.zeros(n, np.int32), generated=generated,
-            last_index=last_index, ban_eos=np.zeros(S, bool), page_tables=tables,
-            num_real=int((rows >= 0).sum()), max_position=int(positions.max()), decode_tokens=D,
+    def batch(prefill: int, place: Any) -> RaggedBatch:
+        """``place(slot, region start, how many of its replica's rows came before)`` writes each
+        row's tokens into an empty batch of regions D + ``prefill``."""
+        b = engine.empty_batch(D, prefill)
+        n = len(b.tokens) // engine.replicas
+        for slot in PROMPTS:
+            b.page_tables[slot] = tables[slot]
+            before = sum(1 for s in PROMPTS if s < slot and region[s] == region[slot])
+            place(b, slot, region[slot] * n, before)
+        real = b.positions[b.rows >= 0]
+        prefill_pos = b.positions.reshape(engine.replicas, n)[:, D:]
+        return dataclasses.replace(
+            b, num_real=len(real), max_position=int(real.max()),
+            prefill_max_position=int(prefill_pos.max()) if prefill else -1,
         )  # fmt: skip
 
-    def prefill(tokens, positions, rows, last_index, generated):  # type: ignore[no-untyped-def]
-        for j, (slot, prompt) in enumerate(PROMPTS.items()):
-            start, n = D + j * block, len(prompt)
-            tokens[start : start + n], positions[start : start + n], rows[start : start + n] = (
-                prompt,
-                np.arange(n),
-                slot,
-            )
-            last_index[slot] = start + n - 1
+    def prefill(b: RaggedBatch, slot: int, start: int, before: int) -> None:
+        prompt, at = PROMPTS[slot], start + D + before * block
+        n = len(prompt)
+        b.tokens[at : at + n], b.positions[at : at + n], b.rows[at : at + n] = prompt, np.arange(n), slot
+        b.last_index[slot] = at + n - 1
 
-    out = engine.step(batch(D + engine.prefill_bucket(len(PROMPTS) * block), prefill))
+    most = max(sum(1 for s in PROMPTS if region[s] == r) for r in region.values())
+    out = engine.step(batch(engine.prefill_bucket(most * block), prefill))
     host = out.host().ids
     ids = {slot: [int(host[slot])] for slot in PROMPTS}
     logits = {slot: np.asarray(out.logits)[slot] for slot in PROMPTS}
     for step in range(STEPS - 1):
 
-        def decode(tokens, positions, rows, last_index, generated, step=step):  # type: ignore[no-untyped-def]
-            for i, (slot, prompt) in enumerate(PROMPTS.items()):
-                tokens[i], positions[i], rows[i], generated[i] = ids[slot][-1], len(prompt) + step, slot, True
-                last_index[slot] = i
+        def decode(b: RaggedBatch, slot: int, start: int, before: int, step: int = step) -> None:
+            at = start + before
+            b.tokens[at], b.positions[at], b.rows[at] = ids[slot][-1], len(PROMPTS[slot]) + step, slot
+            b.generated[at] = True
+            b.last_index[slot] = at
 
-        host = engine.step(batch(D, decode)).host().ids
+        host = engine.step(batch(0, decode)).host().ids
         for slot in PROMPTS:
             ids[slot].append(int(host[slot]))
     return ids, logits
@@ -299,5 +307,6 @@ def test_paged_engine_on_a_mesh_matches_one_device(model, reference, data: int, 
         for shard in leaf.addressable_shards:
             kv[str(shard.device.id)] = kv.get(str(shard.device.id), 0) + shard.data.nbytes
     split = tp if engine.plan.attention == "heads" else 1
-    per_device = 2 * cfg.num_layers * (cfg.num_kv_heads // split) * cfg.head_dim * 4 * engine.num_pages * ECFG.page_size
+    per_device = 2 * cfg.num_layers * (cfg.num_kv_heads // split) * cfg.head_dim * 4
+    per_device *= engine.num_pages // data * ECFG.page_size  # each data replica holds its own pages
     assert len(kv) == data * tp and set(kv.values()) == {per_device} == {engine.pool_bytes_per_device}

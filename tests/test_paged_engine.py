@@ -6,6 +6,7 @@ cancellation and layouts all give the reference's ids."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import jax
@@ -37,7 +38,8 @@ def paged(page_size: int = 4, slots: int = 4, pool_tokens: int = 0, budget: int 
         kv_cache_tokens=pool_tokens,
         max_num_batched_tokens=budget,
     )
-    lay = Layout(layout) if layout == "1x1" else Layout(layout, model=int(layout.split("x")[1]))
+    data, model = (int(n) for n in layout.split("x"))
+    lay = Layout(layout, data=data, model=model)
     engine = PagedEngine(CFG, GRAPHDEF, PARAMS, lay, ecfg, devices)
     loop = engine_loop(engine, max_queue=16)
     assert isinstance(loop, PagedEngineLoop)
@@ -237,3 +239,72 @@ def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:
     new.warmup_to_replace(old)
     assert set(new._fns) == used
     assert len(used) < len(new.warm_programs(full=True))
+
+
+def test_data_replicas_serve_the_reference_ids_from_their_own_pools(refs: dict) -> None:
+    """A 2x1 layout: two replicas of 2 rows, each with its own pool of 48 positions (12 pages):
+    requests spread over both, a replica short of pages preempts its own newest sequence
+    only, a prefix cached in one replica is found there, and the ids are the reference's."""
+    loop = paged(layout="2x1", devices=jax.devices()[:2], pool_tokens=96)
+    engine, sched = loop.engine, loop.scheduler
+    assert engine.replicas == 2 and engine.pages_per_replica == 12 and [b.num_pages for b in sched.pools] == [12, 12]
+    assert engine.max_request_tokens == 48
+    replicas_seen: set[int] = set()
+    loop.on_step = lambda plan, seconds: replicas_seen.update(
+        sched.replica_of(r) for r in plan.decode if r.slot is not None
+    )
+    loop.start()
+    try:
+        assert loop.ready.wait(600)
+        # A and B land in replica 0 (20 + 12 and 7 + 12 tokens: 13 pages of its 12), C in replica 1.
+        got = run(loop, [make(PROMPT_A, N), make(PROMPT_C, N), make(PROMPT_B, N)])
+        assert got == [refs["A"], refs["C"], refs["B"]]
+        assert replicas_seen == {0, 1} and sched.preemptions >= 1
+        _, hits = sched.prefix_tokens()
+        assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]
+        assert sched.prefix_tokens()[1] - hits >= 32  # C's 8 full pages, in the replica that cached them
+        assert sched.page_counts()["used"] == 0
+    finally:
+        loop.stop()
+
+
+def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> None:
+    """2x1 -> 1x2 -> 2x1 with streams in flight: the pools are re-partitioned (every sequence
+    recomputed over its prompt and streamed ids), and each stream's ids are the reference's."""
+    loop = paged(layout="2x1", devices=jax.devices()[:2])
+    # Built and warmed before the streams start, so that both switches land while they run.
+    engines = [loop.engine.relayout(Layout("1x2", model=2), jax.devices()[:2])]
+    engines.append(engines[0].relayout(Layout("2x1", data=2), jax.devices()[:2]))
+    engines[0].warmup_to_replace(loop.engine)
+    engines[1].warmup_to_replace(engines[0])
+    loop.start()
+    try:
+        assert loop.ready.wait(600)
+        prompts, lengths = [PROMPT_A, PROMPT_C, PROMPT_B], [40, 24, 40]
+        requests = [make(p, n) for p, n in zip(prompts, lengths, strict=True)]
+        started = threading.Event()
+        ids: list[list[int]] = [[] for _ in requests]
+        done = [threading.Event() for _ in requests]
+        for i, r in enumerate(requests):
+
+            def emit(chunk, i=i):  # type: ignore[no-untyped-def]
+                ids[i].extend(chunk.token_ids)
+                time.sleep(0.02)  # on the loop thread: 40 ids take a second or more
+                if len(ids[i]) >= 2:
+                    started.set()
+                if chunk.finish_reason is not None or chunk.error is not None:
+                    done[i].set()
+
+            r.emit = emit
+            loop.submit(r)
+        assert started.wait(120)
+        for new in engines:
+            loop.switch_engine(new)
+            assert loop.engine is new
+        assert not all(d.is_set() for d in done)  # still streaming after both switches
+        assert all(d.wait(300) for d in done)
+        assert sum(r.preemptions for r in requests) >= 2  # recomputed at each switch
+        assert ids == [reference(p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
+        assert loop.scheduler.page_counts()["used"] == 0
+    finally:
+        loop.stop()

@@ -287,3 +287,87 @@ def test_the_n_sequences_of_one_request_share_the_prompt_pages() -> None:
     assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("n.1", 20, 1), ("n.2", 20, 1)]
     table = sched.blocks.page_table(siblings[0])[:5]
     assert sched.blocks.page_table(siblings[1])[:5] == table == sched.blocks.page_table(siblings[2])[:5]
+
+
+def replicated(pages_each: int = 16, replicas: int = 2, slots: int = 4, budget: int = 32) -> PagedScheduler:
+    return PagedScheduler(slots, 16, 16, budget, [BlockManager(pages_each, 4) for _ in range(replicas)], 64)
+
+
+def ids_request(ids: list[int], max_tokens: int) -> Request:
+    r, _ = make_request(f"r{ids[0]}-{len(ids)}", prompt_len=len(ids), max_tokens=max_tokens)
+    r.prompt_ids = list(ids)
+    return r
+
+
+def test_data_replicas_own_their_rows_pools_and_budgets() -> None:
+    """Two replicas of 2 rows: new requests go to the replica running fewer (then the lower),
+    each replica's chunks have the whole budget, and pages come from the row's replica's pool."""
+    sched = replicated(budget=16)
+    reqs = [ids_request(list(range(1 + i, 17 + i)), max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    # 16 tokens each: one chunk per replica fills its budget; the third waits.
+    assert [c.request for c in plan.prefills] == reqs[:2]
+    assert [sched.replica_of(r) for r in reqs[:2]] == [0, 1] and reqs[2].slot is None
+    assert [b.num_used for b in sched.pools] == [4, 4]
+    for r in reqs[:2]:
+        assert list(sched.page_tables[r.slot, :4]) == sched.pools[sched.replica_of(r)].page_table(r)
+    land(sched, dispatch(sched, plan))
+    step(sched)
+    assert sched.replica_of(reqs[2]) == 0  # a tie: the lower replica
+    with pytest.raises(AttributeError, match="2 data replicas"):
+        _ = sched.blocks
+    # 17 positions each for the first two (5 pages), 16 for the third (4).
+    assert sched.page_counts() == {"used": 14, "cached": 0, "free": 18} and sched.num_pages == 32
+
+
+def test_a_request_goes_to_the_replica_holding_its_prefix() -> None:
+    sched = replicated()
+    first = ids_request(list(range(100, 121)), max_tokens=1)  # 21 tokens: 5 full pages
+    busy = ids_request(list(range(1, 9)), max_tokens=30)
+    sched.add(busy)
+    step(sched)  # busy in replica 0
+    sched.add(first)
+    while first.state is not RequestState.FINISHED:
+        step(sched)
+    assert first.slot is None and busy.slot == 0  # first ran in replica 1 (rows 2, 3) and finished
+    again = ids_request([*range(100, 121), 7], max_tokens=1)
+    sched.add(again)
+    sched.schedule()
+    # replica 1 holds the prefix; replica 0 runs one sequence, replica 1 none: the prefix decides
+    assert sched.replica_of(again) == 1 and again.num_cached == 20
+    assert sched.prefix_tokens()[1] == 20
+
+
+def test_out_of_pages_preempts_the_newest_of_the_same_replica() -> None:
+    # 2 rows per replica, 6 pages (24 positions) each. a and c (replica 0: 12 + 20 tokens each)
+    # outgrow it; b and d (replica 1: 4 + 4 each) fit in theirs, and are never preempted.
+    sched = replicated(pages_each=6)
+    a, c = (ids_request(list(range(10 * i, 10 * i + 12)), max_tokens=20) for i in (1, 2))
+    b, d = (ids_request(list(range(10 * i, 10 * i + 4)), max_tokens=4) for i in (3, 4))
+    for r in (a, b, c, d):
+        sched.add(r)
+    for _ in range(40):
+        step(sched)
+        if sched.preemptions:
+            break
+    assert [sched.replica_of(r) for r in (a, b)] == [0, 1]
+    assert sched.preemptions == 1 and c.preemptions == 1 and c.slot is None
+    assert not (a.preemptions or b.preemptions or d.preemptions)
+
+
+def test_repartition_recomputes_every_sequence_over_the_new_pools() -> None:
+    sched = replicated()
+    reqs = [ids_request(list(range(1 + i, 9 + i)), max_tokens=8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    step(sched)
+    step(sched)
+    streamed = [list(r.output_ids) for r in reqs]
+    sched.repartition([BlockManager(40, 4)])
+    assert sched.running == [] and list(sched.resuming) == reqs  # the oldest resumes first
+    assert sched.blocks.num_pages == 40 and sched.rows_per_replica == 4
+    plan = sched.schedule()
+    assert [c.request for c in plan.prefills] == reqs
+    assert all(c.start == 0 and c.length == 8 + len(s) for c, s in zip(plan.prefills, streamed, strict=True))

@@ -30,11 +30,22 @@ def start_server(args: list[str], log_path: Path, timeout_s: float) -> tuple[sub
         RuntimeError: the server exited first, or is not SERVING within ``timeout_s`` seconds
             (the message ends with the log's tail).
     """
+    return wait_serving(launch_server(args, log_path), log_path, timeout_s)
+
+
+def launch_server(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``start_server``'s process, not waited for (start several, then ``wait_serving`` each)."""
     if "--metrics-port" not in args:
         args = [*args, "--metrics-port", "0"]
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *args]
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_serving(
+    proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float
+) -> tuple[subprocess.Popen[bytes], int]:
+    """``proc`` and its gRPC port once ``log_path`` says SERVING (raises as ``start_server``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")

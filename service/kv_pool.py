@@ -15,6 +15,8 @@ The default follows what a user of vLLM's or SGLang's scheduler expects, per pla
 
 Bytes per position and device: 2 (K and V) x layers x KV heads held by the device (all of them,
 or KV heads / the model axis where the layout splits heads) x head_dim x the cache dtype's size.
+With d data replicas each device holds only its replica's positions, 1/d of the pool: sizes in
+tokens are the whole pool's (rounded up to a page for each replica), sizes in bytes a device's.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ is a bucket of the decoding rows, not always one position per row), and the pref
 where each chunk starts at a multiple of ``seq_block`` tokens, so that ``ragged_step`` gathers
 each block's window once (``ragged_paged_attention_blocks``) rather than once per token.
 
+Data parallelism (a layout's ``data`` axis, d replicas): the pool's pages and the rows are split
+over ``data``, each replica serving its rows from its own range of pages; the flat batch is d
+equal regions, one per replica, each laid out as above, and the step runs ``ragged_step`` as
+one ``jax.vmap`` over them (``_per_replica``), so no replica reads another's pages. The sizes
+below are then per replica (rows S/d).
+
 Shape variants: the decode region is a power of two from ``MIN_DECODE`` up to the row count;
 the prefill region 0 tokens or a power of two times ``seq_block`` up to
 ``max_num_batched_tokens`` (rounded up to a block), or up to one chunk per row where that is

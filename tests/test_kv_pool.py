@@ -92,3 +92,34 @@ def test_byte_sizes(text: str, value: int) -> None:
 def test_bad_byte_sizes(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         byte_size(text)
+
+
+def test_data_replicas_each_hold_whole_pages_of_their_share() -> None:
+    """Sizes in tokens are the whole pool's, rounded up to a page in each replica's pool; sizes in
+    bytes (and free memory) are a device's, which holds only its replica's positions."""
+    sizes = {**SIZES, "replicas": 3}
+    none = dict(device_free=None, host_available=None)
+    assert kv_pool.pool_tokens(kv_cache_tokens=70, kv_cache_memory=0, **none, **sizes) == 96  # 2 pages x 3
+    assert kv_pool.pool_tokens(kv_cache_tokens=0, kv_cache_memory=50_000, **none, **sizes) == 144  # 48 each
+    assert kv_pool.pool_tokens(kv_cache_tokens=0, kv_cache_memory=0, **none, **sizes) == 432  # 400 up to 3 x 9 pages
+    got = kv_pool.pool_tokens(kv_cache_tokens=0, kv_cache_memory=0, device_free=10**6, host_available=None, **sizes)
+    assert got == 3 * 992
+    # 3 devices (one per replica) of 1,000 bytes a position in half of 600 kB: 100 positions
+    # each, 96 in whole pages, 288 in all (less than the 432 of slots x max_seq_len).
+    tight = {**sizes, "num_devices": 3}
+    host = 6 * 10**5
+    assert (
+        kv_pool.pool_tokens(kv_cache_tokens=0, kv_cache_memory=0, device_free=None, host_available=host, **tight) == 288
+    )
+
+
+def test_an_engine_with_two_replicas_splits_its_pool_and_a_relayout_keeps_the_tokens() -> None:
+    per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+    ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=4, kv_cache_memory=100 * per_token)
+    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("2x1", data=2), ecfg, jax.devices()[:2])
+    assert engine.replicas == 2 and engine.num_pages == 50 and engine.pages_per_replica == 25
+    assert engine.ecfg.kv_cache_tokens == 200 and engine.pool_bytes_per_device == 100 * per_token
+    assert {s.data.shape[1] for s in engine.cache.k.addressable_shards} == {25}
+    assert engine.max_request_tokens == 64
+    one = engine.relayout(Layout("1x1"), jax.devices()[:1])
+    assert one.num_pages == 50 and one.pool_bytes_per_device == 200 * per_token

@@ -93,14 +93,16 @@ def model_info(address: str) -> Any:
 
 
 def kv_bytes_per_token(info: Any, serve_args: list[str]) -> int:
-    """Bytes of K and V per cached position over all layers: 2 x L x K x H x the cache's bytes
-    per element (``--kv-dtype`` among ``serve_args``, else the weights' ``dtype``: "auto")."""
+    """Bytes of K and V per cached position over all layers and KV heads
+    (``service.kv_pool.bytes_per_token``) in the cache's dtype: ``--kv-dtype`` among
+    ``serve_args``, else the weights' ``dtype`` ("auto")."""
+    from service.kv_pool import bytes_per_token
+
     kv_dtype = info.dtype
     for flag, value in itertools.pairwise(serve_args):
         if flag == "--kv-dtype" and value != "auto":
             kv_dtype = value
-    width = 2 if kv_dtype == "bfloat16" else 4
-    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * width
+    return bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, kv_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

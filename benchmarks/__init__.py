@@ -15,6 +15,8 @@ The imports point one way: benchmarks -> service -> sharding -> model.
 
 from __future__ import annotations
 
+import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -29,3 +31,17 @@ def check_writable_file(path: str, prog: str) -> None:
         raise SystemExit(f"{prog}: {path} is a directory; give a file name")
     if not target.parent.is_dir():
         raise SystemExit(f"{prog}: cannot write {path}: no folder {target.parent}")
+
+
+def scrape_counters(metrics_address: str, names: Iterable[str]) -> dict[str, float]:
+    """The server's counters ``meshserve_<name>`` for each of ``names``, each summed over its
+    label sets (the pools), read from ``http://METRICS_ADDRESS/metrics`` (the server's
+    ``--metrics-port``); a name with no sample on the page is left out."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    wanted = list(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in wanted:
+            if line.startswith(f"meshserve_{name}{{"):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -28,21 +28,19 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks import check_writable_file
+from benchmarks import check_writable_file, scrape_counters
 from benchmarks.server_process import free_port, start_server, stop_server
 from service.arg_types import positive_int
 
 
-def counter(metrics_address: str, name: str) -> float:
-    """The sum over pools of the server's counter ``meshserve_<name>``."""
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"meshserve_{name}{{"))
+def preemptions_total(metrics_address: str) -> float:
+    """The server's ``meshserve_preemptions_total``, summed over pools (0 before any)."""
+    return scrape_counters(metrics_address, ["preemptions_total"]).get("preemptions_total", 0.0)
 
 
 def run_workload(address: str, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -95,14 +93,16 @@ def model_info(address: str) -> Any:
 
 
 def kv_bytes_per_token(info: Any, serve_args: list[str]) -> int:
-    """Bytes of K and V per cached position over all layers: 2 x L x K x H x the cache's bytes
-    per element (``--kv-dtype`` among ``serve_args``, else the weights' ``dtype``: "auto")."""
+    """Bytes of K and V per cached position over all layers and KV heads
+    (``service.kv_pool.bytes_per_token``) in the cache's dtype: ``--kv-dtype`` among
+    ``serve_args``, else the weights' ``dtype`` ("auto")."""
+    from service.kv_pool import bytes_per_token
+
     kv_dtype = info.dtype
     for flag, value in itertools.pairwise(serve_args):
         if flag == "--kv-dtype" and value != "auto":
             kv_dtype = value
-    width = 2 if kv_dtype == "bfloat16" else 4
-    return 2 * info.num_layers * info.num_kv_heads * info.head_dim * width
+    return bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, kv_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                     rng = np.random.default_rng(args.seed)
                     allowed = np.setdiff1d(np.arange(info.vocab_size), np.asarray(list(info.eos_token_ids), np.int64))
                     prompts = [rng.choice(allowed, args.prompt_len).tolist() for _ in range(args.requests)]
-                before = counter(f"127.0.0.1:{metrics}", "preemptions_total")
+                before = preemptions_total(f"127.0.0.1:{metrics}")
                 t0 = time.perf_counter()
                 results = run_workload(address, prompts, args.output_len, args.timeout)
                 seconds = time.perf_counter() - t0
-                preemptions = counter(f"127.0.0.1:{metrics}", "preemptions_total") - before
+                preemptions = preemptions_total(f"127.0.0.1:{metrics}") - before
             finally:
                 stop_server(proc)
             ids = [r["ids"] for r in results]

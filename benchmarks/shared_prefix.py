@@ -19,12 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import urllib.request
 from typing import Any
 
 import numpy as np
 
-from benchmarks import check_writable_file
+from benchmarks import check_writable_file, scrape_counters
 from service.arg_types import positive_int
 
 TARGET_RATIO = 0.25
@@ -34,13 +33,7 @@ def prefix_counters(metrics_address: str | None) -> dict[str, float]:
     """The server's prefix-cache counters summed over pools (empty without an address)."""
     if not metrics_address:
         return {}
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queried_tokens_total", "prefix_cache_hit_tokens_total"):
-            if line.startswith(f"meshserve_{name}{{"):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return scrape_counters(metrics_address, ("prefix_cache_queried_tokens_total", "prefix_cache_hit_tokens_total"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,20 +28,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from model.config import LlamaConfig
-
 log = logging.getLogger(__name__)
 
 ACCELERATOR_FRACTION = 0.9  # of each device's memory limit, weights already in use inside it
 HOST_FRACTION = 0.5  # of the host's available memory, for the pools of all CPU devices
 
 
-def bytes_per_token(cfg: LlamaConfig, kv_dtype: Any, kv_heads_split: int) -> int:
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: Any, kv_heads_split: int = 1) -> int:
     """Bytes of K and V one cached position takes on one device: 2 x L x (K / kv_heads_split) x
-    H x the dtype's size (``kv_heads_split``: the model axis where the layout splits KV heads
-    over it, else 1)."""
-    heads = cfg.num_kv_heads // kv_heads_split
-    return 2 * cfg.num_layers * heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
+    H x the size of ``kv_dtype`` (a dtype or its name: "float32", "bfloat16"; ``kv_heads_split``:
+    the model axis where the layout splits KV heads over it, else 1, all the model's heads)."""
+    heads = num_kv_heads // kv_heads_split
+    return 2 * num_layers * heads * head_dim * np.dtype(kv_dtype).itemsize
 
 
 def host_available_bytes() -> int | None:

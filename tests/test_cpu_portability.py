@@ -31,6 +31,7 @@ CHECKS = [
     "tests/test_cpu_attention.py::test_kernel_rejects_mismatched_blocks",
     "tests/test_cpu_attention.py::test_causal_kernel_matches_float64",
     "tests/test_cpu_attention.py::test_chunk_write_matches_xla_scatters",
+    "tests/test_paged_attention.py::test_the_native_kernel_equals_xla_for_every_group_size",
     "tests/test_sampling.py::test_first_argmax_matches_argmax_with_ties_and_infinities",
 ]
 # Run first in the subprocess: the build it loads is the AVX2 one.

@@ -65,7 +65,7 @@ def test_device_memory_is_read_where_devices_report_it() -> None:
 
 
 def test_an_engine_sizes_its_pool_from_bytes_and_keeps_the_size_for_a_relayout() -> None:
-    per_token = kv_pool.bytes_per_token(CFG, "float32", 1)
+    per_token = kv_pool.bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, "float32")
     assert per_token == 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=4, kv_cache_memory=100 * per_token)
     engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)

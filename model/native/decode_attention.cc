@@ -49,6 +49,7 @@ struct Problem {
 constexpr int64_t kMaxGroup = 8;  // attend_item's largest G
 using meshserve::exp_minus_max;
 using meshserve::kLanes;
+using meshserve::kValueTiles;
 using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
@@ -56,17 +57,6 @@ constexpr int kAhead = 16;  // rows prefetched ahead (hardware prefetchers resta
 // Into L2 (locality 1, prefetcht2), not L1 (3): a (slot, head)'s keys and values outgrow L1,
 // and L1's few miss buffers cap the lines in flight; L2 took the stream faster.
 constexpr int kLocality = 1;
-
-// Vectors of head_dim per values pass for G query heads: the largest of 4, 2, 1 whose G x t
-// accumulators, t value vectors and (where an FMA cannot broadcast from memory) the broadcast
-// probability fit the vector registers, so the pass never spills (AVX-512: 4 up to G = 7;
-// AVX2: 2 at G = 3).
-template <int G>
-constexpr int kValueTiles = [] {
-  for (int t : {4, 2})
-    if ((G + 1) * t + (meshserve::kBroadcastOperand ? 0 : 1) <= meshserve::kVectorRegisters) return t;
-  return 1;
-}();
 
 // The scores of G query heads over positions [0, m) of one block, keys stored [H, n]. The
 // keys of one (slot, head) are read in storage order: 4 head_dim rows at a time, each swept

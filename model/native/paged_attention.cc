@@ -32,6 +32,7 @@ namespace {
 
 using meshserve::exp_minus_max;
 using meshserve::kLanes;
+using meshserve::kValueTiles;
 using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
@@ -49,16 +50,6 @@ struct Problem {
   int64_t layer;
   float* out;
 };
-
-// Vectors of head_dim per values pass for G query heads: the largest of 4, 2, 1 whose G x t
-// accumulators, t value vectors and (where an FMA cannot broadcast from memory) the broadcast
-// probability fit the vector registers, so the pass never spills.
-template <int G>
-constexpr int kValueTiles = [] {
-  for (int t : {4, 2})
-    if ((G + 1) * t + (meshserve::kBroadcastOperand ? 0 : 1) <= meshserve::kVectorRegisters) return t;
-  return 1;
-}();
 
 inline float hsum(vf x) {
   float s = 0.0f;

@@ -28,6 +28,7 @@ namespace {
 
 using meshserve::exp_minus_max;
 using meshserve::kLanes;
+using meshserve::kValueTiles;
 using meshserve::load;
 using meshserve::store;
 using meshserve::vf;
@@ -37,14 +38,6 @@ constexpr int kBroadcast = meshserve::kBroadcastOperand ? 0 : 1;  // registers a
 // Query vectors per score tile: two accumulator vectors each, plus two key vectors and the
 // broadcast, within the vector registers (8 on AVX-512, 6 on AVX2), so the tile never spills.
 constexpr int kQueries = std::min(8, (meshserve::kVectorRegisters - 2 - kBroadcast) / 2);
-// Vectors of head_dim per values pass for Q rows: the largest of 4, 2, 1 whose Q x t
-// accumulators, t value vectors and the broadcast fit the registers (4 rows: 4 on AVX-512, 2 on AVX2).
-template <int Q>
-constexpr int kValueTiles = [] {
-  for (int t : {4, 2})
-    if ((Q + 1) * t + kBroadcast <= meshserve::kVectorRegisters) return t;
-  return 1;
-}();
 
 struct Problem {
   const float *q, *k, *v;

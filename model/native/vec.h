@@ -36,6 +36,18 @@ constexpr int kLineFloats = 16;  // floats per 64-byte cache line, the unit of a
 constexpr int kHeadDimMultiple = 16;  // head_dim the kernels take: whole vectors at every kLanes above
 static_assert(kHeadDimMultiple % kLanes == 0, "head_dim rows must be whole vectors");
 
+// Vectors of head_dim per values pass of the attention kernels for G rows of output (the query
+// heads of one KV head in decode, a tile's query rows in prefill): the largest of 4, 2, 1 whose
+// G x t accumulators, t value vectors and (where an FMA cannot broadcast from memory) the
+// broadcast probability fit the vector registers, so the pass never spills (AVX-512: 4 up to
+// G = 7, 2 at 8; AVX2: 4 up to G = 2, 2 up to 6, 1 at 7 and 8).
+template <int G>
+constexpr int kValueTiles = [] {
+  for (int t : {4, 2})
+    if ((G + 1) * t + (kBroadcastOperand ? 0 : 1) <= kVectorRegisters) return t;
+  return 1;
+}();
+
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vf load(const float* p) {

@@ -114,7 +114,7 @@ def test_data_replicas_each_hold_whole_pages_of_their_share() -> None:
 
 
 def test_an_engine_with_two_replicas_splits_its_pool_and_a_relayout_keeps_the_tokens() -> None:
-    per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
+    per_token = kv_pool.bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, "float32")
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=4, kv_cache_memory=100 * per_token)
     engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("2x1", data=2), ecfg, jax.devices()[:2])
     assert engine.replicas == 2 and engine.num_pages == 50 and engine.pages_per_replica == 25

@@ -18,6 +18,7 @@ import pytest
 from model.config import LlamaConfig
 from model.loader import abstract_llama, load_gguf_model
 from service import engine as engine_module
+from service import kv_pool
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine, RaggedBatch
 from service.request import SamplingOptions
@@ -307,6 +308,6 @@ def test_paged_engine_on_a_mesh_matches_one_device(model, reference, data: int, 
         for shard in leaf.addressable_shards:
             kv[str(shard.device.id)] = kv.get(str(shard.device.id), 0) + shard.data.nbytes
     split = tp if engine.plan.attention == "heads" else 1
-    per_device = 2 * cfg.num_layers * (cfg.num_kv_heads // split) * cfg.head_dim * 4
-    per_device *= engine.num_pages // data * ECFG.page_size  # each data replica holds its own pages
+    per_token = kv_pool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", split)
+    per_device = per_token * engine.num_pages // data * ECFG.page_size  # each data replica its own pages
     assert len(kv) == data * tp and set(kv.values()) == {per_device} == {engine.pool_bytes_per_device}

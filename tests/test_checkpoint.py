@@ -37,13 +37,9 @@ PROMPT = [1, 4093, 198, 504, 3575, 282, 4649, 314]  # "<|im_start|>user\nThe cap
 
 
 @pytest.fixture(scope="module")
-def converted(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted with the real CLI (float32)."""
-    from service.cli import main
-
-    out = tmp_path_factory.mktemp("ckpt") / "smollm2"
-    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
-    return out
+def converted(smollm2_checkpoint: Path) -> Path:
+    """The default model converted with the real CLI (float32; conftest, once per session)."""
+    return smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")

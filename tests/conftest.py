@@ -59,6 +59,36 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
+    """The default model as ``model.loader.load_gguf_model`` reads it (float32): (config,
+    graphdef, host state), read once per session (several seconds each time) for the tests that
+    build engines from it. The state's numpy arrays are made read-only: engines copy them to
+    their devices, and one that wrote to them would fail instead of changing another test's
+    weights."""
+    import jax
+    import numpy as np
+
+    from model.loader import load_gguf_model
+
+    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+    for leaf in jax.tree.leaves(params):
+        assert isinstance(leaf, np.ndarray), type(leaf)
+        leaf.flags.writeable = False
+    return cfg, graphdef, params
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted with the real CLI (``meshserve convert``, float32), once per
+    session. A server restores it in about a second where the GGUF path dequantizes for 6-13 s."""
+    from service.cli import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "smollm2"
+    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
     from model.tokenizer import Tokenizer
 

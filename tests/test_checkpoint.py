@@ -21,7 +21,7 @@ from flax import nnx
 
 from model.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
 from model.config import LlamaConfig
-from model.loader import abstract_llama, load_gguf_model, model_format, random_llama
+from model.loader import abstract_llama, model_format, random_llama
 from model.tokenizer import Tokenizer
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
@@ -37,18 +37,32 @@ PROMPT = [1, 4093, 198, 504, 3575, 282, 4649, 314]  # "<|im_start|>user\nThe cap
 
 
 @pytest.fixture(scope="module")
-def converted(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted with the real CLI (float32)."""
-    from service.cli import main
-
-    out = tmp_path_factory.mktemp("ckpt") / "smollm2"
-    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
-    return out
+def converted(smollm2_checkpoint: Path) -> Path:
+    """The default model converted with the real CLI (float32; conftest, once per session)."""
+    return smollm2_checkpoint
 
 
 @pytest.fixture(scope="module")
-def gguf_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    return load_gguf_model(smollm2_gguf)
+def gguf_model(smollm2_model):  # type: ignore[no-untyped-def]
+    """The GGUF path's (config, graphdef, host state), read once per session (conftest)."""
+    return smollm2_model
+
+
+@pytest.fixture(scope="module")
+def gguf_logits(gguf_model):  # type: ignore[no-untyped-def]
+    """``prefill_logits`` of a fresh ``engine_type`` engine on ``layout_name`` over the GGUF
+    weights: the reference a checkpoint path must equal, computed once per (type, layout) in
+    this module (both service tests compare against the paged engine on 1x4)."""
+    cfg, graphdef, gguf_params = gguf_model
+    computed: dict[tuple[type, str], np.ndarray] = {}
+
+    def logits(engine_type: type[Engine] | type[PagedEngine], layout_name: str) -> np.ndarray:
+        key = (engine_type, layout_name)
+        if key not in computed:
+            computed[key] = prefill_logits(engine_type(cfg, graphdef, gguf_params, load_layout(layout_name), ECFG))
+        return computed[key]
+
+    return logits
 
 
 def restored_state(path: Path, cfg: LlamaConfig, layout_name: str) -> nnx.State:
@@ -74,11 +88,11 @@ def test_checkpoint_is_recognised(converted: Path) -> None:
 
 
 @pytest.mark.parametrize("layout_name", ["1x1", "1x4"])
-def test_restored_logits_equal_gguf(converted: Path, gguf_model, layout_name: str) -> None:  # type: ignore[no-untyped-def]
-    cfg, graphdef, gguf_params = gguf_model
+def test_restored_logits_equal_gguf(converted: Path, gguf_model, gguf_logits, layout_name: str) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, _ = gguf_model
     assert read_checkpoint_config(converted)[0] == cfg
     layout = load_layout(layout_name)
-    reference = prefill_logits(Engine(cfg, graphdef, gguf_params, layout, ECFG))
+    reference = gguf_logits(Engine, layout_name)
 
     state = restored_state(converted, cfg, layout_name)
     restored_leaves = jax.tree.leaves(state)
@@ -95,11 +109,10 @@ def test_restored_logits_equal_gguf(converted: Path, gguf_model, layout_name: st
     np.testing.assert_array_equal(prefill_logits(engine), reference)
 
 
-def test_service_serves_a_checkpoint(converted: Path, gguf_model, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+def test_service_serves_a_checkpoint(converted: Path, gguf_logits, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
     """GenerationService.load picks the checkpoint loader by the path and restores per pool."""
     from service.server import GenerationService, ServerConfig
 
-    cfg, graphdef, gguf_params = gguf_model
     service = GenerationService(
         ServerConfig(
             model=str(converted),
@@ -117,7 +130,7 @@ def test_service_serves_a_checkpoint(converted: Path, gguf_model, smollm2_gguf: 
     assert set(service.startup_seconds) == {"restore", "place", "compile", "warmup"}
     assert service.info is not None and service.info.name == converted.name
     engine = service.pools[0].loop.engine
-    reference = prefill_logits(type(engine)(cfg, graphdef, gguf_params, load_layout("1x4"), ECFG))
+    reference = gguf_logits(type(engine), "1x4")
     np.testing.assert_array_equal(prefill_logits(engine), reference)
 
 
@@ -256,14 +269,13 @@ def test_save_rejects_params_that_do_not_fit_the_config(tiny_ckpt: tuple[Path, d
     assert not (tmp_path / "x").exists()
 
 
-def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_logits, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
     """Serving a checkpoint, a switch to another layout reads the weights from the checkpoint
     straight into the new shardings (not from the live arrays) and computes the same logits."""
     import jax
 
     from service.server import GenerationService, ServerConfig
 
-    cfg, graphdef, gguf_params = gguf_model
     service = GenerationService(
         ServerConfig(
             model=str(converted),
@@ -283,7 +295,7 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_model,
         assert len(w_gate_up.sharding.device_set) == 4  # born sharded, not placed by the engine
         switched = old.relayout(layout, jax.devices(), restored)
         assert switched.params["layers"]["w_gate_up"][...] is w_gate_up  # used as restored
-        reference = prefill_logits(type(switched)(cfg, graphdef, gguf_params, layout, ECFG))
+        reference = gguf_logits(type(switched), "1x4")
         np.testing.assert_array_equal(prefill_logits(switched), reference)
     finally:
         for pool in service.pools:

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from model import cpu_matmul
-from model.loader import load_gguf_model
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import PagedEngineLoop, engine_loop
@@ -33,11 +32,11 @@ ENGINES = ["scan", "unrolled"] + (["unrolled-bf16x3"] if cpu_matmul.available() 
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-def engine(smollm2_gguf: Path, request: pytest.FixtureRequest) -> Engine:
+def engine(smollm2_model, request: pytest.FixtureRequest) -> Engine:  # type: ignore[no-untyped-def]
     """The float32 engine in both layer forms, and the unrolled one with the AMX bf16x3 matmuls
     (JAX's Precision.HIGH), each held to the same bounds."""
     layers, _, matmul = request.param.partition("-")
-    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+    cfg, graphdef, params = smollm2_model
     ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=layers, matmul=matmul or "auto")
     return Engine(cfg, graphdef, params, Layout("single"), ecfg)
 
@@ -86,9 +85,9 @@ def test_long_prompt_really_is_long(golden: dict[str, np.ndarray]) -> None:
 
 # ---- the paged engine ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def paged_loop(smollm2_gguf: Path) -> Iterator[PagedEngineLoop]:
+def paged_loop(smollm2_model) -> Iterator[PagedEngineLoop]:  # type: ignore[no-untyped-def]
     """The paged engine (pages of 16, three prompts per step) behind its loop."""
-    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+    cfg, graphdef, params = smollm2_model
     ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, kv_cache="paged")
     loop = engine_loop(PagedEngine(cfg, graphdef, params, Layout("single"), ecfg), max_queue=8)
     assert isinstance(loop, PagedEngineLoop)

@@ -1,6 +1,10 @@
-"""C20: health tells the truth. Each test starts its own small server (2 slots x 256 tokens,
-stall timeout 2 s, watchdog every 0.2 s) and breaks its engine loop through the loop's
-``step_hook`` fault-injection hook: (a) a step raises, (b) a step blocks forever."""
+"""C20: health tells the truth. Each test starts its own small server on the tiny random model
+(``tiny_gguf``: health is about the server, not the model; 2 slots x 256 tokens, stall timeout
+2 s, watchdog every 0.2 s) and breaks its engine loop through the loop's ``step_hook``
+fault-injection hook: (a) a step raises, (b) a step blocks forever. Until the fault, the hook
+paces the loop (``PACE_S`` per step), so a 200-token stream lasts about 10 s as it did on the
+real model: the tiny model alone would finish it in a fraction of a second, before the test
+arms its fault."""
 
 from __future__ import annotations
 
@@ -20,14 +24,13 @@ from service.engine import EngineConfig
 from service.scheduler import StepPlan
 from service.server import SERVICE_NAME, GenerationService, ServerConfig, ServerThread
 
-pytestmark = pytest.mark.slow
-
 STALL_S = 2.0
 INTERVAL_S = 0.2
 SLACK_S = 0.5  # polling, RPC latency and a busy 2-core CPU
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LONG = "Count from 1 to 100 separated by spaces:"
+LONG = "Count from 1 to 100 separated by spaces:"  # 39 ids of the tiny tokenizer: + 200 fit 256
+PACE_S = 0.05  # a step's pause before the fault (far under STALL_S)
 
 
 def small_config(model: Path, **overrides: object) -> ServerConfig:
@@ -123,9 +126,9 @@ def wait_listening(port: int, timeout_s: float = 60.0) -> None:
 
 
 def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
-    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A slow model load (as from a network disk): with a warm compilation cache the real one
+    # A slow model load (as from a network disk): with a warm compilation cache the start-up
     # can take under a second, too short to observe the NOT_SERVING window reliably.
     original_load = GenerationService.load
 
@@ -135,7 +138,7 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
 
     monkeypatch.setattr(GenerationService, "load", slow_load)
     port = free_port()
-    srv = ServerThread(small_config(smollm2_gguf, port=port))
+    srv = ServerThread(small_config(tiny_gguf, port=port))
     starter = threading.Thread(target=srv.start, daemon=True)
     starter.start()
     wait_listening(port)
@@ -189,6 +192,7 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
             if armed.is_set():
                 raised_at.append(time.monotonic())
                 raise RuntimeError("injected engine failure")
+            time.sleep(PACE_S)
 
         service.loop.step_hook = hook
         stream = Stream(client)
@@ -223,11 +227,9 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
         srv.stop()
 
 
-def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(
-    smollm2_gguf: Path, release: threading.Event
-) -> None:
+def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(tiny_gguf: Path, release: threading.Event) -> None:
     metrics_port = free_port()
-    srv = ServerThread(small_config(smollm2_gguf, metrics_port=metrics_port)).start()
+    srv = ServerThread(small_config(tiny_gguf, metrics_port=metrics_port)).start()
     client = Client(srv.address)
     try:
         assert srv.running.metrics_port == metrics_port
@@ -240,6 +242,8 @@ def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(
             if armed.is_set() and not blocked_at:
                 blocked_at.append(time.monotonic())
                 release.wait()  # "forever": until the test ends
+            elif not armed.is_set():
+                time.sleep(PACE_S)
 
         loop.step_hook = hook
         running = [Stream(client), Stream(client)]  # both slots

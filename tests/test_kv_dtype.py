@@ -23,7 +23,6 @@ from test_golden import FIXTURE, greedy_run
 from benchmarks import roofline as rl
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
-from model.loader import load_gguf_model
 from service.cli import _serve_config, build_parser, main
 from service.engine import Engine, EngineConfig, resolve_kv_dtype
 from sharding.layouts import Layout
@@ -36,8 +35,8 @@ CACHED_BOUND = 0.1
 
 
 @pytest.fixture(scope="module", params=["scan", "unrolled"])
-def engine(smollm2_gguf: Path, request: pytest.FixtureRequest) -> Engine:
-    cfg, graphdef, params = load_gguf_model(smollm2_gguf)
+def engine(smollm2_model, request: pytest.FixtureRequest) -> Engine:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = smollm2_model
     ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers=request.param, kv_dtype="bfloat16")
     return Engine(cfg, graphdef, params, Layout("single"), ecfg)
 

@@ -125,11 +125,15 @@ def test_switch_round_trip(clients) -> None:  # type: ignore[no-untyped-def]
     assert client.generate(greedy(PROMPTS[0], 10)).token_ids == before
 
 
-def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server) -> None:  # type: ignore[no-untyped-def]
+def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     client, admin = clients
-    # Long enough that every stream outlasts the switch (compile and warm-up of tp3) even on a
-    # loaded machine: with 60 tokens a stream once ended 22 ms before the swap under load.
-    n = 160
+    # Every stream must outlast the switch (compile and warm-up of tp3), however slow the machine:
+    # the loop keeps decoding while SetLayout builds the new engine, but after ``hold_after``
+    # steps it waits (``step_hook``) until the new engine is handed to the loop, so the streams
+    # cannot end before the switch (free-running, a 60-token stream once ended 22 ms before the
+    # swap under load; 160 tokens were needed).
+    n = 40
+    hold_after = 12
     # The references run together, one per slot (greedy ids do not depend on the batch: C14).
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
         reference = dict(zip(PROMPTS, ex.map(lambda p: client.generate(greedy(p, n)).token_ids, PROMPTS), strict=True))
@@ -149,11 +153,28 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server) ->
                 started.wait()
         results[prompt] = ids
 
+    loop = pool_server.running.service.pools[0].loop
+    handed_over = threading.Event()  # SetLayout has built and warmed tp3 and gives it to the loop
+    switch_engine = loop.switch_engine
+
+    def hand_over(new_engine, timeout_s: float = 600.0) -> None:  # type: ignore[no-untyped-def]
+        handed_over.set()
+        switch_engine(new_engine, timeout_s)
+
+    monkeypatch.setattr(loop, "switch_engine", hand_over)
+    steps_during_build = 0
+
+    def hold(plan: object) -> None:  # on the loop thread, at the top of every step
+        nonlocal steps_during_build
+        if not handed_over.is_set():
+            steps_during_build += 1
+            if steps_during_build > hold_after:
+                handed_over.wait(600)
+
     threads = [threading.Thread(target=stream, args=(p,)) for p in PROMPTS]
     for t in threads:
         t.start()
     started.wait()  # every stream has its first token
-    loop = pool_server.running.service.pools[0].loop
     assert loop.scheduler.active_slots == len(PROMPTS)
     # When the loop swaps engines (SetLayout returns later: it compiles and warms up first).
     swapped: list[float] = []
@@ -166,14 +187,23 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server) ->
 
     watcher = threading.Thread(target=watch_swap, daemon=True)
     watcher.start()
-    admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="tp3"), metadata=AUTH)
+    loop.step_hook = hold
+    try:
+        admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="tp3"), metadata=AUTH)
+    finally:
+        handed_over.set()  # never leave the loop held
+        loop.step_hook = None
     for t in threads:
         t.join(600)
     watcher.join(5)
+    assert steps_during_build >= 1, "no step ran while SetLayout built the new engine"
     assert swapped, "the streams ended before the switch: not a mid-stream test"
     switched_at = swapped[0]
     assert loop.engine.layout.name == "tp3"
     for p in PROMPTS:
         assert results[p] == reference[p]
         assert arrivals[p][-1] > switched_at, "the stream ended before the switch: not a mid-stream test"
+        # The hold leaves every stream well over 10 tokens to decode on tp3 (n - 1 - hold_after,
+        # less the few steps one stream may lead another by and the hand-off).
+        assert sum(t > switched_at for t in arrivals[p]) >= 10, "too few tokens after the switch"
     admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="1x4"), metadata=AUTH)

@@ -64,7 +64,7 @@ def test_admin_needs_the_token(clients) -> None:  # type: ignore[no-untyped-def]
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_list_and_get_layouts(clients) -> None:  # type: ignore[no-untyped-def]
+def test_list_and_get_layouts(clients, pool_server) -> None:  # type: ignore[no-untyped-def]
     _, admin = clients
     listed = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
     # Presets that fit this model and 4 slots ("throughput" is data 8: 8 does not divide 4 slots).
@@ -77,6 +77,12 @@ def test_list_and_get_layouts(clients) -> None:  # type: ignore[no-untyped-def]
     assert fast.all_reduces_per_layer == 1
     bulk = admin.GetLayout(apb.GetLayoutRequest(pool="bulk"), metadata=AUTH)
     assert (bulk.data, bulk.model, bulk.all_reduces_per_layer) == (4, 1, 0)
+    # The paged pool's bytes on each device, as the engines placed them (bulk: a quarter each).
+    engines = {p.name: p.loop.engine for p in pool_server.running.service.pools}
+    assert fast.kv_cache_bytes_per_device == engines["fast"].pool_bytes_per_device
+    assert (
+        bulk.kv_cache_bytes_per_device == engines["bulk"].pool_bytes_per_device == fast.kv_cache_bytes_per_device // 4
+    )
 
 
 def test_unknown_layout_in_a_request_lists_the_valid_names(clients) -> None:  # type: ignore[no-untyped-def]

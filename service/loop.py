@@ -107,8 +107,9 @@ class EngineLoop:
     # ---- admission -----------------------------------------------------------------------------
     def queue_full(self) -> str | None:
         """Why ``submit`` would raise QueueFull now (None when there is room): a cheap, advisory
-        check before a request is tokenized; ``submit`` checks again under the lock."""
-        waiting = self.scheduler.queue_depth + self._pending
+        check before a request is tokenized; ``submit`` checks again under the lock. The bound
+        counts new requests (``scheduler.waiting``), not preempted ones waiting to resume."""
+        waiting = len(self.scheduler.waiting) + self._pending
         if waiting >= self.scheduler.max_queue:
             return f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})"
         return None
@@ -123,7 +124,7 @@ class EngineLoop:
         if not self.alive or self._stop.is_set():
             raise EngineUnavailable("the engine loop is not running")
         with self._lock:
-            waiting = self.scheduler.queue_depth + self._pending
+            waiting = len(self.scheduler.waiting) + self._pending
             if waiting >= self.scheduler.max_queue:
                 raise QueueFull(f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})")
             self._pending += 1

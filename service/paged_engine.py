@@ -480,12 +480,19 @@ class PagedEngine:
     # ---- layout switch -----------------------------------------------------------------------
     def warmup_to_replace(self, old: PagedEngine) -> float:
         """Before this engine takes over from ``old`` (a live switch): compile the programs
-        ``warmup`` does and every one ``old`` has compiled, so traffic like ``old``'s compiles
-        nothing after the switch (with another number of data replicas, each of ``old``'s
-        programs maps to the buckets its regions would take here). Returns the seconds spent."""
+        ``warmup`` does and ``replacement_programs(old)``, so traffic like ``old``'s compiles
+        nothing after the switch. Returns the seconds spent."""
+        return self.warmup(also=self.replacement_programs(old))
+
+    def replacement_programs(self, old: PagedEngine) -> list[tuple[int, int, int]]:
+        """The programs here that serve the steps ``old`` has compiled: each of its (decode,
+        prefill, window) buckets as this engine's buckets take it (sizes past the largest
+        clipped to it), and, where this engine has fewer data replicas, also the regions that
+        hold ``old``'s replicas' tokens together (sizes x old replicas / these)."""
         fit = lambda n, buckets: pick_bucket(min(n, buckets[-1]), buckets)  # noqa: E731
         D, P, W = self.decode_buckets, self.prefill_buckets, self.window_buckets
-        return self.warmup(also=[(fit(d, D), fit(p, P), fit(w, W)) for d, p, w in old._fns])
+        scales = [1] if old.replicas <= self.replicas else [1, -(-old.replicas // self.replicas)]
+        return list(dict.fromkeys((fit(d * k, D), fit(p * k, P), fit(w, W)) for d, p, w in old._fns for k in scales))
 
     def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
         """A new engine with these weights on ``layout``'s mesh over ``devices`` (as

@@ -12,7 +12,8 @@ Plain Python and no JAX, so it is testable without a model. Policy, as vLLM's V1
 * then prompts fill ``max_num_batched_tokens`` (decode tokens have their own region): the chunks of prompts already
   being prefilled, then new requests in arrival order (preempted ones first), each chunk at most
   ``chunk_size`` tokens, while a row (slot) is free and the block manager can hold the whole
-  prompt; admission never preempts, and a step that preempted admits nothing. The sequences of
+  prompt; admission never preempts, and a replica that preempted in a step admits nothing in
+  it. The sequences of
   one request with n > 1 (``Request.group``) are admitted one first, the rest once its prompt
   is prefilled: they then share its prompt's full pages (later requests are admitted past
   them meanwhile); A prompt's cached prefix (``BlockManager.allocate``'s
@@ -123,6 +124,8 @@ class PagedScheduler:
         self.prefills_started = 0
         self.preemptions = 0
         self._committed: dict[Request, int] = {}  # pages passed to commit_full_pages, per request
+        self._retired_prefix_tokens = (0, 0)  # prefix_tokens() of pools replaced by repartition
+        self._preempted_in: set[int] = set()  # replicas that preempted in this step
 
     def _set_pools(self, pools: list[BlockManager]) -> None:
         if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
@@ -159,7 +162,7 @@ class PagedScheduler:
         """Reap cancelled requests, then choose this step's decode tokens and prefill chunks,
         reserving their pages (preempting where decode tokens need pages)."""
         self._reap_cancelled()
-        preempted = self.preemptions
+        self._preempted_in = set()
         decode = self._decode_tokens()
         # Decode tokens ride in a region of their own (one position per row); prefill chunks
         # share each replica's budget in whole aligned units (each chunk is charged whole units).
@@ -172,9 +175,12 @@ class PagedScheduler:
                 chunks.append(self._chunk(r, budgets[replica]))
                 budgets[replica] -= -(-chunks[-1].length // align) * align
         admitted = []
-        # No admission in a step that had to preempt: the pages just freed would be taken back
-        # at once and the next step would preempt again (vLLM's scheduler holds back likewise).
-        while any(b > 0 for b in budgets) and self.preemptions == preempted:
+        # No admission to a replica that had to preempt in this step: the pages just freed would
+        # be taken back at once and the next step would preempt again (vLLM's scheduler holds
+        # back likewise).
+        for replica in self._preempted_in:
+            budgets[replica] = 0
+        while any(b > 0 for b in budgets):
             new = self._admit(budgets)
             if new is None:
                 break
@@ -279,6 +285,7 @@ class PagedScheduler:
     def _preempt(self, victim: Request) -> None:
         """Return ``victim``'s pages and row; it waits at the head of the queue, to be prefilled
         again from position 0 over its prompt and the ids it generated."""
+        self._preempted_in.add(self.replica_of(victim))
         self._release(victim)
         victim.state = RequestState.WAITING
         victim.num_cached = 0
@@ -332,12 +339,23 @@ class PagedScheduler:
         """Serve from ``pools`` from now on (a live switch to a layout with another number of
         data replicas): every running sequence is preempted (newest first, so the oldest resumes
         first), its pages and the old pools' cached prefixes dropped; each is recomputed from
-        its prompt and the ids it already streamed. Call between steps, with every dispatched
-        step's ids landed."""
+        its prompt and the ids it already streamed. A request that could not fit one new
+        replica's pool even alone (prompt + max_tokens) fails with a message saying so, rather
+        than waiting forever at the head of the queue. Call between steps, with every
+        dispatched step's ids landed."""
         for r in reversed(list(self.running)):
             self._preempt(r)
+        self._retired_prefix_tokens = self.prefix_tokens()  # the counters stay monotonic
         self.page_tables[:] = 0
         self._set_pools(pools)
+        room = min(b.num_pages for b in pools) * self.page_size
+        for queue in (self.resuming, self.waiting):
+            for r in [r for r in queue if r.prompt_len + r.max_tokens > room]:
+                queue.remove(r)
+                r.fail(
+                    f"the layout switch left each data replica a pool of {room} tokens, fewer than this "
+                    f"request's {r.prompt_len} prompt + {r.max_tokens} max_tokens"
+                )
 
     def page_counts(self) -> dict[str, int]:
         """Pages of all replicas' pools: ``used`` (held by a sequence), ``cached`` (held by no
@@ -354,8 +372,10 @@ class PagedScheduler:
         return sum(b.num_pages for b in self.pools)
 
     def prefix_tokens(self) -> tuple[int, int]:
-        """Prompt tokens looked up in the prefix cache and found there, over all replicas."""
-        return sum(b.queried_tokens for b in self.pools), sum(b.hit_tokens for b in self.pools)
+        """Prompt tokens looked up in the prefix cache and found there, over all replicas and
+        every pool served since this scheduler started (totals: they never decrease)."""
+        queried, hits = self._retired_prefix_tokens
+        return queried + sum(b.queried_tokens for b in self.pools), hits + sum(b.hit_tokens for b in self.pools)
 
     def release_finished(self) -> None:
         """Return the pages and rows of finished requests; drop finished ones that wait to resume."""

@@ -305,3 +305,14 @@ def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> No
         assert loop.scheduler.page_counts()["used"] == 0
     finally:
         loop.stop()
+
+
+def test_a_replacing_engine_with_fewer_replicas_warms_the_merged_regions() -> None:
+    """2x1 -> 1x1: a program of the old engine (each replica's region 2 decode + 32 prefill
+    tokens) maps to this engine's buckets as it is and with both replicas' tokens in one region."""
+    old = paged(layout="2x1", devices=jax.devices()[:2], budget=64).engine
+    new = paged(budget=64).engine
+    assert old.prefill_buckets == [0, 16, 32] and new.prefill_buckets == [0, 16, 32, 64]
+    old._fns[(2, 32, 16)] = None  # as if compiled (16 pages: the one window of 64 positions)
+    assert new.replacement_programs(old) == [(4, 32, 16), (4, 64, 16)]
+    assert old.replacement_programs(new) == []

@@ -371,3 +371,95 @@ def test_repartition_recomputes_every_sequence_over_the_new_pools() -> None:
     plan = sched.schedule()
     assert [c.request for c in plan.prefills] == reqs
     assert all(c.start == 0 and c.length == 8 + len(s) for c, s in zip(plan.prefills, streamed, strict=True))
+
+
+def test_a_preemption_in_one_replica_does_not_hold_back_admission_to_another() -> None:
+    # Replica 0 (6 pages of 4) holds a and c, 12 prompt tokens each: their first decode tokens
+    # need a seventh page, so the next step preempts c. b (replica 1) is done by then.
+    sched = replicated(pages_each=6)
+    a, c = (ids_request(list(range(10 * i, 10 * i + 12)), max_tokens=20) for i in (1, 2))
+    b = ids_request([90, 91, 92, 93], max_tokens=1)
+    for r in (a, b, c):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [sched.replica_of(r) for r in (a, b, c)] == [0, 1, 0]
+    land(sched, dispatch(sched, plan))
+    assert b.state is RequestState.FINISHED
+    late = ids_request([80, 81, 82, 83], max_tokens=2)
+    sched.add(late)
+    plan = sched.schedule()
+    assert c.preemptions == 1 and sched.preemptions == 1
+    # Replica 0 admits nothing in the step it preempted in; replica 1 takes c back (resumed
+    # requests first) and late.
+    assert plan.admitted == {c, late} and [sched.replica_of(r) for r in (c, late)] == [1, 1]
+    assert [ch.request for ch in plan.prefills] == [c, late] and plan.decode == (a,)
+
+
+def test_repartition_keeps_the_prefix_totals_and_fails_what_no_new_replica_holds() -> None:
+    sched = replicated()
+    done = ids_request(list(range(1, 22)), max_tokens=1)
+    sched.add(done)
+    while done.state is not RequestState.FINISHED:
+        step(sched)
+    hit = ids_request([*range(1, 22), 3], max_tokens=3)
+    sched.add(hit)
+    step(sched)
+    big, big_chunks = make_request("big", prompt_len=30, max_tokens=20)  # 50 tokens: more than 8 pages of 4
+    sched.add(big)
+    step(sched)
+    totals = sched.prefix_tokens()
+    assert totals[1] == 20
+    sched.repartition([BlockManager(8, 4), BlockManager(8, 4)])
+    assert sched.prefix_tokens() == totals  # monotonic: the metrics add the differences
+    assert big.state is RequestState.FINISHED and big not in sched.resuming
+    assert big_chunks[-1].error and "pool of 32 tokens" in big_chunks[-1].error
+    while hit.state is not RequestState.FINISHED:
+        step(sched)
+    assert sched.prefix_tokens()[0] > totals[0]
+
+
+def test_the_queue_bound_counts_new_requests_not_ones_resuming() -> None:
+    from service.paged_loop import PagedEngineLoop
+
+    sched = PagedScheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # max_queue 2
+    loop = PagedEngineLoop(object(), sched)  # type: ignore[arg-type]
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(4)]
+    for r in reqs[:2]:
+        sched.add(r)
+    step(sched)
+    for r in reqs[2:]:
+        sched.add(r)
+    step(sched)
+    sched.repartition([BlockManager(32, 4), BlockManager(32, 4)])
+    assert len(sched.resuming) == 4 and not sched.waiting
+    assert loop.queue_full() is None
+
+
+def test_the_step_observer_counts_across_a_repartition() -> None:
+    """The server's per-step metrics add the scheduler's totals' differences: after a switch
+    to new pools they keep counting (they once went negative and stopped)."""
+    import types
+
+    from service.metrics import Metrics
+    from service.server import GenerationService
+
+    def total(m: Metrics, name: str) -> float:
+        return next(s.value for metric in m.registry.collect() for s in metric.samples if s.name == name)
+
+    sched = replicated()
+    m = Metrics()
+    on_step = GenerationService._step_observer(types.SimpleNamespace(metrics=m), "p", sched)  # type: ignore[arg-type]
+    first = ids_request(list(range(1, 22)), max_tokens=2)
+    sched.add(first)
+    while first.state is not RequestState.FINISHED:
+        on_step(step(sched), 0.01)
+    sched.add(ids_request([*range(1, 22), 3], max_tokens=3))
+    on_step(step(sched), 0.01)
+    sched.repartition([BlockManager(32, 4)])
+    sched.add(ids_request(list(range(50, 60)), max_tokens=1))
+    for _ in range(4):
+        on_step(step(sched), 0.01)
+    queried, hits = sched.prefix_tokens()
+    assert total(m, "meshserve_preemptions_total") == sched.preemptions == 1
+    assert total(m, "meshserve_prefix_cache_queried_tokens_total") == queried > 21 + 22
+    assert total(m, "meshserve_prefix_cache_hit_tokens_total") == hits >= 20

@@ -445,9 +445,9 @@ def test_the_cache_container() -> None:
 
 
 def test_kv_heads_split_over_the_model_axis() -> None:
-    """With a 1x2 layout the rules split the stacked pages' kv_heads axis over ``model`` and
-    nothing else (layers, pages and page_len whole); the step on pages sharded that way gives
-    the unsharded result."""
+    """With a 1x2 layout the rules split the stacked pages' kv_heads axis over ``model``, pages
+    over ``data`` (of size 1 here: each data replica its own pool) and nothing else (layers and
+    page_len whole); the step on pages sharded that way gives the unsharded result."""
     from sharding.layouts import load_layout
     from sharding.mesh import make_mesh
     from sharding.plan import make_plan
@@ -458,7 +458,7 @@ def test_kv_heads_split_over_the_model_axis() -> None:
     step = mixed_step(8, seed=5)
     shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)
     spec = spec_for(PAGE_AXES, shape, make_plan(layout, CFG).rules, mesh, "pages")
-    assert spec == P(None, None, "model", None, None)
+    assert spec == P(None, "data", "model", None, None)
     whole, kp, vp = run_step(step, jnp.float32)
     sharding = NamedSharding(mesh, spec)
     # The one layer as layer 1 of a stacked [2, P, K, page_size, H] array (layer 0 zeros).

@@ -20,7 +20,8 @@ import grpc
 from model.config import ITEMSIZE
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
-from service.engine import EngineConfig, resolve_kv_dtype
+from service import kv_pool
+from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
 from service.wire import add_servicer
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
@@ -33,12 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("meshserve.admin")
 
 
-def pool_tokens_on(ecfg: EngineConfig, data: int) -> int:
-    """The paged pool's tokens on a layout with ``data`` replicas: the served pool's pages,
-    rounded up to a whole number for each replica (as ``service.kv_pool.pool_tokens`` does)."""
-    return -(-ecfg.num_pages // data) * data * ecfg.page_size
-
-
 def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = None) -> apb.LayoutInfo:
     """Predictions for ``layout`` on the served model (raises LayoutError if it cannot work):
     the KV bytes of the served pool (paged; each device holds its replica's share) or of
@@ -48,7 +43,9 @@ def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = 
     plan = make_plan(layout, cfg, ecfg.num_slots)
     itemsize, kv_itemsize = ITEMSIZE[ecfg.dtype], ITEMSIZE[resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)]
     if ecfg.paged:  # the pool's tokens as one row of that many positions
-        kv_bytes = plan.kv_bytes_per_device(cfg, 1, pool_tokens_on(ecfg, layout.data), kv_itemsize)
+        kv_bytes = plan.kv_bytes_per_device(
+            cfg, 1, kv_pool.whole_pages(ecfg.num_pages * ecfg.page_size, ecfg.page_size, layout.data), kv_itemsize
+        )
     else:
         kv_bytes = plan.kv_bytes_per_device(cfg, ecfg.num_slots, ecfg.max_seq_len, kv_itemsize)
     info = apb.LayoutInfo(
@@ -130,7 +127,9 @@ class AdminService(apb_grpc.AdminServicer):
         ecfg = self.service.cfg.engine
         if ecfg.paged:
             # Each data replica has its own share of the pool; a request admitted now must still fit one.
-            per_replica = pool_tokens_on(ecfg, layout.data) // layout.data
+            per_replica = (
+                kv_pool.whole_pages(ecfg.num_pages * ecfg.page_size, ecfg.page_size, layout.data) // layout.data
+            )
             if min(ecfg.max_seq_len, per_replica) < self.service.max_request_tokens:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,

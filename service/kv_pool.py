@@ -42,6 +42,12 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype:
     return 2 * num_layers * heads * head_dim * np.dtype(kv_dtype).itemsize
 
 
+def whole_pages(tokens: int, page_size: int, replicas: int = 1) -> int:
+    """``tokens`` rounded up to a whole number of pages in each of ``replicas`` pools."""
+    unit = page_size * replicas
+    return -(-tokens // unit) * unit
+
+
 def host_available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo in bytes, or None where it cannot be read."""
     try:
@@ -97,9 +103,8 @@ def pool_tokens(
             page.
     """
     unit = page_size * replicas  # a page in each replica's pool
-    pages = lambda tokens: -(-tokens // unit) * unit  # noqa: E731
     if kv_cache_tokens:
-        return pages(kv_cache_tokens)
+        return whole_pages(kv_cache_tokens, page_size, replicas)
     if kv_cache_memory:
         tokens = kv_cache_memory // per_token // page_size * unit
         if tokens < unit:
@@ -116,7 +121,7 @@ def pool_tokens(
                 f"({page_size} x {per_token} bytes): give kv_cache_tokens or kv_cache_memory"
             )
         return tokens
-    tokens = pages(num_slots * max_seq_len)
+    tokens = whole_pages(num_slots * max_seq_len, page_size, replicas)
     if host_available is not None:
         cap = int(HOST_FRACTION * host_available) * replicas // (per_token * num_devices) // unit * unit
         if cap < tokens:

@@ -72,8 +72,8 @@ class PagedEngineLoop(EngineLoop):
         for r in plan.decode:
             slot = r.slot
             assert slot is not None
-            i = at[sched.replica_of(r)]
-            at[sched.replica_of(r)] += 1
+            j = sched.replica_of(r)
+            i, at[j] = at[j], at[j] + 1
             positions[i], rows[i], generated[i] = r.num_cached, slot, True
             if prev is not None and r.last_token_from == ("step", number - 1):
                 source[i] = 1
@@ -93,8 +93,8 @@ class PagedEngineLoop(EngineLoop):
                 o = r.sampling
                 if o.presence_penalty or o.frequency_penalty or o.repetition_penalty != 1:
                     engine.set_history(slot, r.prompt_ids, r.output_ids)
-            i = at[sched.replica_of(r)]
-            at[sched.replica_of(r)] += -(-k // block) * block
+            j = sched.replica_of(r)
+            i, at[j] = at[j], at[j] + -(-k // block) * block
             tokens[i : i + k] = r.prefill_ids(chunk.start, k)
             positions[i : i + k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
             rows[i : i + k] = slot

@@ -22,6 +22,7 @@ metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention, cpu_matmul, cpu_paged_attention
+from model import cpu_attention, cpu_matmul, cpu_paged_attention, quant_panels
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
 from model.paged_kv import PagedKVCache, slot_mapping, write_kv
+from model.quant_panels import QuantPanels
 
 Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 # (q, new k, new v, key blocks, value blocks) -> (attention, written key blocks, value blocks)
@@ -120,7 +122,8 @@ def fuse_projections(layers: dict[str, Any], num_kv_heads: int) -> dict[str, Any
     Args:
         layers: stacked layer weights with separate projections: "wq" [L, D, N, H], "wk" and
             "wv" [L, D, K, H], "w_gate" and "w_up" [L, D, F], and the rest ("attn_norm", "wo",
-            "mlp_norm", "w_down") as they are.
+            "mlp_norm", "w_down") as they are. A group absent (Q/K/V, or gate/up: a loader
+            that kept its blocks as stored fused them itself) is not fused.
         num_kv_heads: K; query head n belongs to KV head n // (N / K), as in Hugging Face's
             ``repeat_kv``.
 
@@ -129,14 +132,16 @@ def fuse_projections(layers: dict[str, Any], num_kv_heads: int) -> dict[str, Any
         of the five separate arrays (dtype kept).
     """
     out = {k: v for k, v in layers.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
-    wq = np.asarray(layers["wq"])
-    L, D, N, H = wq.shape
-    K = num_kv_heads
-    q = wq.reshape(L, D, K, N // K, H)
-    out["wqkv"] = np.concatenate(
-        [q, np.asarray(layers["wk"])[:, :, :, None], np.asarray(layers["wv"])[:, :, :, None]], axis=3
-    )
-    out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2)
+    if "wq" in layers:
+        wq = np.asarray(layers["wq"])
+        L, D, N, H = wq.shape
+        K = num_kv_heads
+        q = wq.reshape(L, D, K, N // K, H)
+        out["wqkv"] = np.concatenate(
+            [q, np.asarray(layers["wk"])[:, :, :, None], np.asarray(layers["wv"])[:, :, :, None]], axis=3
+        )
+    if "w_gate" in layers:
+        out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2)
     return out
 
 
@@ -159,10 +164,12 @@ def unstack_layers(state: nnx.State) -> nnx.State:
         value = var.get_value()
         if var.get_metadata()["logical_axes"][:1] != ("layers",) or isinstance(value, tuple):
             return var
-        if isinstance(value, jax.ShapeDtypeStruct):
-            layer = jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
-            return var.replace(tuple(layer for _ in range(value.shape[0])))
-        return var.replace(tuple(value[i] for i in range(value.shape[0])))
+        n = jax.tree.leaves(value)[0].shape[0]  # a QuantPanels value's leaves share the L axis
+
+        def layer(a: Any, i: int) -> Any:
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
+
+        return var.replace(tuple(jax.tree.map(lambda a, i=i: layer(a, i), value) for i in range(n)))
 
     return jax.tree.map(split, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -173,7 +180,7 @@ def stack_layers(state: nnx.State) -> nnx.State:
 
     def join(var: nnx.Variable) -> nnx.Variable:
         value = var.get_value()
-        return var.replace(jnp.stack(value)) if isinstance(value, tuple) else var
+        return var.replace(jax.tree.map(lambda *xs: jnp.stack(xs), *value)) if isinstance(value, tuple) else var
 
     return jax.tree.map(join, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -200,6 +207,15 @@ class Llama(nnx.Module):
             )
 
     # ---- pieces -------------------------------------------------------------------------
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The embedding rows of ``tokens`` [...] int32: [..., D] float32. A table kept as
+        stored GGUF blocks (``QuantPanels`` of the transposed table [D, V]) is dequantized row
+        by row, to exactly the float values."""
+        table = self.embed.get_value()
+        if isinstance(table, QuantPanels):
+            return quant_panels.dequantize_rows(table, tokens)
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
     def logits(self, h: jax.Array, head: cpu_matmul.Panels | None = None) -> jax.Array:
         """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32; ``head``: the LM head
         packed for the native kernel (``panel_weights``), used instead of the module's (h [S, D])."""
@@ -207,9 +223,13 @@ class Llama(nnx.Module):
         if head is not None:
             return cpu_matmul.matmul(h, head)
         if self.cfg.tie_word_embeddings:
-            emb = self.embed[...]
+            emb = self.embed.get_value()
+            if isinstance(emb, QuantPanels):  # the table as stored is already [D, V]
+                return dense(h, emb, "")
             return jnp.einsum("...D,VD->...V", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32)
-        w = self.lm_head[...]
+        w = self.lm_head.get_value()
+        if isinstance(w, QuantPanels):
+            return dense(h, w, "")
         return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def run_layers(
@@ -237,7 +257,7 @@ class Llama(nnx.Module):
             [L, B, T, K, H] each (RoPE applied), to be written into the cache by the caller.
         """
         cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        x = self.embed_tokens(tokens)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         xs: dict[str, Any] = {"p": self.layers.weights()}
         if cache_k is not None:
@@ -287,7 +307,7 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         assert not self.layers.per_layer(), "run_layers_paged runs the stacked weights (lax.scan)"
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)[None]  # [1, N, D]: B = 1, T = N
+        x = self.embed_tokens(tokens)[None]  # [1, N, D]: B = 1, T = N
         cos, sin = rope_tables(positions[None], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cdt = cache.k.dtype
 
@@ -341,7 +361,7 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         assert self.layers.per_layer(), "run_layers_in_place needs unstack_layers' per-layer form"
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        x = self.embed_tokens(tokens)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = materialised(cos), materialised(sin)
         weights = self.layers.weights()
@@ -420,14 +440,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels, equation: str) -> jax.Array:
-    """x [B, T, ...] times a weight, float32 out: ``jnp.einsum(equation, x, w)`` for an
-    input-major weight, the native kernel (``model.cpu_matmul``) for a packed one, whose
-    outputs take its ``out_shape``: [B, T, *out_shape]."""
-    if isinstance(w, cpu_matmul.Panels):
-        B, T = x.shape[:2]
-        return cpu_matmul.matmul(x.reshape(B * T, -1), w).reshape(B, T, *w.out_shape)
+def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels | QuantPanels, equation: str) -> jax.Array:
+    """x [..., in] times a weight, float32 out: ``jnp.einsum(equation, x, w)`` for an
+    input-major weight; for a packed one, whose outputs take its ``out_shape`` ([..., *out_shape],
+    x's last axes flattened to the weight's K), the native kernel of ``model.cpu_matmul``
+    (``Panels``) or the GGUF blocks as stored (``QuantPanels``: its ``kernel``, the native one of
+    ``model.quant_matmul`` or XLA's dequantize-then-dot)."""
+    if isinstance(w, cpu_matmul.Panels | QuantPanels):
+        k = w.k if isinstance(w, QuantPanels) else w.data.shape[1]
+        lead = x.shape[: x.ndim - _in_axes(x.shape, k)]
+        x2 = x.reshape(math.prod(lead), k)
+        if isinstance(w, cpu_matmul.Panels):
+            y = cpu_matmul.matmul(x2, w)
+        elif w.kernel == "native":
+            from model import quant_matmul  # registers nothing by itself: the engine checked available()
+
+            y = quant_matmul.matmul(x2, w)
+        else:
+            y = quant_panels.xla_matmul(x2, w)
+        return y.reshape(*lead, *w.out_shape)
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+
+
+def _in_axes(shape: tuple[int, ...], k: int) -> int:
+    """How many trailing axes of ``shape`` multiply to ``k`` (a packed weight's inputs)."""
+    size, n = 1, 0
+    while size < k:
+        n += 1
+        size *= shape[-n]
+    assert size == k, (shape, k)
+    return n
 
 
 def project_qkv(
@@ -586,7 +628,8 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
     wo = p["wo"]
     attn = attn.reshape(B, T, -1).astype(wdt)
-    x = x + dense(attn, wo if isinstance(wo, cpu_matmul.Panels) else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
+    packed = isinstance(wo, cpu_matmul.Panels | QuantPanels)
+    x = x + dense(attn, wo if packed else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
     gate_up = dense(h, p["w_gate_up"], "BTD,DCF->BTCF")  # [B, T, 2, F]
@@ -644,12 +687,30 @@ def panel_weights(model: Llama, lm_head: bool = True, format: str = "f32") -> di
     pack = {"f32": cpu_matmul.pack, "bf16x3": cpu_matmul.pack_bf16x3}[format]
     weights = model.layers.weights()
     out: dict[str, Any] = {
-        name: tuple(pack(w, in_dims) for w in weights[name]) for name, in_dims in PANEL_IN_DIMS.items()
+        name: tuple(pack(w, in_dims) for w in weights[name])
+        for name, in_dims in PANEL_IN_DIMS.items()
+        if not isinstance(weights[name][0], QuantPanels)  # stored blocks have a kernel of their own
     }
-    if lm_head:
-        head = model.embed[...].T if model.cfg.tie_word_embeddings else model.lm_head[...]
-        out["lm_head"] = pack(head, 1)
+    head = (model.embed if model.cfg.tie_word_embeddings else model.lm_head).get_value()
+    if lm_head and not isinstance(head, QuantPanels):
+        out["lm_head"] = pack(head.T if model.cfg.tie_word_embeddings else head, 1)
     return out
+
+
+def has_stored_blocks(state: nnx.State) -> bool:
+    """Whether any parameter of ``state`` is GGUF blocks kept as stored (``QuantPanels``)."""
+    return any(isinstance(v, QuantPanels) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantPanels)))
+
+
+def choose_quant_kernel(state: nnx.State, kernel: str) -> nnx.State:
+    """``state`` with every ``QuantPanels`` parameter multiplied by ``kernel``: "native" (the
+    CPU kernel of ``model.quant_matmul``; one CPU device, ``quant_matmul.available()`` first) or
+    "xla" (dequantize then dot, any backend). Other parameters are returned as they are."""
+    return jax.tree.map(
+        lambda v: dataclasses.replace(v, kernel=kernel) if isinstance(v, QuantPanels) else v,
+        state,
+        is_leaf=lambda x: isinstance(x, QuantPanels),
+    )
 
 
 # ---- the entry points ------------------------------------------------------------------------

@@ -165,6 +165,7 @@ def load_model(
     shardings: ShardingsFn | None = None,
     tokenizer: bool = False,
     progress: Callable[[str], None] | None = None,
+    stored: bool = False,
 ) -> LoadedModel:
     """Load a GGUF file, Hugging Face Llama directory or converted checkpoint (told apart by
     ``model_format``): its config, parameters and, when asked, its tokenizer.
@@ -182,6 +183,9 @@ def load_model(
         tokenizer: also load the tokenizer (``LoadedModel.tokenizer``; else None).
         progress: called with each tensor's name after it is read (GGUF/HF only: a progress bar's
             hook; ``num_tensors`` tells how many calls to expect).
+        stored: a GGUF's Q8_0, Q4_0 and Q4_1 matmul weights stay in their blocks
+            (``model.gguf_weights.load_gguf_params(stored=True)``: ``QuantPanels`` values);
+            ``dtype`` then applies to the rest. Ignored for the float formats.
 
     Returns:
         A ``LoadedModel``; put ``graphdef`` and ``state`` together with ``nnx.merge``.
@@ -198,8 +202,10 @@ def load_model(
     if kind == "checkpoint":
         cfg, graphdef, state, name = _restore(p, dtype, shardings)
     else:
-        read = _read_gguf if kind == "gguf" else _read_hf
-        cfg, graphdef, state, name = read(p, dtype, progress)
+        if kind == "gguf":
+            cfg, graphdef, state, name = _read_gguf(p, dtype, progress, stored)
+        else:
+            cfg, graphdef, state, name = _read_hf(p, dtype, progress)
         if shardings is not None:
             state = jax.device_put(state, shardings(cfg, state))
     return LoadedModel(
@@ -214,11 +220,11 @@ def load_model(
 
 
 def _read_gguf(
-    p: Path, dtype: Any, progress: Callable[[str], None] | None
+    p: Path, dtype: Any, progress: Callable[[str], None] | None, stored: bool = False
 ) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
     cfg = LlamaConfig.from_gguf(p)
     name = jnp.dtype(dtype if dtype is not None else jnp.float32).name
-    params = load_gguf_params(p, cfg, np.dtype(name), progress)
+    params = load_gguf_params(p, cfg, np.dtype(name), progress, stored=stored)
     return (cfg, *llama_from_params(cfg, params, name), name)
 
 

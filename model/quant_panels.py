@@ -48,15 +48,18 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # bytes of one stored block
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantPanels:
-    """A quantized weight W [K, N] in column panels (module docstring). ``format`` and
+    """A quantized weight W [K, N] in column panels (module docstring). ``format``,
     ``out_shape`` (the shape the N outputs take in the model, e.g. (K, G + 2, H) for the fused
-    QKV projection) are static."""
+    QKV projection) and ``kernel`` are static. ``kernel`` is who multiplies by it: "xla"
+    (``xla_matmul``, any backend) or "native" (``model.quant_matmul``, one CPU device), set by
+    the engine (``model.llama.choose_quant_kernel``)."""
 
     codes: jax.Array
     scales: jax.Array
     mins: jax.Array | None
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     format: str = dataclasses.field(default="q4_1", metadata={"static": True})
+    kernel: str = dataclasses.field(default="xla", metadata={"static": True})
 
     @property
     def k(self) -> int:
@@ -154,7 +157,9 @@ def pack_rows(
 def stack(panels: Sequence[QuantPanels]) -> QuantPanels:
     """Several matrices of one format and shape as one with a leading layer axis (host numpy)."""
     first = panels[0]
-    if any((q.format, q.out_shape, q.codes.shape) != (first.format, first.out_shape, first.codes.shape) for q in panels):
+    if any(
+        (q.format, q.out_shape, q.codes.shape) != (first.format, first.out_shape, first.codes.shape) for q in panels
+    ):
         raise ValueError("stacked QuantPanels must share format and shape")
     mins = None if first.mins is None else np.stack([q.mins for q in panels])
     return QuantPanels(

@@ -28,7 +28,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
 
     flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
-                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "page_size", "kv_cache_tokens", "kv_cache_memory",
+                "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "weights", "page_size", "kv_cache_tokens", "kv_cache_memory",
                 "max_num_batched_tokens", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
         value = getattr(args, key)
@@ -365,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="KV-cache dtype; auto (default): the parameter dtype. bfloat16 halves the bytes every decode step's "
         "attention reads (float32 weights keep float32 matmuls)",
+    )
+    s.add_argument(
+        "--weights",
+        choices=["auto", "stored", "float32", "bfloat16"],
+        help="stored: a GGUF's Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and multiplied at exactly their "
+        "dequantized values (about 6x fewer bytes than float32); float32, bfloat16: every weight dequantized "
+        "(sets --dtype); auto (default): stored for a GGUF served on one CPU device with the native kernels, "
+        "else --dtype",
     )
     s.add_argument(
         "--kv-cache",

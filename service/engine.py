@@ -35,10 +35,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_argmax, cpu_attention, cpu_matmul
+from model import cpu_argmax, cpu_attention, cpu_matmul, quant_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
-from model.llama import decode_step, panel_weights, prefill, stack_layers, unstack_layers
+from model.llama import (
+    choose_quant_kernel,
+    decode_step,
+    has_stored_blocks,
+    panel_weights,
+    prefill,
+    stack_layers,
+    unstack_layers,
+)
+from model.quant_panels import QuantPanels
 from model.sampling import (
     SamplingParams,
     TokenHistory,
@@ -147,6 +156,7 @@ LAYER_MODES = ("auto", "unrolled", "scan")
 NATIVE_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla", "bf16x3")
 DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
+WEIGHT_MODES = ("auto", "stored", *DTYPES)  # how a model's weights are held (EngineConfig.weights)
 KV_CACHE_MODES = ("auto", "slots", "paged")
 
 
@@ -212,6 +222,16 @@ class EngineConfig:
             native CPU kernels of the unrolled form) or "auto": "slots" where ``layers`` is
             "unrolled" (asked for by name: the native kernels run only there), else "paged".
             ``paged`` holds the resolved choice.
+        weights: how a GGUF's matmul weights are held: "stored" (Q8_0, Q4_0 and Q4_1 tensors
+            kept in their 32-weight blocks, ``model.quant_panels``, and multiplied by float32
+            activations at exactly their dequantized values: the native CPU kernel of
+            ``model.quant_matmul`` on one CPU device, XLA's dequantize-then-dot elsewhere; the
+            norms and any tensor of another type dequantized to ``dtype``), "float32" or
+            "bfloat16" (every weight dequantized to that dtype; it sets ``dtype``), or "auto":
+            "stored" where the model is a GGUF and every pool is one CPU device with the kernel
+            built (measured faster there: docs/cpu-kernels.md), else ``dtype``. The server
+            resolves "auto" when it loads the model (``stored_weights``). A Hugging Face
+            directory or converted checkpoint holds float weights: "stored" keeps them as they are.
         page_size: token positions per page of the paged cache (a power of two).
         kv_cache_tokens: positions in the paged pool (0: from ``kv_cache_memory``, or by default
             from the devices' memory: ``service.kv_pool``); ``max_seq_len`` stays each request's
@@ -232,6 +252,7 @@ class EngineConfig:
     decode_attention: str = "auto"
     matmul: str = "auto"
     kv_cache: str = "auto"
+    weights: str = "auto"
     page_size: int = 16
     kv_cache_tokens: int = 0
     kv_cache_memory: int = 0
@@ -244,6 +265,10 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        if self.weights in DTYPES:  # --weights bfloat16 is --dtype bfloat16
+            object.__setattr__(self, "dtype", self.weights)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
@@ -353,6 +378,36 @@ def bytes_per_device(tree: Any) -> dict[str, int]:
     return out
 
 
+def place_params(params: Any, dtype: jnp.dtype, layers: str, mesh: jax.sharding.Mesh, rules: Any) -> tuple[Any, Any]:
+    """A model state on a layout's mesh: float host arrays cast to ``dtype``, in the form of
+    ``layers`` ("unrolled": per-layer tuples, else stacked), placed by ``param_shardings``. GGUF
+    blocks kept as stored (``QuantPanels``) keep their dtypes and are multiplied by the native
+    CPU kernel (``model.quant_matmul``) on one CPU device where it is built, else by XLA
+    (``model.llama.choose_quant_kernel``: the one place the choice is made).
+
+    Returns:
+        (the placed state, its tree of shardings).
+
+    Raises:
+        LayoutError: a split axis does not divide (``param_shardings``).
+    """
+    params = jax.tree.map(
+        lambda a: np.asarray(a, dtype) if isinstance(a, np.ndarray) else a,
+        params,
+        is_leaf=lambda x: isinstance(x, QuantPanels),
+    )
+    params = unstack_layers(params) if layers == "unrolled" else stack_layers(params)
+    if has_stored_blocks(params):
+        one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
+        native = one_cpu and quant_matmul.available()
+        params = choose_quant_kernel(params, "native" if native else "xla")
+        log.info(
+            "GGUF blocks as stored: multiplied by %s", "the native CPU kernel" if native else "XLA (dequantize, dot)"
+        )
+    sharding = param_shardings(params, mesh, rules)
+    return jax.device_put(params, sharding), sharding
+
+
 class Engine:
     """Owns the sharded params, the KV cache and the compiled steps of one layout.
 
@@ -395,17 +450,14 @@ class Engine:
         self.kv_dtype = jnp.dtype(kv_dtype)
         rules = self.plan.rules
         S, T = engine_cfg.num_slots, engine_cfg.max_seq_len
-        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
         # Per-layer weights (the steps loop over the layers) or stacked ones (lax.scan); both
         # conversions leave a state already in their form as it is.
-        params = unstack_layers(params) if engine_cfg.layers == "unrolled" else stack_layers(params)
-        self.param_sharding = param_shardings(params, self.mesh, rules)
+        self.params, self.param_sharding = place_params(params, self.dtype, engine_cfg.layers, self.mesh, rules)
         # The cache form follows the weights': one [L, S, K, T, H] array each for K and V with
         # the scan, separate blocks per layer with the unrolled loop (see BlockedKVCache).
         cache_cls = BlockedKVCache if engine_cfg.layers == "unrolled" else KVCache
         cache_sh = cache_shardings(cache_cls.abstract(cfg, S, T, self.kv_dtype), self.mesh, rules)
         self.repl = replicated(self.mesh)
-        self.params = jax.device_put(params, self.param_sharding)
         self.cache = jax.jit(partial(cache_cls.zeros, cfg, S, T, self.kv_dtype), out_shardings=cache_sh)()
         # The ids each slot's request has seen, for the penalties: [S, V] each, replicated (the
         # penalties act on whole rows of the logits, which the steps return replicated too).

@@ -44,6 +44,9 @@ Per pool, read when scraped (the step histogram when each step ends):
     meshserve_num_slots{pool}                        gauge: decode slots
     meshserve_kv_cache_usage_ratio{pool}             gauge: cached tokens / (slots x max_seq_len)
     meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
+    meshserve_model_weights_info{weights,formats}    info: how the weights are held: "stored" (GGUF
+                                                     blocks, formats e.g. "embed=q8_0,wqkv=q4_1")
+                                                     or the float dtype (formats "")
     meshserve_engine_step_seconds{pool}              histogram: one engine step (prefill chunk + decode)
     meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
                                                      prefill chunk tokens)
@@ -190,6 +193,7 @@ class Metrics:
         self.layout = Info(
             "pool_layout", "The pool's current mesh layout.", ["pool"], namespace=NAMESPACE, registry=reg
         )
+        self.weights = Info("model_weights", "How the served weights are held.", namespace=NAMESPACE, registry=reg)
         self.serving = Gauge("serving", "1 while health reports SERVING, else 0.", namespace=NAMESPACE, registry=reg)
         self._layouts: dict[str, dict[str, str]] = {}
 
@@ -224,6 +228,10 @@ class Metrics:
             self.kv_pages.labels(pool=pool, state=state).set_function(count(state))
         for metric in (self.prefix_queried, self.prefix_hits, self.preemptions):
             metric.labels(pool=pool)  # export zeros from the start
+
+    def set_weights(self, weights: str, formats: dict[str, str]) -> None:
+        """Publish how the weights are held ("stored" or a float dtype; stored parameters' formats)."""
+        self.weights.info({"weights": weights, "formats": ",".join(f"{k}={v}" for k, v in sorted(formats.items()))})
 
     def set_layout(self, pool: str, layout: str, data: int, model: int, attention: str) -> None:
         """Publish a pool's current layout (cheap when unchanged)."""

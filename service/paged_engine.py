@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import cpu_argmax, cpu_paged_attention
 from model.config import LlamaConfig
-from model.llama import SEQ_BLOCK, ragged_step, stack_layers
+from model.llama import SEQ_BLOCK, ragged_step
 from model.paged_kv import PagedKVCache
 from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
 from service import kv_pool
@@ -69,6 +69,7 @@ from service.engine import (
     bytes_per_device,
     pack_step,
     pick_bucket,
+    place_params,
     power_of_two_buckets,
     resolve_kv_dtype,
     upload_host_arrays,
@@ -78,7 +79,7 @@ from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
-from sharding.rules import cache_shardings, param_shardings, replicated
+from sharding.rules import cache_shardings, replicated
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +176,8 @@ class PagedEngine:
         rules = self.plan.rules
         S, ps = engine_cfg.num_slots, engine_cfg.page_size
         self.max_pages = -(-engine_cfg.max_seq_len // ps)
-        params = jax.tree.map(lambda a: np.asarray(a, self.dtype) if isinstance(a, np.ndarray) else a, params)
-        params = stack_layers(params)
-        self.param_sharding = param_shardings(params, self.mesh, rules)
+        self.params, self.param_sharding = place_params(params, self.dtype, "scan", self.mesh, rules)
         self.repl = replicated(self.mesh)
-        self.params = jax.device_put(params, self.param_sharding)
         # Data parallelism: each data replica serves its own rows from its own pool (pages split
         # over ``data``: replica r holds pages [r P/d, (r + 1) P/d), numbered 0.. in its tables).
         self.replicas = layout.data

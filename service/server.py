@@ -46,6 +46,7 @@ from prometheus_client import start_http_server
 from model.config import LlamaConfig
 from model.fetch import resolve_model
 from model.loader import ShardingsFn, load_model, model_format
+from model.quant_panels import QuantPanels
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
@@ -302,6 +303,45 @@ def enable_compilation_cache(cache_dir: Path) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+def stored_weights(weights: str, kind: str, layouts: list[Layout], platform: str) -> bool:
+    """Whether to load a model's GGUF blocks as stored (``EngineConfig.weights``): "stored"
+    for a GGUF; "auto" for a GGUF when every pool's layout is one device of a CPU whose native
+    quantized matmul is built (``model.quant_matmul``: faster than float32 there, and exact);
+    never for the float formats."""
+    if kind != "gguf" or weights not in ("auto", "stored"):
+        return False
+    if weights == "stored":
+        return True
+    from model import quant_matmul
+
+    return platform == "cpu" and all(lay.data * lay.model == 1 for lay in layouts) and quant_matmul.available()
+
+
+def stored_formats(state: Any) -> dict[str, str]:
+    """The parameters of a model state held as GGUF blocks, by name ("wqkv", "embed", ...) ->
+    format ("q4_1", ...); empty when every weight is a float array."""
+    flat = nnx.to_flat_state(state) if isinstance(state, nnx.State) else []
+    out = {}
+    for path, var in flat:
+        value = var.get_value()
+        first = value[0] if isinstance(value, tuple) else value
+        if isinstance(first, QuantPanels):
+            out[str(path[-1])] = first.format
+    return out
+
+
+def describe_weights(weights: str, formats: dict[str, str], dtype: str) -> str:
+    """One phrase for the startup log: "float32", or "stored (q4_1: w_down, ...; q8_0: embed;
+    the rest float32)"."""
+    if weights != "stored":
+        return weights
+    by_format: dict[str, list[str]] = {}
+    for name, fmt in sorted(formats.items()):
+        by_format.setdefault(fmt, []).append(name)
+    held = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in sorted(by_format.items()))
+    return f"GGUF blocks as stored ({held}; the rest {dtype})"
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     """The Generation servicer; loads the model and owns the engine loop."""
 
@@ -377,10 +417,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                     for i, (s, ds) in enumerate(zip(specs, device_sets, strict=True))
                 ]
             else:
-                # One host copy (float32 from a GGUF, as stored from a Hugging Face directory);
-                # each pool's Engine casts and places it.
-                models = [load_model(path, tokenizer=True)] * len(specs)
+                # One host copy (float32 from a GGUF, or its blocks as stored; as stored from a
+                # Hugging Face directory); each pool's Engine casts and places it.
+                stored = stored_weights(ecfg.weights, kind, [s.layout for s in specs], devices[0].platform)
+                models = [load_model(path, tokenizer=True, stored=stored)] * len(specs)
             model_cfg, graphdef, tokenizer = models[0].cfg, models[0].graphdef, models[0].tokenizer
+            formats = stored_formats(models[0].state)
+            weights = "stored" if formats else ecfg.dtype
             assert tokenizer is not None  # asked for
             self.tokenizer = tokenizer
             params_per_pool = [m.state for m in models]
@@ -427,7 +470,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
             clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
-            ecfg.num_slots, ecfg.max_seq_len, engines[0].ecfg.layers, ecfg.dtype, engines[0].ecfg.kv_dtype,
+            ecfg.num_slots, ecfg.max_seq_len, engines[0].ecfg.layers, describe_weights(weights, formats, ecfg.dtype),
+            engines[0].ecfg.kv_dtype,
         )  # fmt: skip
         self.startup_seconds = {
             loaded: t_load - c_load,
@@ -458,7 +502,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             kv_cache_pages=ecfg.num_pages if ecfg.paged else 0,
             kv_cache_tokens=ecfg.num_pages * ecfg.page_size if ecfg.paged else ecfg.num_slots * ecfg.max_seq_len,
             page_size=ecfg.page_size if ecfg.paged else 0,
+            weights=weights,
+            weight_formats=formats,
+            weight_bytes=sum(engines[0].weight_bytes_per_device().values()) // max(1, engines[0].layout.data),
         )
+        self.metrics.set_weights(weights, formats)
 
     def restore_for_layout(self, layout: Layout, devices: list) -> nnx.State | None:
         """When serving a converted checkpoint: its params restored straight into ``layout``'s

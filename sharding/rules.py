@@ -8,6 +8,7 @@ over KV heads on ``model`` and over slots on ``data``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.kv_cache import BLOCK_K_AXES, BLOCK_V_AXES, CACHE_AXES, BlockedKVCache, KVCache
 from model.paged_kv import PAGE_AXES, PagedKVCache
+from model.quant_panels import QuantPanels
 from sharding.layouts import LayoutError
 
 Rules = Mapping[str, str | None]
@@ -44,22 +46,59 @@ def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: 
     return P(*spec)
 
 
+def block_axis(axes: tuple[str, ...], size: int, rules: Rules, mesh: Mesh) -> str | None:
+    """The mesh axis for a ``QuantPanels`` axis of ``size`` panels or blocks that flattens the
+    weight's logical ``axes`` (its outputs, or its inputs) in units of 32: the mesh axis of the
+    first of ``axes`` when it is the only one split and it divides ``size`` (a contiguous split
+    of the flat axis is then the split of that axis: whole heads, whole MLP columns), else None
+    (replicated: the split would cut across the first axis, e.g. gate/up's (gate_up, mlp))."""
+    split = tuple(a for a in axes if rules.get(a) is not None)
+    if split != axes[:1] or not split:
+        return None
+    mesh_axis = rules[split[0]]
+    return mesh_axis if mesh_axis is not None and size % mesh.shape[mesh_axis] == 0 else None
+
+
+def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh, rules: Rules) -> QuantPanels:
+    """NamedShardings for the arrays of a ``QuantPanels`` parameter with logical ``axes`` (the
+    float weight's: ("layers", *inputs, *outputs), or the embedding's ("vocab", "embed"), which
+    the panels hold transposed): the panel axis follows the outputs, the block axis the inputs
+    (``block_axis``), the layer axis and the 32-wide axes are not split."""
+    n_out = len(value.out_shape)
+    if axes == ("vocab", "embed"):  # the embedding table [V, D] as W = table.T [D, V]
+        ins, outs, lead = ("embed",), ("vocab",), ()
+    else:
+        lead = axes[:1] if axes[:1] == ("layers",) and value.codes.ndim == 5 else ()
+        ins, outs = axes[len(lead) : len(axes) - n_out], axes[len(axes) - n_out :]
+    p, kb = value.codes.shape[-4], value.codes.shape[-3]
+    panel, block = block_axis(outs, p, rules, mesh), block_axis(ins, kb, rules, mesh)
+    head = (None,) * len(lead)
+    codes = NamedSharding(mesh, P(*head, panel, block, None, None))
+    scales = NamedSharding(mesh, P(*head, panel, block, None))
+    return dataclasses.replace(value, codes=codes, scales=scales, mins=None if value.mins is None else scales)  # type: ignore[arg-type]
+
+
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     """A tree of NamedSharding matching ``abstract_state`` (leaves carry ``logical_axes``).
 
     A parameter in the per-layer form of ``model.llama.unstack_layers`` (a tuple of L arrays
     for logical axes ("layers", ...)) gets the same Variable holding a tuple of L shardings
-    over the remaining axes.
+    over the remaining axes. A parameter held as GGUF blocks (``QuantPanels``) gets a
+    ``QuantPanels`` of shardings (``quant_shardings``).
     """
 
     def one(path: tuple[Any, ...], var: nnx.Variable) -> NamedSharding | nnx.Variable:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         axes = var.get_metadata()["logical_axes"]
         value = var.get_value()
+        if isinstance(value, QuantPanels):
+            return var.replace(quant_shardings(axes, value, mesh, rules))
         if isinstance(value, tuple):
             return var.replace(
                 tuple(
-                    NamedSharding(mesh, spec_for(axes[1:], a.shape, rules, mesh, f"parameter {name}[{i}]"))
+                    quant_shardings(axes[1:], a, mesh, rules)
+                    if isinstance(a, QuantPanels)
+                    else NamedSharding(mesh, spec_for(axes[1:], a.shape, rules, mesh, f"parameter {name}[{i}]"))
                     for i, a in enumerate(value)
                 )
             )

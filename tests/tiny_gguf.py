@@ -54,8 +54,14 @@ def write_tiny_llama_gguf(
     num_kv_heads: int = 2,
     context_length: int = 512,
     seed: int = 0,
+    quantize: str | dict[str, str] | None = None,
 ) -> Path:
-    """Write the tiny model to ``path`` and return it (head dim = hidden_size // num_heads)."""
+    """Write the tiny model to ``path`` and return it (head dim = hidden_size // num_heads).
+
+    ``quantize``: a ``gguf.GGMLQuantizationType`` name ("Q8_0", "Q4_0", "Q4_1") for every
+    layer matmul tensor, or a mapping from tensor names without the ``blk.{i}.`` prefix
+    ("attn_q.weight", ...) to type names for some of them (``gguf.quants.quantize`` of the same
+    random float32 values); the rest stay float32."""
     import gguf
 
     path = Path(path)
@@ -86,24 +92,34 @@ def write_tiny_llama_gguf(
     writer.add_chat_template(CHATML)
 
     rng = np.random.default_rng(seed)
+    matmuls = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"{m}.weight": quantize for m in matmuls} if isinstance(quantize, str) else dict(quantize or {})
+
+    def add(name: str, array: np.ndarray) -> None:
+        kind = types.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
+        if kind is None:
+            writer.add_tensor(name, array)
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 
     def w(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     embed = w(V, D, scale=1.0)
     embed[: len(SPECIALS)] = 0.0  # special-token logits are exactly 0: greedy never picks EOS
-    writer.add_tensor("token_embd.weight", embed)
+    add("token_embd.weight", embed)
     for i in range(L):
         b = f"blk.{i}."
-        writer.add_tensor(b + "attn_norm.weight", np.ones(D, np.float32))
-        writer.add_tensor(b + "attn_q.weight", w(N * H, D))
-        writer.add_tensor(b + "attn_k.weight", w(K * H, D))
-        writer.add_tensor(b + "attn_v.weight", w(K * H, D))
-        writer.add_tensor(b + "attn_output.weight", w(D, N * H))
-        writer.add_tensor(b + "ffn_norm.weight", np.ones(D, np.float32))
-        writer.add_tensor(b + "ffn_gate.weight", w(F, D))
-        writer.add_tensor(b + "ffn_up.weight", w(F, D))
-        writer.add_tensor(b + "ffn_down.weight", w(D, F))
+        add(b + "attn_norm.weight", np.ones(D, np.float32))
+        add(b + "attn_q.weight", w(N * H, D))
+        add(b + "attn_k.weight", w(K * H, D))
+        add(b + "attn_v.weight", w(K * H, D))
+        add(b + "attn_output.weight", w(D, N * H))
+        add(b + "ffn_norm.weight", np.ones(D, np.float32))
+        add(b + "ffn_gate.weight", w(F, D))
+        add(b + "ffn_up.weight", w(F, D))
+        add(b + "ffn_down.weight", w(D, F))
     writer.add_tensor("output_norm.weight", np.ones(D, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

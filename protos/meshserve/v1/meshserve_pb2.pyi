@@ -133,7 +133,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, layout: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "context_length", "max_seq_len", "num_slots", "eos_token_ids", "dtype", "num_parameters", "layout", "model_path", "tie_word_embeddings", "pool", "layout_data", "layout_model", "attention", "platform", "device_kind", "kv_cache", "kv_cache_pages", "kv_cache_tokens", "page_size")
+    __slots__ = ("name", "architecture", "vocab_size", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "context_length", "max_seq_len", "num_slots", "eos_token_ids", "dtype", "num_parameters", "layout", "model_path", "tie_word_embeddings", "pool", "layout_data", "layout_model", "attention", "platform", "device_kind", "kv_cache", "kv_cache_pages", "kv_cache_tokens", "page_size", "weights", "weight_formats", "weight_bytes")
+    class WeightFormatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +169,9 @@ class ModelInfo(_message.Message):
     KV_CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -190,4 +200,7 @@ class ModelInfo(_message.Message):
     kv_cache_pages: int
     kv_cache_tokens: int
     page_size: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layout: _Optional[str] = ..., model_path: _Optional[str] = ..., tie_word_embeddings: _Optional[bool] = ..., pool: _Optional[str] = ..., layout_data: _Optional[int] = ..., layout_model: _Optional[int] = ..., attention: _Optional[str] = ..., platform: _Optional[str] = ..., device_kind: _Optional[str] = ..., kv_cache: _Optional[str] = ..., kv_cache_pages: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    weights: str
+    weight_formats: _containers.ScalarMap[str, str]
+    weight_bytes: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., context_length: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., num_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., layout: _Optional[str] = ..., model_path: _Optional[str] = ..., tie_word_embeddings: _Optional[bool] = ..., pool: _Optional[str] = ..., layout_data: _Optional[int] = ..., layout_model: _Optional[int] = ..., attention: _Optional[str] = ..., platform: _Optional[str] = ..., device_kind: _Optional[str] = ..., kv_cache: _Optional[str] = ..., kv_cache_pages: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., weights: _Optional[str] = ..., weight_formats: _Optional[_Mapping[str, str]] = ..., weight_bytes: _Optional[int] = ...) -> None: ...

@@ -1,10 +1,11 @@
 """Build, load and register meshserve's native XLA:CPU custom calls (``model/native/*.cc``).
 
-Seven kernels, one shared library: the decode step's KV-cache write and attention, a prefill
+Eight kernels, one shared library: the decode step's KV-cache write and attention, a prefill
 chunk's KV-cache write and a first prefill chunk's causal attention (``model.cpu_attention``),
 decode tokens' attention over the paged cache (``model.cpu_paged_attention``),
 the weight matmuls over packed weights (``model.cpu_matmul``): float32 panels, and bf16x3 on
-AMX tiles where the CPU has AMX (``amx_available``), and greedy decoding's argmax
+AMX tiles where the CPU has AMX (``amx_available``), the matmul over GGUF-quantized weights
+kept as stored (``model.quant_matmul``: Q8_0, Q4_0, Q4_1, one target each), and greedy decoding's argmax
 (``model.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for the target
 ``-march=$MESHSERVE_NATIVE_MARCH`` (``march()``; default ``native``, this CPU), into
@@ -49,6 +50,11 @@ CAUSAL_ATTENTION = "meshserve_causal_attention"
 FIRST_ARGMAX = "meshserve_first_argmax"
 CACHE_WRITE = "meshserve_cache_write"
 PAGED_ATTENTION = "meshserve_paged_attention"
+QUANT_MATMUL = {  # QuantPanels.format -> FFI target of the quantized-weight matmul
+    "q8_0": "meshserve_quant_matmul_q8_0",
+    "q4_0": "meshserve_quant_matmul_q4_0",
+    "q4_1": "meshserve_quant_matmul_q4_1",
+}
 TARGETS = {  # -> exported symbol
     DECODE_ATTENTION: "MeshserveDecodeAttention",
     CAUSAL_ATTENTION: "MeshserveCausalAttention",
@@ -57,6 +63,9 @@ TARGETS = {  # -> exported symbol
     FIRST_ARGMAX: "MeshserveFirstArgmax",
     CACHE_WRITE: "MeshserveCacheWrite",
     PAGED_ATTENTION: "MeshservePagedAttention",
+    QUANT_MATMUL["q8_0"]: "MeshserveQuantMatmulQ8_0",
+    QUANT_MATMUL["q4_0"]: "MeshserveQuantMatmulQ4_0",
+    QUANT_MATMUL["q4_1"]: "MeshserveQuantMatmulQ4_1",
 }
 MARCH_ENV = "MESHSERVE_NATIVE_MARCH"  # the build target's -march value; default "native"
 SUPPORTED_MACHINES = ("x86_64", "AMD64")  # platform.machine() values the kernels are built for

@@ -1,0 +1,447 @@
+// y[M, N] = x[M, K] @ W[K, N] over GGUF-quantized weights kept as stored (Q8_0, Q4_0, Q4_1),
+// dequantized on the fly, as XLA FFI custom calls for the CPU.
+//
+// The weights are model/quant_panels.py's QuantPanels: codes [L, P, Kb, B, 32] (P = N/32
+// panels of 32 output columns, Kb = K/32 blocks; Q8_0 int8 with B = 32, codes[l, p, b, j, c]
+// weight k = 32b + j of column 32p + c; Q4_* uint8 with B = 16, byte j holding weight 32b + j
+// in its low nibble and 32b + j + 16 in its high one), scales [L, P, Kb, 32] float16 d and,
+// for Q4_1, mins [L, P, Kb, 32] float16 m. Weight values: Q8_0 d q, Q4_0 d (q - 8), Q4_1
+// d q + m. An int32 scalar operand picks matrix `layer` of the stack: the kernel offsets into
+// the buffers, so a layer loop inside lax.scan reads the stacked weights in place (XLA would
+// otherwise materialise a dynamic slice of them); one matrix is passed as L = 1, layer 0.
+//
+// Each panel is three contiguous streams (codes, scales, mins), read once per call. Two ways
+// through a panel, chosen by the number of rows M:
+//
+// * Direct (few rows: a decode step's matmuls, bound by streaming the weights). A tile of up
+//   to kDirectRows rows of x (packed per tile as [K, R], as panel_matmul.cc packs it) walks
+//   the panel block by block: the block's codes, widened to float32 in registers, are
+//   multiplied into R x 32 per-block sums s[r][c] = sum_j x[r, 32b + j] q[j, c], and the
+//   block's scale is applied once to the sums: acc += d s (+ m * sum_j x[r, 32b + j] for
+//   Q4_1, the row sums of x per block computed when x is packed; Q4_0 takes q - 8 directly,
+//   so it needs no row sums). That is the dequantized product, mathematically; its rounding
+//   differs from a float32 dot of the dequantized weights only as any reordering of the sum
+//   does. It saves the per-weight dequantizing multiply-add, so each weight costs its
+//   widening plus one FMA per row. The per-block sums take the registers (R x 32 floats, a
+//   panel row's widened codes, the broadcast row value where an FMA cannot broadcast from
+//   memory: kDirectRows), so the running totals are left to the stack frame, updated once per
+//   block (32 k-steps). At 1 row this is bound by the widening's instructions for Q4 (a
+//   widening, a mask, a shift and two conversions per 16 weights), by the bytes for Q8_0.
+// * Dequantized (more rows: prefill chunks, large decode batches). Each panel is dequantized
+//   once into a per-work-item float32 scratch panel [K, 32] (an FMA d q + m: d q is exact,
+//   so the scratch holds exactly gguf.quants.dequantize's values), which then serves every
+//   tile of rows through panel_matmul.cc's register-tile micro-kernel (Goto & van de Geijn
+//   2008, section 4: R x 32 accumulators over the whole of K, the panel read from L1/L2). The
+//   widening is paid once per panel instead of once per tile of rows, as the direct path
+//   pays it, and the float32 tiles take 3 rows on AVX2 against the direct path's 2 (the
+//   widened codes need registers; float32 weights are FMA memory operands). On AVX2 the direct
+//   path was the faster up to about 16 rows and the slower from 64 (kDirectMaxM). The scratch
+//   panel is 64-byte aligned: a misaligned one cost the tiles about a fifth of their speed.
+//
+// Work items are runs of panels shared by XLA's intra-op threads (ParallelFor), as in
+// panel_matmul.cc. Float16 scales are widened with F16C (vcvtph2ps) where the target has it
+// (every AVX2 and AVX-512 target here), an exact scalar conversion otherwise. Built and
+// registered by model/native_kernels.py; model/quant_matmul.py is the Python side;
+// docs/cpu-kernels.md has the measurements behind kDirectMaxM and the tile sizes.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "parallel_for.h"
+#include "vec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using meshserve::kLanes;
+using meshserve::load;
+using meshserve::store;
+using meshserve::vf;
+
+enum class Format { kQ8_0, kQ4_0, kQ4_1 };
+
+constexpr int64_t kPanel = 32;                  // columns per panel, weights per block
+constexpr int kPanelVectors = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE2)
+static_assert(kPanel % kLanes == 0, "a panel row must be whole vectors");
+constexpr int kBroadcastRegs = meshserve::kBroadcastOperand ? 0 : 1;
+// Rows per tile of the dequantized path: panel_matmul.cc's kMaxRows (3 on AVX2, 16 on AVX-512).
+constexpr int kMaxRows = (meshserve::kVectorRegisters - kBroadcastRegs) / kPanelVectors;
+// Rows per tile of the direct path: R x kPanelVectors per-block sums, a panel row's widened
+// codes (kPanelVectors registers: the codes, unlike float32 weights, cannot be an FMA's memory
+// operand) and the broadcast row value fill the registers: 2 on AVX2, 15 on AVX-512, 1 on
+// SSE2. With 3 rows on AVX2 GCC spilled sums to the stack inside the k loop.
+constexpr int kDirectRows =
+    std::max(1, (meshserve::kVectorRegisters - kBroadcastRegs - kPanelVectors) / kPanelVectors);
+// The direct path up to this many rows, the dequantized one above: on AVX2 the direct path was
+// about 20 % faster at 8 rows, even at 16-32 and slower from 64 (docs/cpu-kernels.md).
+constexpr int64_t kDirectMaxM = 16;
+constexpr int64_t kAheadBytes = 2048;  // prefetch distance in the codes stream (Q4_1: 3.2 blocks of a panel)
+
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// float16 bits -> float32, exactly (normals, subnormals, zeros, infinities; NaNs keep their
+// payload, quieted): bit for bit what F16C gives for all 65536 inputs.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0);  // NaNs quieted, as vcvtph2ps does
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24, exact
+    std::memcpy(&bits, &v, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// kLanes float16 values widened to float32.
+inline vf load_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  static_assert(kLanes == 16, "one zmm");
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  static_assert(kLanes == 8, "one ymm");
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+// The codes of one panel row of a block as float32, vector c: Q8_0 one row j of int8 codes;
+// Q4_* the low (weight 32b + j) or high (32b + j + 16) nibbles of byte row j, Q4_0 less 8.
+// The bytes are widened to int32 first (vpmovzxbd / vpmovsxbd), the nibbles split there: GCC
+// 12 took a byte vector's shift, and its widening by __builtin_convertvector, apart lane by lane.
+template <Format F>
+inline vi widen(const void* row, int c) {
+  const void* p = static_cast<const uint8_t*>(row) + c * kLanes;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return (vi)(F == Format::kQ8_0 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return (vi)(F == Format::kQ8_0 ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  vi v;  // GCC 12 widens a byte vector lane by lane anyway
+  for (int i = 0; i < kLanes; ++i)
+    v[i] = F == Format::kQ8_0 ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
+  return v;
+#endif
+}
+template <Format F>
+inline vf codes_low(vi v) {
+  if constexpr (F == Format::kQ8_0) return __builtin_convertvector(v, vf);
+  v &= 0x0f;
+  return __builtin_convertvector(F == Format::kQ4_0 ? v - 8 : v, vf);
+}
+template <Format F>
+inline vf codes_high(vi v) {
+  v >>= 4;
+  return __builtin_convertvector(F == Format::kQ4_0 ? v - 8 : v, vf);
+}
+
+constexpr int64_t code_rows(Format f) { return f == Format::kQ8_0 ? kPanel : kPanel / 2; }  // B
+
+// One matrix's panels: codes [P, Kb, B, 32], scales and mins [P, Kb, 32].
+struct Weights {
+  const void* codes;
+  const uint16_t* scales;
+  const uint16_t* mins;  // Q4_1 only
+  int64_t K, P;
+};
+
+// ---- direct path ---------------------------------------------------------------------------
+
+// y[0:R, 0:32] = x[0:R, :] @ panel p. xt: the tile's rows packed as [K, R]; xs: their sums per
+// block [Kb, R] (Q4_1 only); rows of y at a stride of N floats.
+template <Format F, int R>
+void direct_tile(const float* xt, const float* xs, const Weights& w, int64_t p, float* y, int64_t N) {
+  constexpr int64_t B = code_rows(F);
+  const int64_t Kb = w.K / kPanel;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + p * Kb * B * kPanel;
+  const uint16_t* scales = w.scales + p * Kb * kPanel;
+  const uint16_t* mins = F == Format::kQ4_1 ? w.mins + p * Kb * kPanel : nullptr;
+  vf total[R][kPanelVectors];  // running totals: in the stack frame, touched once per block
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) total[r][c] = vf{};
+  for (int64_t b = 0; b < Kb; ++b, codes += B * kPanel, xt += kPanel * R) {
+    for (int64_t l = 0; l < B * kPanel; l += 64) __builtin_prefetch(codes + kAheadBytes + l, 0, 3);
+    vf s[R][kPanelVectors];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kPanelVectors; ++c) s[r][c] = vf{};
+    for (int64_t j = 0; j < B; ++j) {
+      const uint8_t* row = codes + j * kPanel;
+      for (int c = 0; c < kPanelVectors; ++c) {
+        const vi v = widen<F>(row, c);
+        const vf q = codes_low<F>(v);
+        for (int r = 0; r < R; ++r) s[r][c] += xt[j * R + r] * q;
+        if constexpr (F != Format::kQ8_0) {
+          const vf h = codes_high<F>(v);
+          for (int r = 0; r < R; ++r) s[r][c] += xt[(j + 16) * R + r] * h;
+        }
+      }
+    }
+    for (int c = 0; c < kPanelVectors; ++c) {
+      const vf d = load_half(scales + b * kPanel + c * kLanes);
+      for (int r = 0; r < R; ++r) total[r][c] += d * s[r][c];
+      if constexpr (F == Format::kQ4_1) {
+        const vf m = load_half(mins + b * kPanel + c * kLanes);
+        for (int r = 0; r < R; ++r) total[r][c] += xs[b * R + r] * m;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, total[r][c]);
+}
+
+template <Format F, int R = kDirectRows>
+void direct_rows(int rows, const float* xt, const float* xs, const Weights& w, int64_t p, float* y, int64_t N) {
+  if constexpr (R >= 1) {
+    if (rows == R) return direct_tile<F, R>(xt, xs, w, p, y, N);
+    return direct_rows<F, R - 1>(rows, xt, xs, w, p, y, N);
+  }
+}
+
+// ---- dequantized path ----------------------------------------------------------------------
+
+// Panel p dequantized into out [K, 32]: exactly the values gguf.quants.dequantize gives.
+template <Format F>
+void dequantize_panel(const Weights& w, int64_t p, float* out) {
+  constexpr int64_t B = code_rows(F);
+  const int64_t Kb = w.K / kPanel;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + p * Kb * B * kPanel;
+  const uint16_t* scales = w.scales + p * Kb * kPanel;
+  const uint16_t* mins = F == Format::kQ4_1 ? w.mins + p * Kb * kPanel : nullptr;
+  for (int64_t b = 0; b < Kb; ++b, codes += B * kPanel, out += kPanel * kPanel) {
+    for (int64_t l = 0; l < B * kPanel; l += 64) __builtin_prefetch(codes + kAheadBytes + l, 0, 3);
+    vf d[kPanelVectors], m[kPanelVectors];
+    for (int c = 0; c < kPanelVectors; ++c) {
+      d[c] = load_half(scales + b * kPanel + c * kLanes);
+      m[c] = F == Format::kQ4_1 ? load_half(mins + b * kPanel + c * kLanes) : vf{};
+    }
+    for (int64_t j = 0; j < B; ++j) {
+      const uint8_t* row = codes + j * kPanel;
+      for (int c = 0; c < kPanelVectors; ++c) {
+        const vi v = widen<F>(row, c);
+        if constexpr (F == Format::kQ4_1) {
+          store(out + j * kPanel + c * kLanes, codes_low<F>(v) * d[c] + m[c]);
+          store(out + (j + 16) * kPanel + c * kLanes, codes_high<F>(v) * d[c] + m[c]);
+        } else {
+          store(out + j * kPanel + c * kLanes, codes_low<F>(v) * d[c]);
+          if constexpr (F == Format::kQ4_0) store(out + (j + 16) * kPanel + c * kLanes, codes_high<F>(v) * d[c]);
+        }
+      }
+    }
+  }
+}
+
+// y[0:R, 0:32] = x[0:R, :] @ panel, panel float32 [K, 32] (panel_matmul.cc's tile).
+template <int R>
+void float_tile(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
+  vf acc[R][kPanelVectors];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = vf{};
+  const float* w = panel;
+  for (int64_t k = 0; k < K; ++k, w += kPanel, xt += R) {
+    for (int r = 0; r < R; ++r) {
+      const float xr = xt[r];
+      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] += xr * load(w + c * kLanes);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, acc[r][c]);
+}
+
+template <int R = kMaxRows>
+void float_rows(int rows, const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
+  if constexpr (R >= 1) {
+    if (rows == R) return float_tile<R>(xt, panel, y, K, N);
+    return float_rows<R - 1>(rows, xt, panel, y, K, N);
+  }
+}
+
+// ---- packing x -----------------------------------------------------------------------------
+
+// Rows m .. m+R-1 of x [M, K] re-laid out as [K, R] (k by k: one contiguous run of R writes),
+// and, when sums is set, their sums per 32-weight block as [Kb, R].
+template <int R>
+void pack_tile(const float* x, int64_t K, float* tile, float* sums) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r) tile[k * R + r] = x[r * K + k];
+  if (sums)
+    for (int64_t b = 0; b < K / kPanel; ++b)
+      for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < kPanel; ++j) s += x[r * K + b * kPanel + j];
+        sums[b * R + r] = s;
+      }
+}
+
+template <int R>
+void pack_rows(int rows, const float* x, int64_t K, float* tile, float* sums) {
+  if constexpr (R >= 1) {
+    if (rows == R) return pack_tile<R>(x, K, tile, sums);
+    return pack_rows<R - 1>(rows, x, K, tile, sums);
+  }
+}
+
+// ---- the call ------------------------------------------------------------------------------
+
+template <Format F>
+void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float* y, int64_t M, bool direct) {
+  const int64_t K = w.K, P = w.P, N = P * kPanel, Kb = K / kPanel;
+  const int tile_rows = direct ? kDirectRows : kMaxRows;
+  const bool sums = direct && F == Format::kQ4_1;
+  const int64_t tiles = (M + tile_rows - 1) / tile_rows;
+  std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
+  std::unique_ptr<float[]> xs(sums ? new float[static_cast<size_t>(M * Kb)] : nullptr);
+  meshserve::ParallelFor(pool, tiles, [&](int64_t t) {
+    const int64_t m = t * tile_rows;
+    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, M - m));
+    float* s = sums ? xs.get() + m * Kb : nullptr;
+    if (direct)
+      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s);
+    else
+      pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s);
+  });
+  // Runs of panels, about four per thread: long contiguous streams, and a thread that
+  // finishes early takes the next run.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
+  meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
+    const int64_t p0 = i * per_item, p1 = std::min(P, p0 + per_item);
+    if (direct) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t m = 0; m < M; m += kDirectRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, M - m));
+          direct_rows<F>(rows, xp.get() + m * K, sums ? xs.get() + m * Kb : nullptr, w, p, y + m * N + p * kPanel, N);
+        }
+      return;
+    }
+    // The scratch panel 64-byte aligned, as XLA aligns its buffers: at new[]'s 16 bytes every
+    // other 32-byte load of it crossed a cache line, and the tiles ran slower than over
+    // cpu_matmul's float32 panels.
+    std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(K * kPanel + 16)]);  // every used element written
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t{63});
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize_panel<F>(w, p, panel);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        float_rows(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
+      }
+    }
+  });
+}
+
+// Checks the operands' shapes against x [M, K] and y [M, N]; fills w with matrix `layer`.
+ffi::Error check(Format f, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> cd, ffi::Span<const int64_t> sd,
+                 const ffi::Span<const int64_t>* md, ffi::Span<const int64_t> yd, int32_t layer, Weights& w) {
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
+  if (cd.size() != 5 || cd[3] != code_rows(f) || cd[4] != kPanel)
+    return ffi::Error::InvalidArgument(f == Format::kQ8_0 ? "quant_matmul: q8_0 codes must be [L, P, Kb, 32, 32]"
+                                                          : "quant_matmul: q4 codes must be [L, P, Kb, 16, 32]");
+  const int64_t L = cd[0], P = cd[1], Kb = cd[2];
+  if (xd[1] != Kb * kPanel) return ffi::Error::InvalidArgument("quant_matmul: x's K differs from the weights' 32 * Kb");
+  if (sd.size() != 4 || sd[0] != L || sd[1] != P || sd[2] != Kb || sd[3] != kPanel)
+    return ffi::Error::InvalidArgument("quant_matmul: scales must be [L, P, Kb, 32] like the codes");
+  if (md && (md->size() != 4 || (*md)[0] != L || (*md)[1] != P || (*md)[2] != Kb || (*md)[3] != kPanel))
+    return ffi::Error::InvalidArgument("quant_matmul: mins must be [L, P, Kb, 32] like the codes");
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != P * kPanel)
+    return ffi::Error::InvalidArgument("quant_matmul: y must be [M, 32 * P]");
+  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("quant_matmul: layer index outside [0, L)");
+  w.K = Kb * kPanel;
+  w.P = P;
+  const int64_t codes_per_layer = P * Kb * code_rows(f) * kPanel, scales_per_layer = P * Kb * kPanel;
+  w.codes = static_cast<const uint8_t*>(w.codes) + layer * codes_per_layer;
+  w.scales += layer * scales_per_layer;
+  if (w.mins) w.mins += layer * scales_per_layer;
+  return ffi::Error::Success();
+}
+
+template <Format F>
+ffi::Error run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* codes, ffi::Span<const int64_t> cd,
+               ffi::Buffer<ffi::F16>& scales, ffi::Buffer<ffi::F16>* mins, ffi::Buffer<ffi::S32>& layer,
+               ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t path) {
+  if (layer.dimensions().size() != 0) return ffi::Error::InvalidArgument("quant_matmul: layer must be a scalar");
+  if (path < 0 || path > 2) return ffi::Error::InvalidArgument("quant_matmul: path must be 0 (auto), 1 or 2");
+  Weights w{codes, reinterpret_cast<const uint16_t*>(scales.typed_data()),
+            mins ? reinterpret_cast<const uint16_t*>(mins->typed_data()) : nullptr, 0, 0};
+  ffi::Span<const int64_t> md = mins ? mins->dimensions() : ffi::Span<const int64_t>();
+  ffi::Error e = check(F, x.dimensions(), cd, scales.dimensions(), mins ? &md : nullptr, y->dimensions(),
+                       *layer.typed_data(), w);
+  if (e.failure()) return e;
+  const int64_t M = x.dimensions()[0];
+  if (M == 0 || w.P == 0) return ffi::Error::Success();
+  if (w.K == 0) {
+    std::fill(y->typed_data(), y->typed_data() + M * w.P * kPanel, 0.0f);
+    return ffi::Error::Success();
+  }
+  const bool direct = path == 0 ? M <= kDirectMaxM : path == 1;
+  quant_matmul<F>(pool, x.typed_data(), w, y->typed_data(), M, direct);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                int64_t path) {
+  return run<Format::kQ8_0>(pool, x, codes.typed_data(), codes.dimensions(), scales, nullptr, layer, y, path);
+}
+
+ffi::Error Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                int64_t path) {
+  return run<Format::kQ4_0>(pool, x, codes.typed_data(), codes.dimensions(), scales, nullptr, layer, y, path);
+}
+
+ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> mins, ffi::Buffer<ffi::S32> layer,
+                ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t path) {
+  return run<Format::kQ4_1>(pool, x, codes.typed_data(), codes.dimensions(), scales, &mins, layer, y, path);
+}
+
+}  // namespace
+
+// Operands: x [M, K] f32; codes [L, P, Kb, B, 32]; scales (and Q4_1's mins) [L, P, Kb, 32] f16;
+// layer, an s32 scalar in [0, L). Attribute path (i64): 0 picks by M, 1 forces the direct
+// path, 2 the dequantized one (tests and benchmarks). Result: y [M, 32 P] f32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveQuantMatmulQ8_0, Q8_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // codes [L, P, Kb, 32, 32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [L, P, Kb, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("path"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveQuantMatmulQ4_0, Q4_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [L, P, Kb, 16, 32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [L, P, Kb, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("path"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveQuantMatmulQ4_1, Q4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes [L, P, Kb, 16, 32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // scales [L, P, Kb, 32]
+                                  .Arg<ffi::Buffer<ffi::F16>>()  // mins [L, P, Kb, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("path"));

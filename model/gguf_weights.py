@@ -106,7 +106,9 @@ class _StoredBlocks:
             self._progress(name)
         return data.reshape(want)
 
-    def panels(self, parts: list[tuple[str, int]], k: int, out_shape: tuple[int, ...], fmt: str, rows=None):  # type: ignore[no-untyped-def]
+    def panels(
+        self, parts: list[tuple[str, int]], k: int, out_shape: tuple[int, ...], fmt: str, rows: np.ndarray | None = None
+    ) -> quant_panels.QuantPanels:
         """``QuantPanels`` of tensors ``parts`` ((name, rows) each) concatenated row-wise, output n
         being concatenated row ``rows[n]`` (None: in order).
 
@@ -197,7 +199,7 @@ def load_gguf_params(
     blocks = _StoredBlocks(reader, cfg, progress)
     G = N // K
 
-    names = ("attn_norm", "mlp_norm")
+    names: tuple[str, ...] = ("attn_norm", "mlp_norm")
     names += () if "wqkv" in keep else ("wq", "wk", "wv")
     names += () if "wo" in keep else ("wo",)
     names += () if "w_gate_up" in keep else ("w_gate", "w_up")

@@ -259,7 +259,8 @@ class Llama(nnx.Module):
         cfg = self.cfg
         x = self.embed_tokens(tokens)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        xs: dict[str, Any] = {"p": self.layers.weights()}
+        sliced, stacked = split_stacked(self.layers.weights())
+        xs: dict[str, Any] = {"p": sliced, "layer": jnp.arange(cfg.num_layers, dtype=jnp.int32)}
         if cache_k is not None:
             xs["ck"], xs["cv"] = cache_k, cache_v
 
@@ -269,7 +270,8 @@ class Llama(nnx.Module):
             ck, cv = layer.get("ck"), layer.get("cv")
             if ck is not None and cv is not None:
                 ck, cv = ck[:, :, :window], cv[:, :, :window]  # this layer's slice, then the window
-            x, k, v = decoder_block(cfg, x, layer["p"], cos, sin, ck, cv, cache_mask, new_mask)
+            p = with_stacked(layer["p"], stacked, layer["layer"])
+            x, k, v = decoder_block(cfg, x, p, cos, sin, ck, cv, cache_mask, new_mask)
             return x, (k, v)
 
         x, (new_k, new_v) = jax.lax.scan(body, x, xs)
@@ -316,13 +318,15 @@ class Llama(nnx.Module):
         ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
             x, k, v = carry
             p, layer = xs
+            p = with_stacked(p, stacked, layer)
             q, k_new, v_new = project_qkv(cfg, x, p, cos, sin, cdt)
             k, v = write_kv(k, v, slots, k_new[0], v_new[0], layer)
             attn = attend(q[0], k, v, layer)
             return (out_and_mlp(cfg, x, p, attn[None]), k, v), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (self.layers.weights(), layers))
+        sliced, stacked = split_stacked(self.layers.weights())
+        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (sliced, layers))
         return x[0], PagedKVCache(k=k, v=v)
 
     def run_layers_in_place(
@@ -379,6 +383,19 @@ class Llama(nnx.Module):
 
 
 # ---- the math of one block ------------------------------------------------------------------
+def split_stacked(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, QuantPanels]]:
+    """A scanned layer loop's weights as (the arrays ``lax.scan`` slices per layer, the stored
+    blocks it must not slice): XLA:CPU copies each iteration's slice of a stacked operand before
+    a custom call reads it, so the blocks go in whole, with the layer index (``with_stacked``)."""
+    stacked = {k: v for k, v in weights.items() if isinstance(v, QuantPanels)}
+    return {k: v for k, v in weights.items() if k not in stacked}, stacked
+
+
+def with_stacked(p: dict[str, Any], stacked: dict[str, QuantPanels], layer: jax.Array) -> dict[str, Any]:
+    """One layer's weights: ``p`` (sliced) and the stored blocks standing for ``layer``."""
+    return {**p, **{k: quant_panels.at_layer(v, layer) for k, v in stacked.items()}}
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019, eq. 4), computed in float32: x [..., D] -> [..., D] f32."""
     x = x.astype(jnp.float32)
@@ -455,7 +472,7 @@ def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels | QuantPanels, equation
         elif w.kernel == "native":
             from model import quant_matmul  # registers nothing by itself: the engine checked available()
 
-            y = quant_matmul.matmul(x2, w)
+            y = quant_matmul.matmul(x2, dataclasses.replace(w, layer=None), w.layer)
         else:
             y = quant_panels.xla_matmul(x2, w)
         return y.reshape(*lead, *w.out_shape)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +53,18 @@ class QuantPanels:
     ``out_shape`` (the shape the N outputs take in the model, e.g. (K, G + 2, H) for the fused
     QKV projection) and ``kernel`` are static. ``kernel`` is who multiplies by it: "xla"
     (``xla_matmul``, any backend) or "native" (``model.quant_matmul``, one CPU device), set by
-    the engine (``model.llama.choose_quant_kernel``)."""
+    the engine (``model.llama.choose_quant_kernel``). ``layer``: None, or an int32 scalar (may
+    be traced) selecting matrix ``layer`` of stacked panels (lead (L,)) without slicing them:
+    the scanned model's layer loop passes the whole stack and its index, and the native kernel
+    reads that matrix in place (``at_layer``)."""
 
-    codes: jax.Array
-    scales: jax.Array
-    mins: jax.Array | None
+    codes: Any  # jax.Array, or host numpy before placement (likewise below)
+    scales: Any
+    mins: Any | None
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     format: str = dataclasses.field(default="q4_1", metadata={"static": True})
     kernel: str = dataclasses.field(default="xla", metadata={"static": True})
+    layer: jax.Array | None = None
 
     @property
     def k(self) -> int:
@@ -161,7 +166,7 @@ def stack(panels: Sequence[QuantPanels]) -> QuantPanels:
         (q.format, q.out_shape, q.codes.shape) != (first.format, first.out_shape, first.codes.shape) for q in panels
     ):
         raise ValueError("stacked QuantPanels must share format and shape")
-    mins = None if first.mins is None else np.stack([q.mins for q in panels])
+    mins = None if first.mins is None else np.stack([np.asarray(q.mins) for q in panels])
     return QuantPanels(
         np.stack([q.codes for q in panels]), np.stack([q.scales for q in panels]), mins, first.out_shape, first.format
     )
@@ -170,7 +175,12 @@ def stack(panels: Sequence[QuantPanels]) -> QuantPanels:
 def layer(w: QuantPanels, i: jax.Array | int) -> QuantPanels:
     """Matrix ``i`` of stacked panels (a slice of each array)."""
     mins = None if w.mins is None else w.mins[i]
-    return dataclasses.replace(w, codes=w.codes[i], scales=w.scales[i], mins=mins)
+    return dataclasses.replace(w, codes=w.codes[i], scales=w.scales[i], mins=mins, layer=None)
+
+
+def at_layer(w: QuantPanels, i: jax.Array) -> QuantPanels:
+    """Stacked panels that stand for their matrix ``i`` (``QuantPanels.layer``), not sliced."""
+    return dataclasses.replace(w, layer=i)
 
 
 def codes_as_float(codes: jax.Array, fmt: str) -> jax.Array:
@@ -211,6 +221,9 @@ def dequantize_rows(w: QuantPanels, rows: jax.Array) -> jax.Array:
 
 def xla_matmul(x: jax.Array, w: QuantPanels) -> jax.Array:
     """x [M, K] @ W by XLA (``dequantize`` then a float32 dot): [M, *w.out_shape] float32. The
-    reference for the native kernel, and the path of every non-CPU backend."""
+    reference for the native kernel, and the path of every non-CPU backend. Panels standing for
+    one matrix of their stack (``layer``) are sliced to it first."""
+    if w.layer is not None:
+        w = layer(w, w.layer)
     y = jnp.dot(x.astype(jnp.float32), dequantize(w), preferred_element_type=jnp.float32)
     return y.reshape(x.shape[0], *w.out_shape)

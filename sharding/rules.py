@@ -65,6 +65,9 @@ def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh, rules
     the panels hold transposed): the panel axis follows the outputs, the block axis the inputs
     (``block_axis``), the layer axis and the 32-wide axes are not split."""
     n_out = len(value.out_shape)
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    lead: tuple[str, ...]
     if axes == ("vocab", "embed"):  # the embedding table [V, D] as W = table.T [D, V]
         ins, outs, lead = ("embed",), ("vocab",), ()
     else:

@@ -94,7 +94,7 @@ def test_a_truncated_tensor_is_a_load_error_naming_it(quantized: Path, tmp_path:
     cfg = LlamaConfig.from_gguf(quantized)
     i = next(i for i, t in enumerate(reader.tensors) if t.name == "blk.1.ffn_up.weight")
     reader.tensors[i] = reader.tensors[i]._replace(data=reader.tensors[i].data.reshape(-1)[:-7])  # cut short
-    with pytest.raises(WeightError, match="blk.1.ffn_up.weight"):
+    with pytest.raises(WeightError, match=r"blk\.1\.ffn_up\.weight"):
         load_gguf_params(reader, cfg, stored=True)
 
 
@@ -239,4 +239,3 @@ def test_smollm2_stored_matches_the_golden_logits_and_ids(smollm2_stored, kv_cac
         loop.stop()
     for i, (ids, _) in enumerate(got):
         assert ids == golden[f"greedy_{i}"].tolist(), i
-

@@ -33,7 +33,11 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
 * ``meshserve-kv-bf16`` (only when named in ``--peers``): the Engine with float32 weights and
   matmuls and a bfloat16 KV cache (``EngineConfig.kv_dtype``): half the bytes each decode step's
   attention reads. llama.cpp's contexts keep their KV cache in float16 by default (``type_k``,
-  ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too.
+  ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too;
+* ``meshserve-stored`` (only when named in ``--peers``): the Engine over the GGUF's Q4_1 and Q8_0
+  blocks as stored (``load_model(stored=True)``, ``EngineConfig.weights="stored"``), float32
+  activations multiplied at exactly the dequantized values (``model.quant_matmul``). No MBU: its
+  weights are not the fp32 bytes the roofline counts.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -66,6 +70,7 @@ the lowest floor, so the ratio errs against the engine).
     python benchmarks/peers.py --peers meshserve hf --json out.json
     python benchmarks/peers.py --peers meshserve meshserve-bf16x3 hf llamacpp
     python benchmarks/peers.py --peers meshserve meshserve-kv-bf16 hf llamacpp
+    python benchmarks/peers.py --peers meshserve meshserve-stored llamacpp --python llamacpp=LLAMA_VENV/bin/python
 
 Run it on an otherwise idle machine: on 2 vCPUs run-to-run spread reaches 15 % (peers.md).
 """
@@ -100,15 +105,17 @@ if str(ROOT) not in sys.path:
 
 from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
-PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16")
+PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored")
 DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
-            "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"]}  # fmt: skip
+            "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"],
+            "meshserve-stored": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
     "meshserve-bf16x3": [("meshserve-bf16x3", "meshserve bf16x3")],
     "meshserve-kv-bf16": [("meshserve-kv-bf16", "meshserve fp32, bf16 KV")],
+    "meshserve-stored": [("meshserve-stored", "meshserve GGUF blocks as stored")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -117,7 +124,7 @@ VARIANTS = {
     ],
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
-QUANTIZED = {"llama.cpp Q4_1", "llama.cpp F16"}  # weights are not the fp32 bytes the roofline counts: no MBU
+QUANTIZED = {"llama.cpp Q4_1", "llama.cpp F16", "meshserve GGUF blocks as stored"}  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
 KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
             "llama.cpp F16": "float16"}  # fmt: skip
@@ -214,18 +221,21 @@ class Runner:
 
 
 class MeshserveRunner(Runner):
-    def __init__(self, model: Path, threads: int, layers: str, matmul: str = "auto", kv_dtype: str = "auto") -> None:
+    def __init__(
+        self, model: Path, threads: int, layers: str, matmul: str = "auto", kv_dtype: str = "auto", stored: bool = False
+    ) -> None:
         import jax
-        import jax.numpy as jnp
 
-        from model.loader import load_gguf_model
+        from model.loader import load_model
 
-        self.cfg, self.graphdef, self.params = load_gguf_model(model, jnp.float32)
+        loaded = load_model(model, "float32", stored=stored)
+        self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
         self.engine: Any = None
         self.layers, self.matmul, self.kv_dtype = layers, matmul, kv_dtype
         self.dispatch_ms: float | None = None
         self.notes = (
             f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
+            f"weights {'GGUF blocks as stored' if stored else 'float32'}, "
             f"KV cache {'float32' if kv_dtype == 'auto' else kv_dtype}, pipelined decode"
         )
 
@@ -476,6 +486,8 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), "bf16x3")
     if variant == "meshserve-kv-bf16":  # float32 weights and matmuls, bfloat16 KV cache (EngineConfig.kv_dtype)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), kv_dtype="bfloat16")
+    if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (EngineConfig.weights)
+        return MeshserveRunner(model, threads, wl.get("layers", "scan"), stored=True)
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -817,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=PEERS,
         default=list(DEFAULT_PEERS),
         help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
-        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache)",
+        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored)",
     )
     p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention, cpu_matmul, cpu_paged_attention, quant_panels
+from model import cpu_attention, cpu_matmul, cpu_paged_attention, quant_matmul, quant_panels
 from model.config import LlamaConfig, RopeScaling
 from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
 from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
@@ -77,7 +77,10 @@ class DecoderLayers(nnx.Module):
         qkv, head_dim); wo [L, N, H, D] (layers, q_heads, head_dim, embed); mlp_norm [L, D];
         w_gate_up [L, D, 2, F] (layers, embed, gate_up, mlp); w_down [L, F, D] (layers, mlp,
         embed).
-    Weights are stored input-major (x @ W), the faster layout for XLA on CPU.
+    Weights are stored input-major (x @ W), the faster layout for XLA on CPU. A matmul weight
+    (wqkv, wo, w_gate_up, w_down; also ``Llama.embed`` and ``lm_head``) may instead hold a GGUF's
+    blocks as stored (``model.quant_panels.QuantPanels``, same logical axes), which ``dense``
+    multiplies by at exactly their dequantized values.
 
     The Q, K and V projections are one array, grouped by KV head: ``wqkv[:, :, k, :G]`` are the
     G query heads k*G .. k*G+G-1 that share KV head k (grouped-query attention, Ainslie et al.
@@ -469,9 +472,7 @@ def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels | QuantPanels, equation
         x2 = x.reshape(math.prod(lead), k)
         if isinstance(w, cpu_matmul.Panels):
             y = cpu_matmul.matmul(x2, w)
-        elif w.kernel == "native":
-            from model import quant_matmul  # registers nothing by itself: the engine checked available()
-
+        elif w.kernel == "native":  # the engine checked quant_matmul.available()
             y = quant_matmul.matmul(x2, dataclasses.replace(w, layer=None), w.layer)
         else:
             y = quant_panels.xla_matmul(x2, w)

@@ -210,3 +210,23 @@ def test_an_empty_text_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as exc:  # it looped forever doubling an empty token list
         peers.main(["--model", str(model), "--text", str(empty), "--peers", "meshserve"])
     assert exc.value.code == 2 and "no tokens in it" in capsys.readouterr().err
+
+
+def test_the_stored_row_serves_the_gguf_blocks_and_the_float_rows_ids(tmp_path: Path) -> None:
+    """``meshserve-stored`` runs the Engine over the file's Q4_1 blocks and decodes the ids of the
+    float32 row on the same file (the same weights' values)."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from model.llama import has_stored_blocks
+
+    path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
+    wl = {"model": str(path), "threads": 2, "layers": "scan"}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9]]
+    got = {}
+    for variant in ("meshserve", "meshserve-stored"):
+        runner = peers.make_runner(variant, wl)
+        assert has_stored_blocks(runner.params) == (variant == "meshserve-stored")
+        runner.setup(1, len(rows[0]), 6)
+        got[variant] = runner.generate(rows, 6)
+    assert len(got["meshserve"]) == 6 and got["meshserve-stored"] == got["meshserve"]
+    assert "meshserve GGUF blocks as stored" in peers.QUANTIZED  # no fp32-bytes MBU for it

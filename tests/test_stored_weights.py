@@ -162,6 +162,26 @@ def test_every_mesh_gives_one_devices_ids(tiny_q41: Path, data: int, tp: int) ->
     assert greedy(mesh) == one
 
 
+def test_a_relayout_moves_the_blocks_and_rechooses_their_kernel(tiny_q41: Path) -> None:
+    """A live switch's engine (``relayout``) takes the placed blocks to the new mesh, still
+    blocks, and back on one device they are the native kernel's again where it is built."""
+    from model import quant_matmul
+
+    cfg = LlamaConfig.from_gguf(tiny_q41)
+    graphdef, state = llama_from_params(cfg, load_gguf_params(tiny_q41, cfg, stored=True))
+    ecfg = EngineConfig(num_slots=4, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32)
+    one = PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg)
+    native = "native" if quant_matmul.available() else "xla"
+    assert one.params["layers"]["w_down"].get_value().kernel == native
+    want = greedy(one)
+    two = one.relayout(Layout("1x2", data=1, model=2), jax.devices()[:2])
+    w_down = two.params["layers"]["w_down"].get_value()
+    assert isinstance(w_down, QuantPanels) and w_down.kernel == "xla" and len(w_down.codes.sharding.device_set) == 2
+    assert greedy(two) == want
+    back = two.relayout(Layout("1x1"), jax.devices()[:1])
+    assert back.params["layers"]["w_down"].get_value().kernel == native and greedy(back) == want
+
+
 def test_a_server_reports_how_it_holds_the_weights(tiny_q41: Path) -> None:
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, weights="stored")
     srv = ServerThread(ServerConfig(model=str(tiny_q41), port=0, metrics_port=0, engine=ecfg)).start()

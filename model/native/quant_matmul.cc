@@ -25,8 +25,12 @@
 //   widening plus one FMA per row. The per-block sums take the registers (R x 32 floats, a
 //   panel row's widened codes, the broadcast row value where an FMA cannot broadcast from
 //   memory: kDirectRows), so the running totals are left to the stack frame, updated once per
-//   block (32 k-steps). At 1 row this is bound by the widening's instructions for Q4 (a
-//   widening, a mask, a shift and two conversions per 16 weights), by the bytes for Q8_0.
+//   block (32 k-steps). On AVX2 Q4_0, and Q4_1 at one row, take a tile of their own
+//   (direct_tile_q4, q4_tile): a panel row's bytes split into nibbles by in-lane shifts and
+//   masks, in a column order put right once per block, instead of vpmovzxbd widenings (two
+//   uops each, on the ports the FMAs and shifts also use); Q4_0 there goes through the row
+//   sums too (m = -8 d). At 1 row the Q4 tiles are bound by those instructions (a mask and a
+//   conversion per 8 weights, a shift per 16), Q8_0 by the bytes.
 // * Dequantized (more rows: prefill chunks, large decode batches). Each panel is dequantized
 //   once into a per-work-item float32 scratch panel [K, 32] (an FMA d q + m: d q is exact,
 //   so the scratch holds exactly gguf.quants.dequantize's values), which then serves every
@@ -207,10 +211,97 @@ void direct_tile(const float* xt, const float* xs, const Weights& w, int64_t p, 
     for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, total[r][c]);
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The Q4 direct tile on AVX2. A panel row's 32 bytes are loaded as one vector of 8 int32
+// lanes, lane i holding the bytes of columns 4i .. 4i + 3, and vector t takes byte t of every
+// lane by shifts and masks inside the lanes: (v >> 8t) & 0x0f the low nibbles, & 0xf0 sixteen
+// times the high ones (x's rows 16 .. 31 of each block come packed divided by 16: exact for
+// every normal x). Vector t so holds columns t, t + 4, ..., t + 28; the per-block sums are put back in
+// column order once per block (a 4 x 4 transpose in each 128-bit half and a swap of halves).
+// This replaces vpmovzxbd (two uops, cross-lane, on the shuffle ports the shifts and FMAs also
+// use) by in-lane ALU work: one load, 3 shifts and 8 masks per 64 weights. Q4_0 and Q4_1 take
+// the same sums of x q: Q4_0's d (q - 8) is d q + m with m = -8 d, applied through the row sums.
+// At one row the low and high nibbles go to sums of their own (8 chains of FMAs, not 4 of
+// twice the length), and the running totals are kept in y, not in registers (they would take
+// 4 of the 16, and GCC then spilled the masks and broadcasts inside the k loop).
+inline void column_order(vf& t0, vf& t1, vf& t2, vf& t3) {
+  const __m256 a0 = _mm256_unpacklo_ps((__m256)t0, (__m256)t1), a1 = _mm256_unpackhi_ps((__m256)t0, (__m256)t1);
+  const __m256 a2 = _mm256_unpacklo_ps((__m256)t2, (__m256)t3), a3 = _mm256_unpackhi_ps((__m256)t2, (__m256)t3);
+  const __m256 b0 = (__m256)_mm256_unpacklo_pd((__m256d)a0, (__m256d)a2);
+  const __m256 b1 = (__m256)_mm256_unpackhi_pd((__m256d)a0, (__m256d)a2);
+  const __m256 b2 = (__m256)_mm256_unpacklo_pd((__m256d)a1, (__m256d)a3);
+  const __m256 b3 = (__m256)_mm256_unpackhi_pd((__m256d)a1, (__m256d)a3);
+  t0 = (vf)_mm256_permute2f128_ps(b0, b1, 0x20);
+  t1 = (vf)_mm256_permute2f128_ps(b2, b3, 0x20);
+  t2 = (vf)_mm256_permute2f128_ps(b0, b1, 0x31);
+  t3 = (vf)_mm256_permute2f128_ps(b2, b3, 0x31);
+}
+
+template <Format F, int R>
+void direct_tile_q4(const float* xt, const float* xs, const Weights& w, int64_t p, float* y, int64_t N) {
+  static_assert(kPanelVectors == 4, "AVX2: 4 vectors a panel row");
+  typedef uint32_t vu __attribute__((vector_size(32)));
+  constexpr int64_t B = code_rows(F);
+  const int64_t Kb = w.K / kPanel;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + p * Kb * B * kPanel;
+  const uint16_t* scales = w.scales + p * Kb * kPanel;
+  const uint16_t* mins = F == Format::kQ4_1 ? w.mins + p * Kb * kPanel : nullptr;
+  constexpr int S = R == 1 ? 2 : 1;  // one row: low and high nibbles in sums of their own (latency)
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) store(y + r * N + c * kLanes, vf{});
+  for (int64_t b = 0; b < Kb; ++b, codes += B * kPanel, xt += kPanel * R) {
+    for (int64_t l = 0; l < B * kPanel; l += 64) __builtin_prefetch(codes + kAheadBytes + l, 0, 3);
+    vf s[S][R][4];
+    for (int i = 0; i < S; ++i)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < 4; ++t) s[i][r][t] = vf{};
+    const vu low = vu{} + 0x0f, high = vu{} + 0xf0;
+    for (int64_t j = 0; j < B; ++j) {
+      const vu* row = reinterpret_cast<const vu*>(codes + j * kPanel);
+      for (int t = 0; t < 4; ++t) {
+        vu u;
+        std::memcpy(&u, row, sizeof u);
+        u >>= 8 * t;
+        const vf lo = __builtin_convertvector((vi)(u & low), vf), hi = __builtin_convertvector((vi)(u & high), vf);
+        for (int r = 0; r < R; ++r) s[0][r][t] += xt[j * R + r] * lo;
+        for (int r = 0; r < R; ++r) s[S - 1][r][t] += xt[(j + 16) * R + r] * hi;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if constexpr (S == 2)
+        for (int t = 0; t < 4; ++t) s[0][r][t] += s[1][r][t];
+      column_order(s[0][r][0], s[0][r][1], s[0][r][2], s[0][r][3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const vf d = load_half(scales + b * kPanel + c * kLanes);
+      const vf m = F == Format::kQ4_1 ? load_half(mins + b * kPanel + c * kLanes) : -8.0f * d;
+      for (int r = 0; r < R; ++r)
+        store(y + r * N + c * kLanes, load(y + r * N + c * kLanes) + d * s[0][r][c] + xs[b * R + r] * m);
+    }
+    // The running totals stay in y, not in registers: the sums and the widened codes need them all.
+    asm volatile("" ::: "memory");
+  }
+}
+constexpr bool kQ4Lanes = true;
+#else
+constexpr bool kQ4Lanes = false;
+#endif
+// Whether a direct tile of `rows` rows takes direct_tile_q4 (and its x packed for it): Q4_0 at
+// every tile size, Q4_1 at one row (its 2-row tiles measured no faster than direct_tile's,
+// which already takes Q4_1's minimum through the row sums: docs/cpu-kernels.md).
+constexpr bool q4_tile(Format f, int rows) {
+  return kQ4Lanes && (f == Format::kQ4_0 || (f == Format::kQ4_1 && rows == 1));
+}
+
 template <Format F, int R = kDirectRows>
 void direct_rows(int rows, const float* xt, const float* xs, const Weights& w, int64_t p, float* y, int64_t N) {
   if constexpr (R >= 1) {
-    if (rows == R) return direct_tile<F, R>(xt, xs, w, p, y, N);
+    if (rows == R) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      if constexpr (q4_tile(F, R)) return direct_tile_q4<F, R>(xt, xs, w, p, y, N);
+#endif
+      return direct_tile<F, R>(xt, xs, w, p, y, N);
+    }
     return direct_rows<F, R - 1>(rows, xt, xs, w, p, y, N);
   }
 }
@@ -276,11 +367,15 @@ void float_rows(int rows, const float* xt, const float* panel, float* y, int64_t
 // ---- packing x -----------------------------------------------------------------------------
 
 // Rows m .. m+R-1 of x [M, K] re-laid out as [K, R] (k by k: one contiguous run of R writes),
-// and, when sums is set, their sums per 32-weight block as [Kb, R].
+// and, when sums is set, their sums per 32-weight block as [Kb, R]. With high_sixteenths the
+// packed rows 16 .. 31 of each block are divided by 16 (exact but below 2^-122), for
+// direct_tile_q4's sixteen-times high nibbles; the sums are of x itself.
 template <int R>
-void pack_tile(const float* x, int64_t K, float* tile, float* sums) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int r = 0; r < R; ++r) tile[k * R + r] = x[r * K + k];
+void pack_tile(const float* x, int64_t K, float* tile, float* sums, bool high_sixteenths) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float f = high_sixteenths && k % kPanel >= 16 ? 0.0625f : 1.0f;
+    for (int r = 0; r < R; ++r) tile[k * R + r] = x[r * K + k] * f;
+  }
   if (sums)
     for (int64_t b = 0; b < K / kPanel; ++b)
       for (int r = 0; r < R; ++r) {
@@ -291,10 +386,10 @@ void pack_tile(const float* x, int64_t K, float* tile, float* sums) {
 }
 
 template <int R>
-void pack_rows(int rows, const float* x, int64_t K, float* tile, float* sums) {
+void pack_rows(int rows, const float* x, int64_t K, float* tile, float* sums, bool high_sixteenths) {
   if constexpr (R >= 1) {
-    if (rows == R) return pack_tile<R>(x, K, tile, sums);
-    return pack_rows<R - 1>(rows, x, K, tile, sums);
+    if (rows == R) return pack_tile<R>(x, K, tile, sums, high_sixteenths);
+    return pack_rows<R - 1>(rows, x, K, tile, sums, high_sixteenths);
   }
 }
 
@@ -304,7 +399,7 @@ template <Format F>
 void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float* y, int64_t M, bool direct) {
   const int64_t K = w.K, P = w.P, N = P * kPanel, Kb = K / kPanel;
   const int tile_rows = direct ? kDirectRows : kMaxRows;
-  const bool sums = direct && F == Format::kQ4_1;
+  const bool sums = direct && (F == Format::kQ4_1 || q4_tile(F, 1));
   const int64_t tiles = (M + tile_rows - 1) / tile_rows;
   std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
   std::unique_ptr<float[]> xs(sums ? new float[static_cast<size_t>(M * Kb)] : nullptr);
@@ -313,9 +408,9 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
     const int rows = static_cast<int>(std::min<int64_t>(tile_rows, M - m));
     float* s = sums ? xs.get() + m * Kb : nullptr;
     if (direct)
-      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s);
+      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s, q4_tile(F, rows));
     else
-      pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s);
+      pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
   });
   // Runs of panels, about four per thread: long contiguous streams, and a thread that
   // finishes early takes the next run.

@@ -36,12 +36,16 @@ demo: venv
 	  $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --temperature 0 --max-tokens 128 "$(QUESTION)" \
 	    || fail "generate failed"
 
+# Two pytest workers (pytest-xdist): on 2 cores a serial run leaves one idle while a test waits
+# on a server subprocess, a compile or a sleep. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The tests that need neither the real model nor a whole demo run (no download; see tests/conftest.py).
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check .

@@ -129,13 +129,14 @@ def test_the_docstring_lists_every_metric_with_its_labels_and_every_finish_reaso
     m = Metrics()
     m.track_pool("default", 2, lambda: 0, lambda: 0, lambda: 0)
     m.set_layout("default", "single", 1, 1, "heads")
+    m.set_weights("stored", {"wqkv": "q4_1", "embed": "q8_0"})
     m.track_pages("default", lambda: {"used": 0, "cached": 0, "free": 8})
     m.rejected.labels(pool="", code="unavailable").inc()
     exported: dict[str, list[str]] = {}
     for family in m.registry.collect():
         suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
         exported[family.name + suffix] = sorted({k for s in family.samples for k in s.labels if k != "le"})
-    assert len(exported) == 20
+    assert len(exported) == 21
     assert documented == exported
     assert exported["meshserve_requests_rejected_total"] == ["code", "pool"]
     assert exported["meshserve_serving"] == []

@@ -124,7 +124,11 @@ VARIANTS = {
     ],
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
-QUANTIZED = {"llama.cpp Q4_1", "llama.cpp F16", "meshserve GGUF blocks as stored"}  # weights are not the fp32 bytes the roofline counts: no MBU
+QUANTIZED = {
+    "llama.cpp Q4_1",
+    "llama.cpp F16",
+    "meshserve GGUF blocks as stored",
+}  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
 KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
             "llama.cpp F16": "float16"}  # fmt: skip

@@ -69,9 +69,8 @@ class _StoredBlocks:
     """The matmul weights of a GGUF as ``QuantPanels`` of their stored bytes, where every tensor
     a parameter is made of (in every layer) has one of the formats kept as stored."""
 
-    def __init__(self, reader: gguf.GGUFReader, cfg: LlamaConfig, progress: Callable[[str], None] | None):
+    def __init__(self, reader: gguf.GGUFReader, progress: Callable[[str], None] | None):
         self._tensors = {t.name: t for t in reader.tensors}
-        self._cfg = cfg
         self._progress = progress
 
     def format(self, names: list[str]) -> str | None:
@@ -92,9 +91,14 @@ class _StoredBlocks:
         """Tensor ``name``'s bytes as [rows, K/32 * bytes per block] uint8, checked.
 
         Raises:
-            WeightError: the tensor's bytes are not ``rows`` rows of K weights in ``fmt``.
+            WeightError: the tensor is not [rows, K] or its bytes are not ``rows`` rows of K
+                weights in ``fmt``.
         """
         t = self._tensors[name]
+        if tuple(int(d) for d in t.shape[:2]) != (k, rows):  # ggml's order: [inputs, rows]
+            raise WeightError(
+                f"GGUF tensor {name!r} has shape {tuple(int(d) for d in t.shape)[::-1]}, expected {(rows, k)}"
+            )
         data = np.asarray(t.data)
         want = (rows, k // quant_panels.BLOCK * quant_panels.BLOCK_BYTES[fmt])
         if data.dtype != np.uint8 or data.size != want[0] * want[1]:
@@ -124,11 +128,11 @@ class _StoredBlocks:
 
 
 def stored_matmuls(source: str | Path | gguf.GGUFReader, cfg: LlamaConfig) -> dict[str, str]:
-    """Which matmul parameters of a GGUF ``load_gguf_params(weights="stored")`` keeps as stored
+    """Which matmul parameters of a GGUF ``load_gguf_params(stored=True)`` keeps as stored
     blocks, and in which format: {"wqkv": "q4_1", "embed": "q8_0", ...}; the ones absent are
     dequantized (another type, or mixed types across their tensors or layers)."""
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
-    blocks = _StoredBlocks(reader, cfg, None)
+    blocks = _StoredBlocks(reader, None)
     out = {}
     for name, tensors in _matmul_tensors(cfg).items():
         fmt = blocks.format(tensors)
@@ -196,7 +200,7 @@ def load_gguf_params(
     L, D, N, K, H, F, V = cfg.dims
 
     keep = stored_matmuls(reader, cfg) if stored else {}
-    blocks = _StoredBlocks(reader, cfg, progress)
+    blocks = _StoredBlocks(reader, progress)
     G = N // K
 
     names: tuple[str, ...] = ("attn_norm", "mlp_norm")

@@ -229,7 +229,7 @@ class EngineConfig:
             norms and any tensor of another type dequantized to ``dtype``), "float32" or
             "bfloat16" (every weight dequantized to that dtype; it sets ``dtype``), or "auto":
             "stored" where the model is a GGUF and every pool is one CPU device with the kernel
-            built (measured faster there: docs/cpu-kernels.md), else ``dtype``. The server
+            built (decode measured faster there: docs/performance.md), else ``dtype``. The server
             resolves "auto" when it loads the model (``stored_weights``). A Hugging Face
             directory or converted checkpoint holds float weights: "stored" keeps them as they are.
         page_size: token positions per page of the paged cache (a power of two).

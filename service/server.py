@@ -43,6 +43,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from model import quant_matmul
 from model.config import LlamaConfig
 from model.fetch import resolve_model
 from model.loader import ShardingsFn, load_model, model_format
@@ -306,14 +307,13 @@ def enable_compilation_cache(cache_dir: Path) -> None:
 def stored_weights(weights: str, kind: str, layouts: list[Layout], platform: str) -> bool:
     """Whether to load a model's GGUF blocks as stored (``EngineConfig.weights``): "stored"
     for a GGUF; "auto" for a GGUF when every pool's layout is one device of a CPU whose native
-    quantized matmul is built (``model.quant_matmul``: faster than float32 there, and exact);
+    quantized matmul is built (``model.quant_matmul``: faster decode than float32 there, and
+    the same values; docs/performance.md, "Weights as stored");
     never for the float formats."""
     if kind != "gguf" or weights not in ("auto", "stored"):
         return False
     if weights == "stored":
         return True
-    from model import quant_matmul
-
     return platform == "cpu" and all(lay.data * lay.model == 1 for lay in layouts) and quant_matmul.available()
 
 
@@ -331,8 +331,8 @@ def stored_formats(state: Any) -> dict[str, str]:
 
 
 def describe_weights(weights: str, formats: dict[str, str], dtype: str) -> str:
-    """One phrase for the startup log: "float32", or "stored (q4_1: w_down, ...; q8_0: embed;
-    the rest float32)"."""
+    """One phrase for the startup log: "float32", or "GGUF blocks as stored (q4_1: w_down, ...;
+    q8_0: embed; the rest float32)"."""
     if weights != "stored":
         return weights
     by_format: dict[str, list[str]] = {}

@@ -56,6 +56,7 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_tile.h"
 #include "parallel_for.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -71,12 +72,11 @@ using meshserve::vf;
 
 enum class Format { kQ8_0, kQ4_0, kQ4_1 };
 
-constexpr int64_t kPanel = 32;                  // columns per panel, weights per block
-constexpr int kPanelVectors = kPanel / kLanes;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE2)
-static_assert(kPanel % kLanes == 0, "a panel row must be whole vectors");
+using meshserve::panel::kPanel;         // columns per panel, and weights per block
+using meshserve::panel::kPanelVectors;  // vectors per panel row: 2 (AVX-512), 4 (AVX2), 8 (SSE2)
+// Rows per tile of the dequantized path: the float32 tile's (3 on AVX2, 16 on AVX-512).
+using meshserve::panel::kMaxRows;
 constexpr int kBroadcastRegs = meshserve::kBroadcastOperand ? 0 : 1;
-// Rows per tile of the dequantized path: panel_matmul.cc's kMaxRows (3 on AVX2, 16 on AVX-512).
-constexpr int kMaxRows = (meshserve::kVectorRegisters - kBroadcastRegs) / kPanelVectors;
 // Rows per tile of the direct path: R x kPanelVectors per-block sums, a panel row's widened
 // codes (kPanelVectors registers: the codes, unlike float32 weights, cannot be an FMA's memory
 // operand) and the broadcast row value fill the registers: 2 on AVX2, 15 on AVX-512, 1 on
@@ -339,31 +339,6 @@ void dequantize_panel(const Weights& w, int64_t p, float* out) {
   }
 }
 
-// y[0:R, 0:32] = x[0:R, :] @ panel, panel float32 [K, 32] (panel_matmul.cc's tile).
-template <int R>
-void float_tile(const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
-  vf acc[R][kPanelVectors];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = vf{};
-  const float* w = panel;
-  for (int64_t k = 0; k < K; ++k, w += kPanel, xt += R) {
-    for (int r = 0; r < R; ++r) {
-      const float xr = xt[r];
-      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] += xr * load(w + c * kLanes);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, acc[r][c]);
-}
-
-template <int R = kMaxRows>
-void float_rows(int rows, const float* xt, const float* panel, float* y, int64_t K, int64_t N) {
-  if constexpr (R >= 1) {
-    if (rows == R) return float_tile<R>(xt, panel, y, K, N);
-    return float_rows<R - 1>(rows, xt, panel, y, K, N);
-  }
-}
-
 // ---- packing x -----------------------------------------------------------------------------
 
 // Rows m .. m+R-1 of x [M, K] re-laid out as [K, R] (k by k: one contiguous run of R writes),
@@ -435,7 +410,7 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
       dequantize_panel<F>(w, p, panel);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-        float_rows(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
+        meshserve::panel::tile_rows<false>(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
       }
     }
   });

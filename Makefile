@@ -36,16 +36,18 @@ demo: venv
 	  $(BIN)/meshserve generate --address 127.0.0.1:$(PORT) --temperature 0 --max-tokens 128 "$(QUESTION)" \
 	    || fail "generate failed"
 
-# Two pytest workers (pytest-xdist): on 2 cores a serial run leaves one idle while a test waits
-# on a server subprocess, a compile or a sleep. TEST_WORKERS=0 runs serially.
+# Two pytest workers (pytest-xdist), each taking whole files (a module's tests keep their order
+# and its fixtures): on 2 cores a serial run leaves one idle while a test waits on a server
+# subprocess, a compile or a sleep. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST)
 
 # The tests that need neither the real model nor a whole demo run (no download; see tests/conftest.py).
 test-fast: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check .

@@ -78,6 +78,7 @@ def test_several_prompts_really_share_steps(loop: PagedEngineLoop) -> None:
 
 def test_a_prefix_hit_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
     blocks = loop.scheduler.blocks
+    assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]  # cached now, whatever ran before
     before = blocks.hit_tokens
     assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]
     assert blocks.hit_tokens - before >= 32  # the 8 full pages of its 33-token prompt

@@ -77,13 +77,12 @@ class _StoredBlocks:
         """The one stored format of all ``names``, or None (a missing tensor, mixed or other types,
         or widths that are not whole 32-weight blocks and 32-column panels)."""
         tensors = [self._tensors.get(n) for n in names]
-        if any(t is None for t in tensors):
-            return None
-        formats = {quant_panels.format_of(t.tensor_type) for t in tensors if t is not None}
-        if len(formats) != 1 or None in formats:
+        present = [t for t in tensors if t is not None]
+        formats = {quant_panels.format_of(t.tensor_type) for t in present}
+        if len(present) < len(names) or len(formats) != 1 or None in formats:
             return None
         # ggml's shape is [inputs, rows]: both whole blocks / panels of 32
-        if any(int(d) % quant_panels.BLOCK for t in tensors if t is not None for d in t.shape[:2]):
+        if any(int(d) % quant_panels.BLOCK for t in present for d in t.shape[:2]):
             return None
         return formats.pop()
 

@@ -462,32 +462,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels | QuantPanels, equation: str) -> jax.Array:
     """x [..., in] times a weight, float32 out: ``jnp.einsum(equation, x, w)`` for an
-    input-major weight; for a packed one, whose outputs take its ``out_shape`` ([..., *out_shape],
-    x's last axes flattened to the weight's K), the native kernel of ``model.cpu_matmul``
+    input-major weight; for a packed one, whose outputs take its ``out_shape`` ([..., *out_shape];
+    x's last axis is the weight's K), the native kernel of ``model.cpu_matmul``
     (``Panels``) or the GGUF blocks as stored (``QuantPanels``: its ``kernel``, the native one of
     ``model.quant_matmul`` or XLA's dequantize-then-dot)."""
     if isinstance(w, cpu_matmul.Panels | QuantPanels):
-        k = w.k if isinstance(w, QuantPanels) else w.data.shape[1]
-        lead = x.shape[: x.ndim - _in_axes(x.shape, k)]
-        x2 = x.reshape(math.prod(lead), k)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
         if isinstance(w, cpu_matmul.Panels):
             y = cpu_matmul.matmul(x2, w)
         elif w.kernel == "native":  # the engine checked quant_matmul.available()
-            y = quant_matmul.matmul(x2, dataclasses.replace(w, layer=None), w.layer)
+            y = quant_matmul.matmul(x2, w)
         else:
             y = quant_panels.xla_matmul(x2, w)
         return y.reshape(*lead, *w.out_shape)
     return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
-
-
-def _in_axes(shape: tuple[int, ...], k: int) -> int:
-    """How many trailing axes of ``shape`` multiply to ``k`` (a packed weight's inputs)."""
-    size, n = 1, 0
-    while size < k:
-        n += 1
-        size *= shape[-n]
-    assert size == k, (shape, k)
-    return n
 
 
 def project_qkv(

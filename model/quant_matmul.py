@@ -36,7 +36,7 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
             [L, P, Kb, B, 32] (stacked, ``layer`` given), scales (and Q4_1's mins) float16.
         layer: None for one matrix; for stacked panels an int32 scalar in [0, L), which may be
             traced (under jit or in a ``lax.scan`` body): matrix ``layer`` of the stack, read in
-            place.
+            place. None takes ``w.layer`` (``quant_panels.at_layer``).
         path: "auto" (the kernel picks by M), or "direct" / "dequantized" to force one of its
             two ways through a panel (tests and benchmarks; both give the same values up to
             float32 rounding).
@@ -57,6 +57,7 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     codes, scales, mins = w.codes, w.scales, w.mins
+    layer = w.layer if layer is None else layer
     if codes.ndim == 4:
         if layer is not None:
             raise ValueError("layer is for stacked QuantPanels (codes [L, P, Kb, B, 32]); these hold one matrix")

@@ -314,7 +314,7 @@ def stored_weights(weights: str, kind: str, layouts: list[Layout], platform: str
         return False
     if weights == "stored":
         return True
-    return platform == "cpu" and all(lay.data * lay.model == 1 for lay in layouts) and quant_matmul.available()
+    return platform == "cpu" and all(lay.num_devices == 1 for lay in layouts) and quant_matmul.available()
 
 
 def stored_formats(state: Any) -> dict[str, str]:

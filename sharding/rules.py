@@ -53,10 +53,11 @@ def block_axis(axes: tuple[str, ...], size: int, rules: Rules, mesh: Mesh) -> st
     of the flat axis is then the split of that axis: whole heads, whole MLP columns), else None
     (replicated: the split would cut across the first axis, e.g. gate/up's (gate_up, mlp))."""
     split = tuple(a for a in axes if rules.get(a) is not None)
-    if split != axes[:1] or not split:
+    if not split or split != axes[:1]:
         return None
     mesh_axis = rules[split[0]]
-    return mesh_axis if mesh_axis is not None and size % mesh.shape[mesh_axis] == 0 else None
+    assert mesh_axis is not None  # split holds the axes with a rule
+    return mesh_axis if size % mesh.shape[mesh_axis] == 0 else None
 
 
 def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh, rules: Rules) -> QuantPanels:

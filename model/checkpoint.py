@@ -2,14 +2,22 @@
 
 A checkpoint is a directory::
 
-    config.json                 {"format": "meshserve-checkpoint", "format_version": 1,
+    config.json                 {"format": "meshserve-checkpoint", "format_version": 1 or 2,
                                  "architecture": "llama", "dtype": ..., "source": ...,
+                                 "blocks": {"layers/wqkv": "q4_1", ...} (version 2 only),
                                  ...every LlamaConfig field...}
     params/                     an orbax StandardCheckpointer save of the param tree (a pure dict
                                 of arrays, as model/gguf_weights.py returns it), one zarr array
                                 directory per parameter, chunked so a device reads its shard only
     tokenizer.json              the tokenizers backend
     meshserve_tokenizer.json    special/BOS/EOS ids, chat template (Tokenizer.save)
+
+A matmul weight held as 32-weight blocks (``model.quant_panels.QuantPanels``: a GGUF's Q8_0,
+Q4_0 or Q4_1 tensors as stored, or int8 from ``model.block_params.quantize_params``) is saved
+as its arrays, ``<path>/codes``, ``<path>/scales`` and, for Q4_1, ``<path>/mins``, never
+dequantized; ``config.json``'s ``blocks`` names each such parameter's format (its shapes follow
+from the config: ``model.block_params.abstract_panels``). Such a checkpoint has format version
+2; one without blocks is written as version 1, which earlier versions of meshserve read.
 
 ``save_checkpoint`` writes it into a temporary sibling directory and renames it into place last,
 so an interrupted conversion never leaves a directory that looks complete.
@@ -40,18 +48,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from model import block_params, quant_panels
 from model.build import abstract_llama
 from model.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
+from model.quant_panels import QuantPanels
 from model.tokenizer import TOKENIZER_META_FILE, Tokenizer
 
 FORMAT = "meshserve-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest written and read; 1: no blocks
+READ_VERSIONS = (1, 2)
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 # Largest stored chunk: big matrices are split so a device restoring a shard of one decodes
 # only the chunks it needs, not the whole array.
 CHUNK_BYTES = 32 * 1024 * 1024
-_META_KEYS = ("format", "format_version", "architecture", "dtype", "source")
+_META_KEYS = ("format", "format_version", "architecture", "dtype", "source", "blocks")
+BLOCK_ARRAYS = ("codes", "scales", "mins")  # a QuantPanels' arrays as saved (mins: Q4_1 only)
 
 
 class CheckpointError(ValueError):
@@ -115,10 +127,14 @@ def read_checkpoint_config(path: str | Path) -> tuple[LlamaConfig, dict[str, Any
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{file}: 'format' is not {FORMAT!r}; not a meshserve checkpoint")
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise CheckpointError(
-            f"{file}: format_version {version!r} is not supported (this meshserve reads {FORMAT_VERSION})"
+            f"{file}: format_version {version!r} is not supported (this meshserve reads "
+            f"{', '.join(map(str, READ_VERSIONS))})"
         )
+    blocks = data.get("blocks", {})
+    if not isinstance(blocks, dict) or any(f not in quant_panels.FORMATS for f in blocks.values()):
+        raise CheckpointError(f"{file}: 'blocks' must map parameters to one of {', '.join(quant_panels.FORMATS)}")
     arch = data.get("architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -131,10 +147,13 @@ def read_checkpoint_config(path: str | Path) -> tuple[LlamaConfig, dict[str, Any
 
 # ---- saving -----------------------------------------------------------------------------------
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"layers/wq": leaf, ...} of a nested dict."""
+    """{"layers/wq": leaf, ...} of a nested dict; a ``QuantPanels`` is its arrays,
+    {"layers/wqkv/codes": ..., "layers/wqkv/scales": ..., ...}."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
+        if isinstance(value, QuantPanels):
+            value = _block_arrays(value)
         if isinstance(value, dict):
             out |= _flat(value, name + "/")
         else:
@@ -142,14 +161,39 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of ``Llama(cfg)`` by path ("layers/wqkv") and its shape."""
+def _block_arrays(w: QuantPanels) -> dict[str, Any]:
+    arrays = {"codes": w.codes, "scales": w.scales, "mins": w.mins}
+    return {k: v for k, v in arrays.items() if v is not None}
+
+
+def expected_shapes(cfg: LlamaConfig, blocks: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every array of ``Llama(cfg)``'s params by path ("layers/wqkv") and its shape; a
+    parameter named in ``blocks`` (path -> block format) is its block arrays
+    ("layers/wqkv/codes", ...).
+
+    Raises:
+        CheckpointError: ``blocks`` names a parameter that cannot be held as blocks.
+    """
     _, state = abstract_llama(cfg)
-    return {name: tuple(leaf.shape) for name, leaf in _flat(nnx.to_pure_dict(state)).items()}
+    floats = {name: tuple(leaf.shape) for name, leaf in _flat(nnx.to_pure_dict(state)).items()}
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in floats.items():
+        if blocks and name in blocks:
+            try:
+                panels = block_params.abstract_panels(name, shape, blocks[name])
+            except ValueError as exc:
+                raise CheckpointError(f"'blocks': {exc}") from None
+            out |= {f"{name}/{k}": tuple(a.shape) for k, a in _block_arrays(panels).items()}
+        else:
+            out[name] = shape
+    unknown = sorted(set(blocks or ()) - set(floats))
+    if unknown:
+        raise CheckpointError(f"'blocks' names parameter(s) {unknown} the model does not have")
+    return out
 
 
-def _check_tree(cfg: LlamaConfig, flat: dict[str, Any], what: str) -> None:
-    expected = expected_shapes(cfg)
+def _check_tree(cfg: LlamaConfig, flat: dict[str, Any], what: str, blocks: dict[str, str] | None = None) -> None:
+    expected = expected_shapes(cfg, blocks)
     missing = sorted(set(expected) - set(flat))
     if missing:
         raise CheckpointError(f"{what}: array(s) {missing} are missing")
@@ -186,7 +230,8 @@ def save_checkpoint(
         params: the pure dict of parameter arrays (numpy or jax), laid out as ``model.llama``'s state.
         tokenizer_source: a :class:`Tokenizer`, or the GGUF file / Hugging Face directory /
             checkpoint to build it from.
-        dtype: storage dtype, "float32" or "bfloat16".
+        dtype: storage dtype of the float arrays, "float32" or "bfloat16"; weights held as
+            blocks (``QuantPanels``) are saved as they are.
         source: where the weights came from, recorded in ``config.json``.
 
     Returns:
@@ -200,9 +245,15 @@ def save_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not an empty directory")
     np_dtype = np.dtype(jnp.dtype(dtype))
+    blocks = block_params.block_formats(params)
     flat = _flat(params)
-    _check_tree(cfg, flat, "params")
-    tree = jax.tree.map(lambda a: np.asarray(a).astype(np_dtype, copy=False), params)
+    _check_tree(cfg, flat, "params", blocks)
+    tree = _unflat(
+        {
+            name: np.asarray(a) if name.rsplit("/", 1)[0] in blocks else np.asarray(a).astype(np_dtype, copy=False)
+            for name, a in flat.items()
+        }
+    )
     tokenizer = _tokenizer(tokenizer_source)
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -216,10 +267,11 @@ def save_checkpoint(
         tokenizer.save(tmp)
         config = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if blocks else 1,
             "architecture": "llama",
             "dtype": np_dtype.name,
             "source": source,
+            **({"blocks": blocks} if blocks else {}),
             **config_to_dict(cfg),
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
@@ -233,7 +285,7 @@ def save_checkpoint(
 
 
 # ---- restoring --------------------------------------------------------------------------------
-def _check_files(root: Path, cfg: LlamaConfig) -> dict[str, Any]:
+def _check_files(root: Path, cfg: LlamaConfig, blocks: dict[str, str]) -> dict[str, Any]:
     """Check the files a restore needs; returns the saved tree's metadata by path ("layers/wq").
 
     Raises:
@@ -249,7 +301,7 @@ def _check_files(root: Path, cfg: LlamaConfig) -> dict[str, Any]:
         # One zarr directory per array, named by orbax as the tree path joined with ".". (An
         # OCDBT checkpoint, which save_checkpoint does not write, keeps them in one database;
         # damage there shows when reading.)
-        for name in expected_shapes(cfg):
+        for name in expected_shapes(cfg, blocks):
             _check_array_files(root, name, name.replace("/", "."))
     try:
         with ocp.StandardCheckpointer() as ckptr:
@@ -257,7 +309,7 @@ def _check_files(root: Path, cfg: LlamaConfig) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(f"checkpoint {root} is corrupt: cannot read its array metadata: {exc}") from exc
     flat = _flat(dict(tree))
-    _check_tree(cfg, flat, f"checkpoint {root}")
+    _check_tree(cfg, flat, f"checkpoint {root}", blocks)
     return flat
 
 
@@ -287,22 +339,26 @@ def restore_checkpoint(path: str | Path, shardings: Any, dtype: Any = None) -> d
     Args:
         path: the checkpoint directory.
         shardings: a tree of ``jax.sharding.NamedSharding`` with the param tree's structure: a
-            pure dict, or the ``nnx.State`` that ``sharding.rules.param_shardings`` returns.
-        dtype: the dtype to restore as (cast while reading); None keeps the stored dtype.
+            pure dict, or the ``nnx.State`` that ``sharding.rules.param_shardings`` returns; a
+            parameter held as blocks has a ``QuantPanels`` of shardings (``abstract_state``).
+        dtype: the dtype to restore the float arrays as (cast while reading); None keeps the
+            stored dtype. Block arrays keep theirs.
 
     Returns:
-        The pure param dict of ``jax.Array`` laid out with ``shardings``; put it into a model
-        state with ``nnx.replace_by_pure_dict``.
+        The pure param dict of ``jax.Array`` laid out with ``shardings`` (``QuantPanels`` for
+        the parameters held as blocks); put it into a model state with
+        ``nnx.replace_by_pure_dict``.
 
     Raises:
         CheckpointError: the checkpoint is incomplete, corrupt, of another architecture or format
             version, or does not match ``shardings``' structure.
     """
     root = Path(path)
-    cfg, _ = read_checkpoint_config(root)
+    cfg, meta = read_checkpoint_config(root)
+    blocks = meta.get("blocks", {})
     if isinstance(shardings, nnx.State):
         shardings = nnx.to_pure_dict(shardings)
-    stored = _check_files(root, cfg)
+    stored = _check_files(root, cfg, blocks)
     flat_sh = _flat(shardings)
     if set(flat_sh) != set(stored):
         raise CheckpointError(
@@ -311,14 +367,43 @@ def restore_checkpoint(path: str | Path, shardings: Any, dtype: Any = None) -> d
 
     def target(name: str) -> jax.ShapeDtypeStruct:
         m = stored[name]
-        return jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(dtype or m.dtype), sharding=flat_sh[name])
+        cast = dtype if name.rsplit("/", 1)[0] not in blocks else None
+        return jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(cast or m.dtype), sharding=flat_sh[name])
 
     abstract = _unflat({name: target(name) for name in flat_sh})
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(root / PARAMS_DIR, abstract)
+            restored = ckptr.restore(root / PARAMS_DIR, abstract)
     except Exception as exc:
         raise CheckpointError(f"checkpoint {root} is truncated or corrupt: reading its arrays failed: {exc}") from exc
+    return _with_blocks(restored, abstract_params(cfg, blocks))
+
+
+def abstract_params(cfg: LlamaConfig, blocks: dict[str, str], dtype: Any = jnp.float32) -> dict[str, Any]:
+    """The pure param dict of ``Llama(cfg)`` as ``jax.ShapeDtypeStruct``, the parameters named in
+    ``blocks`` (path -> format) as ``QuantPanels`` of them (``block_params.abstract_panels``)."""
+    _, state = abstract_llama(cfg, dtype)
+
+    def one(path: str, leaf: Any) -> Any:
+        if path in blocks:
+            return block_params.abstract_panels(path, tuple(leaf.shape), blocks[path])
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+
+    return block_params.walk_params(nnx.to_pure_dict(state), one)
+
+
+def _with_blocks(restored: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """``restored`` (block arrays as dicts) with a ``QuantPanels`` wherever ``like`` has one."""
+    out: dict[str, Any] = {}
+    for key, value in like.items():
+        if isinstance(value, QuantPanels):
+            got = restored[key]
+            out[key] = dataclasses.replace(value, codes=got["codes"], scales=got["scales"], mins=got.get("mins"))
+        elif isinstance(value, dict):
+            out[key] = _with_blocks(restored[key], value)
+        else:
+            out[key] = restored[key]
+    return out
 
 
 def _unflat(flat: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import block_params
 from model.build import abstract_llama, llama_from_params, random_llama
 from model.config import LlamaConfig
 from model.gguf_weights import load_gguf_params
@@ -34,6 +35,7 @@ __all__ = [
     "LoadedModel",
     "ShardingsFn",
     "abstract_llama",
+    "checkpoint_blocks",
     "load_gguf_model",
     "load_hf_model",
     "load_model",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 FORMATS = ("gguf", "hf", "checkpoint")
+QUANTIZE = (None, "int8")  # load_model's quantize
 # (config, abstract state of Llama(config)) -> a tree of jax.sharding.Sharding with the state's
 # structure, e.g. ``sharding.rules.param_shardings(state, mesh, plan.rules)``.
 ShardingsFn = Callable[[LlamaConfig, nnx.State], Any]
@@ -166,6 +169,7 @@ def load_model(
     tokenizer: bool = False,
     progress: Callable[[str], None] | None = None,
     stored: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file, Hugging Face Llama directory or converted checkpoint (told apart by
     ``model_format``): its config, parameters and, when asked, its tokenizer.
@@ -184,8 +188,13 @@ def load_model(
         progress: called with each tensor's name after it is read (GGUF/HF only: a progress bar's
             hook; ``num_tensors`` tells how many calls to expect).
         stored: a GGUF's Q8_0, Q4_0 and Q4_1 matmul weights stay in their blocks
-            (``model.gguf_weights.load_gguf_params(stored=True)``: ``QuantPanels`` values);
-            ``dtype`` then applies to the rest. Ignored for the float formats.
+            (``model.gguf_weights.load_gguf_params(stored=True)``: ``QuantPanels`` values), and
+            so do a checkpoint's blocks (``model.checkpoint``; without ``stored`` they are
+            dequantized after the restore, on the host); ``dtype`` then applies to the rest.
+            Ignored for a Hugging Face directory.
+        quantize: None, or "int8": the float matmul weights quantized to Q8_0 blocks
+            (``model.block_params.quantize_params``) on the host after reading; blocks already
+            held stay as they are (it implies ``stored``).
 
     Returns:
         A ``LoadedModel``; put ``graphdef`` and ``state`` together with ``nnx.merge``.
@@ -196,16 +205,26 @@ def load_model(
         HFConfigError, WeightError: an unreadable or unsupported Hugging Face directory.
         CheckpointError: an incomplete, corrupt or unsupported checkpoint, or ``shardings`` that
             do not match it. All of these are ValueError.
+        ValueError: ``quantize`` is not None or "int8".
     """
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    stored = stored or quantize is not None
     p = Path(path)
     kind = model_format(p)
-    if kind == "checkpoint":
+    if kind == "checkpoint" and quantize is None and (stored or not checkpoint_blocks(p)):
+        # as saved, straight into the target shardings
         cfg, graphdef, state, name = _restore(p, dtype, shardings)
     else:
-        if kind == "gguf":
-            cfg, graphdef, state, name = _read_gguf(p, dtype, progress, stored)
+        if kind == "checkpoint":  # restored on one device, then changed on the host
+            cfg, params, name = _restore_to_host(p, dtype, stored)
+        elif kind == "gguf":
+            cfg, params, name = _read_gguf(p, dtype, progress, stored)
         else:
-            cfg, graphdef, state, name = _read_hf(p, dtype, progress)
+            cfg, params, name = _read_hf(p, dtype, progress)
+        if quantize == "int8":
+            params = block_params.quantize_params(params)
+        graphdef, state = llama_from_params(cfg, params, name)
         if shardings is not None:
             state = jax.device_put(state, shardings(cfg, state))
     return LoadedModel(
@@ -221,29 +240,45 @@ def load_model(
 
 def _read_gguf(
     p: Path, dtype: Any, progress: Callable[[str], None] | None, stored: bool = False
-) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
+) -> tuple[LlamaConfig, dict[str, Any], str]:
     cfg = LlamaConfig.from_gguf(p)
     name = jnp.dtype(dtype if dtype is not None else jnp.float32).name
-    params = load_gguf_params(p, cfg, np.dtype(name), progress, stored=stored)
-    return (cfg, *llama_from_params(cfg, params, name), name)
+    return cfg, load_gguf_params(p, cfg, np.dtype(name), progress, stored=stored), name
 
 
-def _read_hf(
-    p: Path, dtype: Any, progress: Callable[[str], None] | None
-) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
+def _read_hf(p: Path, dtype: Any, progress: Callable[[str], None] | None) -> tuple[LlamaConfig, dict[str, Any], str]:
     from model.hf_weights import load_hf_llama
 
     cfg, params = load_hf_llama(p, None if dtype is None else np.dtype(jnp.dtype(dtype)), progress)
-    name = np.dtype(params["embed"].dtype).name
-    return (cfg, *llama_from_params(cfg, params, name), name)
+    return cfg, params, np.dtype(params["embed"].dtype).name
+
+
+def checkpoint_blocks(p: str | Path) -> dict[str, str]:
+    """A checkpoint's parameters held as blocks ("layers/wqkv" -> "q4_1"; empty for a float one)."""
+    from model.checkpoint import read_checkpoint_config  # imports orbax
+
+    return read_checkpoint_config(p)[1].get("blocks", {})
+
+
+def _restore_to_host(p: Path, dtype: Any, stored: bool) -> tuple[LlamaConfig, dict[str, Any], str]:
+    """A checkpoint's params as host numpy, its blocks kept (``stored``) or dequantized."""
+    from model.checkpoint import expected_shapes
+
+    cfg, _, state, name = _restore(p, dtype, None)
+    params = jax.device_get(nnx.to_pure_dict(state))
+    if not stored:
+        params = block_params.dequantize_params(params, expected_shapes(cfg), np.dtype(name))
+    return cfg, params, name
 
 
 def _restore(p: Path, dtype: Any, shardings: ShardingsFn | None) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State, str]:
-    from model.checkpoint import read_checkpoint_config, restore_checkpoint  # imports orbax
+    from model.checkpoint import abstract_params, read_checkpoint_config, restore_checkpoint  # imports orbax
 
     cfg, meta = read_checkpoint_config(p)
     name = jnp.dtype(dtype if dtype is not None else meta.get("dtype", "float32")).name
     graphdef, state = abstract_llama(cfg, name)
+    if meta.get("blocks"):
+        nnx.replace_by_pure_dict(state, abstract_params(cfg, meta["blocks"], name))
     if shardings is not None:
         target = shardings(cfg, state)
     else:
@@ -262,7 +297,8 @@ def load_hf_model(path: str | Path, dtype: Any = None) -> tuple[LlamaConfig, nnx
     Raises:
         HFConfigError, WeightError: see ``model.hf_weights``.
     """
-    return _read_hf(Path(path), dtype, None)[:3]
+    cfg, params, name = _read_hf(Path(path), dtype, None)
+    return (cfg, *llama_from_params(cfg, params, name))
 
 
 def load_gguf_model(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
@@ -274,4 +310,5 @@ def load_gguf_model(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaCo
     Raises:
         FileNotFoundError, GGUFMetadataError, WeightError: see ``model.gguf_weights``.
     """
-    return _read_gguf(Path(path), dtype, None)[:3]
+    cfg, params, name = _read_gguf(Path(path), dtype, None)
+    return (cfg, *llama_from_params(cfg, params, name))

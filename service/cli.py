@@ -225,14 +225,19 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """Convert a GGUF file or Hugging Face Llama directory into a checkpoint directory."""
+    """Convert a GGUF file or Hugging Face Llama directory into a checkpoint directory: a GGUF's
+    Q8_0/Q4_0/Q4_1 matmul weights kept as their blocks (unless ``--dequantize``), float matmul
+    weights quantized to int8 blocks with ``--quantize int8``, the rest stored as ``--dtype``."""
     from flax import nnx
     from tqdm import tqdm
 
+    from model.block_params import block_formats
     from model.checkpoint import save_checkpoint
     from model.loader import load_model, model_format, num_tensors, read_model_config
 
     src, out = Path(args.src), Path(args.out)
+    if args.dequantize and args.quantize != "none":
+        raise SystemExit("meshserve convert: --dequantize and --quantize contradict each other; choose one")
     t0 = time.perf_counter()
     try:
         kind = model_format(src)
@@ -242,10 +247,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise SystemExit(f"meshserve convert: {out} already exists and is not an empty directory")
         total = num_tensors(src, read_model_config(src))
         with tqdm(total=total, unit="tensor", desc=f"reading {src.name}", file=sys.stderr) as bar:
-            model = load_model(src, args.dtype, tokenizer=True, progress=lambda _name: bar.update())
+            model = load_model(
+                src,
+                args.dtype,
+                tokenizer=True,
+                progress=lambda _name: bar.update(),
+                stored=not args.dequantize,
+                quantize=None if args.quantize == "none" else args.quantize,
+            )
         cfg, params = model.cfg, nnx.to_pure_dict(model.state)
+        blocks = block_formats(params)
+        held = ", ".join(f"{k}={v}" for k, v in sorted(blocks.items()))
+        what = f"{args.dtype}; blocks {held}" if blocks else args.dtype
         t_read = time.perf_counter() - t0
-        print(f"meshserve: writing {out} ({args.dtype})", file=sys.stderr)
+        print(f"meshserve: writing {out} ({what})", file=sys.stderr)
         assert model.tokenizer is not None  # asked for
         save_checkpoint(out, cfg, params, model.tokenizer, args.dtype, source=str(src.resolve()))
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
@@ -253,7 +268,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise SystemExit(f"meshserve convert: {exc}") from None
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(
-        f"meshserve: converted {src} ({kind}) -> {out}: {size / 1e6:.0f} MB, {args.dtype}; "
+        f"meshserve: converted {src} ({kind}) -> {out}: {size / 1e6:.0f} MB, {what}; "
         f"read {t_read:.1f} s, write {time.perf_counter() - t0 - t_read:.1f} s",
         file=sys.stderr,
     )
@@ -368,11 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--weights",
-        choices=["auto", "stored", "float32", "bfloat16"],
-        help="stored: a GGUF's Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and multiplied at exactly their "
-        "dequantized values (about 6x fewer bytes than float32); float32, bfloat16: every weight dequantized "
-        "(sets --dtype); auto (default): stored for a GGUF served on one CPU device with the native kernels, "
-        "else --dtype",
+        choices=["auto", "stored", "int8", "float32", "bfloat16"],
+        help="stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and "
+        "multiplied at exactly their dequantized values (about 6x fewer bytes than float32); int8: float matmul "
+        "weights quantized at load to Q8_0 blocks (int8, a float16 scale per 32 weights; 0.27x float32's bytes; "
+        "not exact); float32, bfloat16: every weight dequantized (sets --dtype); auto (default): stored for a GGUF "
+        "or checkpoint with blocks served on one CPU device with the native kernels, else --dtype",
     )
     s.add_argument(
         "--kv-cache",
@@ -474,7 +490,21 @@ def build_parser() -> argparse.ArgumentParser:
         "src", help="GGUF file or Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json)"
     )
     cv.add_argument("out", help="checkpoint directory to create (must not exist, or be empty)")
-    cv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="storage dtype (%(default)s)")
+    cv.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="float arrays' storage dtype (%(default)s)"
+    )
+    cv.add_argument(
+        "--quantize",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: float matmul weights quantized to Q8_0 blocks (symmetric int8, a float16 scale per 32 "
+        "weights); a GGUF's blocks are kept either way (%(default)s)",
+    )
+    cv.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="store a GGUF's Q8_0/Q4_0/Q4_1 blocks dequantized to --dtype instead of as they are",
+    )
     cv.set_defaults(func=cmd_convert)
 
     ly = sub.add_parser("layouts", help="list the layout presets with predicted bytes per device")

@@ -156,7 +156,7 @@ LAYER_MODES = ("auto", "unrolled", "scan")
 NATIVE_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla", "bf16x3")
 DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
-WEIGHT_MODES = ("auto", "stored", *DTYPES)  # how a model's weights are held (EngineConfig.weights)
+WEIGHT_MODES = ("auto", "stored", "int8", *DTYPES)  # how a model's weights are held (EngineConfig.weights)
 KV_CACHE_MODES = ("auto", "slots", "paged")
 
 
@@ -227,11 +227,14 @@ class EngineConfig:
             activations at exactly their dequantized values: the native CPU kernel of
             ``model.quant_matmul`` on one CPU device, XLA's dequantize-then-dot elsewhere; the
             norms and any tensor of another type dequantized to ``dtype``), "float32" or
-            "bfloat16" (every weight dequantized to that dtype; it sets ``dtype``), or "auto":
-            "stored" where the model is a GGUF and every pool is one CPU device with the kernel
-            built (decode measured faster there: docs/performance.md), else ``dtype``. The server
+            "bfloat16" (every weight dequantized to that dtype; it sets ``dtype``), "int8" (the
+            float matmul weights quantized at load to Q8_0 blocks, symmetric int8 with a float16
+            scale per 32 inputs, ``model.block_params``, and multiplied as stored blocks are;
+            blocks already stored kept), or "auto": "stored" where the model is a GGUF or a
+            checkpoint holding blocks and every pool is one CPU device with the kernel built
+            (decode measured faster there: docs/performance.md), else ``dtype``. The server
             resolves "auto" when it loads the model (``stored_weights``). A Hugging Face
-            directory or converted checkpoint holds float weights: "stored" keeps them as they are.
+            directory or float checkpoint holds float weights: "stored" keeps them as they are.
         page_size: token positions per page of the paged cache (a power of two).
         kv_cache_tokens: positions in the paged pool (0: from ``kv_cache_memory``, or by default
             from the devices' memory: ``service.kv_pool``); ``max_seq_len`` stays each request's

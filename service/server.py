@@ -46,7 +46,7 @@ from prometheus_client import start_http_server
 from model import quant_matmul
 from model.config import LlamaConfig
 from model.fetch import resolve_model
-from model.loader import ShardingsFn, load_model, model_format
+from model.loader import ShardingsFn, checkpoint_blocks, load_model, model_format
 from model.quant_panels import QuantPanels
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
@@ -305,14 +305,14 @@ def enable_compilation_cache(cache_dir: Path) -> None:
 
 
 def stored_weights(weights: str, kind: str, layouts: list[Layout], platform: str) -> bool:
-    """Whether to load a model's GGUF blocks as stored (``EngineConfig.weights``): "stored"
-    for a GGUF; "auto" for a GGUF when every pool's layout is one device of a CPU whose native
-    quantized matmul is built (``model.quant_matmul``: faster decode than float32 there, and
-    the same values; docs/performance.md, "Weights as stored");
-    never for the float formats."""
-    if kind != "gguf" or weights not in ("auto", "stored"):
+    """Whether to keep a model's blocks (a GGUF's, or a converted checkpoint's) as stored
+    (``EngineConfig.weights``): "stored" and "int8" always; "auto" when every pool's layout is
+    one device of a CPU whose native quantized matmul is built (``model.quant_matmul``: faster
+    decode than float32 there, and the same values; docs/performance.md, "Weights as stored");
+    never for a Hugging Face directory, which holds none."""
+    if kind == "hf" or weights not in ("auto", "stored", "int8"):
         return False
-    if weights == "stored":
+    if weights in ("stored", "int8"):
         return True
     return platform == "cpu" and all(lay.num_devices == 1 for lay in layouts) and quant_matmul.available()
 
@@ -331,15 +331,16 @@ def stored_formats(state: Any) -> dict[str, str]:
 
 
 def describe_weights(weights: str, formats: dict[str, str], dtype: str) -> str:
-    """One phrase for the startup log: "float32", or "GGUF blocks as stored (q4_1: w_down, ...;
-    q8_0: embed; the rest float32)"."""
-    if weights != "stored":
+    """One phrase for the startup log: "float32", "GGUF blocks as stored (q4_1: w_down, ...;
+    q8_0: embed; the rest float32)" or "int8 blocks (q8_0: ...; the rest float32)"."""
+    if weights not in ("stored", "int8"):
         return weights
     by_format: dict[str, list[str]] = {}
     for name, fmt in sorted(formats.items()):
         by_format.setdefault(fmt, []).append(name)
     held = "; ".join(f"{fmt}: {', '.join(names)}" for fmt, names in sorted(by_format.items()))
-    return f"GGUF blocks as stored ({held}; the rest {dtype})"
+    what = "int8 blocks" if weights == "int8" else "blocks as stored"
+    return f"{what} ({held}; the rest {dtype})"
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -348,6 +349,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
         self.checkpoint_path: Path | None = None
+        self._restore_stored = False  # a checkpoint's blocks are restored as they are
         self.model_cfg: LlamaConfig | None = None
         self.pools: list[Pool] = []
         self.tokenizer: Tokenizer | None = None
@@ -409,21 +411,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         clock = CompileClock()
         with clock:
             t0 = time.perf_counter()
-            if kind == "checkpoint":
-                # Restored straight into each pool's shardings; layout switches restore from it.
-                self.checkpoint_path = path
+            stored = stored_weights(ecfg.weights, kind, [s.layout for s in specs], devices[0].platform)
+            quantize = "int8" if ecfg.weights == "int8" else None
+            if kind == "checkpoint" and quantize is None and (stored or not checkpoint_blocks(path)):
+                # Restored as saved straight into each pool's shardings; layout switches restore
+                # from it.
+                self.checkpoint_path, self._restore_stored = path, stored
                 models = [
-                    load_model(path, ecfg.dtype, shardings=self._pool_shardings(s.layout, ds), tokenizer=i == 0)
+                    load_model(
+                        path, ecfg.dtype, shardings=self._pool_shardings(s.layout, ds), tokenizer=i == 0, stored=stored
+                    )
                     for i, (s, ds) in enumerate(zip(specs, device_sets, strict=True))
                 ]
             else:
                 # One host copy (float32 from a GGUF, or its blocks as stored; as stored from a
-                # Hugging Face directory); each pool's Engine casts and places it.
-                stored = stored_weights(ecfg.weights, kind, [s.layout for s in specs], devices[0].platform)
-                models = [load_model(path, tokenizer=True, stored=stored)] * len(specs)
+                # Hugging Face directory; a checkpoint's blocks dequantized, or its floats
+                # quantized); each pool's Engine casts and places it.
+                models = [load_model(path, tokenizer=True, stored=stored, quantize=quantize)] * len(specs)
             model_cfg, graphdef, tokenizer = models[0].cfg, models[0].graphdef, models[0].tokenizer
             formats = stored_formats(models[0].state)
-            weights = "stored" if formats else ecfg.dtype
+            weights = ("int8" if quantize else "stored") if formats else ecfg.dtype
             assert tokenizer is not None  # asked for
             self.tokenizer = tokenizer
             params_per_pool = [m.state for m in models]
@@ -515,7 +522,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self.checkpoint_path is None:
             return None
         shardings = self._pool_shardings(layout, devices)
-        return load_model(self.checkpoint_path, self.cfg.engine.dtype, shardings=shardings).state
+        return load_model(
+            self.checkpoint_path, self.cfg.engine.dtype, shardings=shardings, stored=self._restore_stored
+        ).state
 
     def _pool_shardings(self, layout: Layout, devices: list) -> ShardingsFn:
         """The param shardings ``layout`` gives a model on ``devices`` (the ones ``Engine``

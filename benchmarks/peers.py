@@ -38,6 +38,10 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   blocks as stored (``load_model(stored=True)``, ``EngineConfig.weights="stored"``), float32
   activations multiplied at exactly the dequantized values (``model.quant_matmul``). No MBU: its
   weights are not the fp32 bytes the roofline counts.
+* ``meshserve-int8`` (only when named in ``--peers``): the Engine over the float32 weights (the
+  GGUF's, dequantized) quantized to int8 blocks (Q8_0, ``model.block_params.quantize_params``:
+  what ``serve --weights int8`` holds for a float checkpoint), multiplied like stored blocks.
+  Not exact (benchmarks/int8_error.py measures what it changes); no MBU.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -105,17 +109,19 @@ if str(ROOT) not in sys.path:
 
 from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
-PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored")
+PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored",
+         "meshserve-int8")  # fmt: skip
 DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
             "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"],
-            "meshserve-stored": ["jax", "flax"]}  # fmt: skip
+            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
     "meshserve-bf16x3": [("meshserve-bf16x3", "meshserve bf16x3")],
     "meshserve-kv-bf16": [("meshserve-kv-bf16", "meshserve fp32, bf16 KV")],
     "meshserve-stored": [("meshserve-stored", "meshserve GGUF blocks as stored")],
+    "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -128,6 +134,7 @@ QUANTIZED = {
     "llama.cpp Q4_1",
     "llama.cpp F16",
     "meshserve GGUF blocks as stored",
+    "meshserve int8 (Q8_0 of fp32)",
 }  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
 KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
@@ -226,20 +233,33 @@ class Runner:
 
 class MeshserveRunner(Runner):
     def __init__(
-        self, model: Path, threads: int, layers: str, matmul: str = "auto", kv_dtype: str = "auto", stored: bool = False
+        self,
+        model: Path,
+        threads: int,
+        layers: str,
+        matmul: str = "auto",
+        kv_dtype: str = "auto",
+        stored: bool = False,
+        int8: bool = False,
     ) -> None:
         import jax
+        from flax import nnx
 
+        from model.block_params import quantize_params
+        from model.build import llama_from_params
         from model.loader import load_model
 
         loaded = load_model(model, "float32", stored=stored)
         self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
+        if int8:  # from the float32 weights, as a float checkpoint would hold them
+            self.graphdef, self.params = llama_from_params(self.cfg, quantize_params(nnx.to_pure_dict(loaded.state)))
+        held = "int8 blocks (Q8_0 of fp32)" if int8 else "GGUF blocks as stored" if stored else "float32"
         self.engine: Any = None
         self.layers, self.matmul, self.kv_dtype = layers, matmul, kv_dtype
         self.dispatch_ms: float | None = None
         self.notes = (
             f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
-            f"weights {'GGUF blocks as stored' if stored else 'float32'}, "
+            f"weights {held}, "
             f"KV cache {'float32' if kv_dtype == 'auto' else kv_dtype}, pipelined decode"
         )
 
@@ -492,6 +512,8 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), kv_dtype="bfloat16")
     if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (EngineConfig.weights)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), stored=True)
+    if variant == "meshserve-int8":  # the float32 weights quantized to Q8_0 blocks (serve --weights int8)
+        return MeshserveRunner(model, threads, wl.get("layers", "scan"), int8=True)
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -833,7 +855,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=PEERS,
         default=list(DEFAULT_PEERS),
         help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
-        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored)",
+        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored; meshserve-int8: float32 quantized "
+        "to int8 blocks)",
     )
     p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")

@@ -162,8 +162,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _block_arrays(w: QuantPanels) -> dict[str, Any]:
-    arrays = {"codes": w.codes, "scales": w.scales, "mins": w.mins}
-    return {k: v for k, v in arrays.items() if v is not None}
+    return {k: getattr(w, k) for k in BLOCK_ARRAYS if getattr(w, k) is not None}
 
 
 def expected_shapes(cfg: LlamaConfig, blocks: dict[str, str] | None = None) -> dict[str, tuple[int, ...]]:
@@ -340,7 +339,7 @@ def restore_checkpoint(path: str | Path, shardings: Any, dtype: Any = None) -> d
         path: the checkpoint directory.
         shardings: a tree of ``jax.sharding.NamedSharding`` with the param tree's structure: a
             pure dict, or the ``nnx.State`` that ``sharding.rules.param_shardings`` returns; a
-            parameter held as blocks has a ``QuantPanels`` of shardings (``abstract_state``).
+            parameter held as blocks has a ``QuantPanels`` of shardings (of ``abstract_params``).
         dtype: the dtype to restore the float arrays as (cast while reading); None keeps the
             stored dtype. Block arrays keep theirs.
 

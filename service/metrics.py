@@ -45,8 +45,9 @@ Per pool, read when scraped (the step histogram when each step ends):
     meshserve_kv_cache_usage_ratio{pool}             gauge: cached tokens / (slots x max_seq_len)
     meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
     meshserve_model_weights_info{weights,formats}    info: how the weights are held: "stored" (GGUF
-                                                     blocks, formats e.g. "embed=q8_0,wqkv=q4_1")
-                                                     or the float dtype (formats "")
+                                                     blocks, formats e.g. "embed=q8_0,wqkv=q4_1"),
+                                                     "int8" (Q8_0 blocks quantized at load) or the
+                                                     float dtype (formats "")
     meshserve_engine_step_seconds{pool}              histogram: one engine step (prefill chunk + decode)
     meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
                                                      prefill chunk tokens)

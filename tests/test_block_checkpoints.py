@@ -247,3 +247,27 @@ def test_a_truncated_or_mislabelled_block_checkpoint_is_named(q41_checkpoint: Pa
     (relabelled / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"'blocks' must map parameters to one of"):
         load_model(relabelled, stored=True)
+
+
+@pytest.mark.parametrize("source", ["Q4_1", "F32-int8"])
+def test_a_bfloat16_kv_cache_works_with_blocks(files: dict[str, Path], source: str) -> None:
+    """``kv_dtype`` is independent of how the weights are held: blocks (stored, or int8) with a
+    bfloat16 cache give the ids of the float model over the same values with that cache."""
+    from model.build import llama_from_params
+
+    path = files[source.split("-")[0]]
+    cfg = LlamaConfig.from_gguf(path)
+    params = load_gguf_params(path, cfg, stored=True)
+    if source.endswith("int8"):
+        params = block_params.quantize_params(params)
+    floats = block_params.dequantize_params(params, shapes(cfg), np.float32)
+    ecfg = EngineConfig(
+        num_slots=4, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32, kv_dtype="bfloat16"
+    )
+    runs = []
+    for tree in (params, floats):
+        graphdef, state = llama_from_params(cfg, tree)
+        engine = PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg)
+        assert engine.ecfg.kv_dtype == "bfloat16"
+        runs.append(greedy(engine))
+    assert runs[0] == runs[1]

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from model.config import LlamaConfig
@@ -230,3 +231,30 @@ def test_the_stored_row_serves_the_gguf_blocks_and_the_float_rows_ids(tmp_path: 
         got[variant] = runner.generate(rows, 6)
     assert len(got["meshserve"]) == 6 and got["meshserve-stored"] == got["meshserve"]
     assert "meshserve GGUF blocks as stored" in peers.QUANTIZED  # no fp32-bytes MBU for it
+
+
+def test_the_int8_row_serves_q8_0_blocks_of_the_float_weights(tmp_path: Path) -> None:
+    """``meshserve-int8`` quantizes the float32 weights (here dequantized Q4_1) to Q8_0 blocks and
+    decodes the ids of the float model over those blocks' values."""
+    from flax import nnx
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from model import block_params
+    from model.build import llama_from_params
+    from model.checkpoint import expected_shapes
+    from model.quant_panels import QuantPanels
+
+    path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
+    wl = {"model": str(path), "threads": 2, "layers": "scan"}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9]]
+    runner = peers.make_runner("meshserve-int8", wl)
+    w_down = runner.params["layers"]["w_down"].get_value()
+    assert isinstance(w_down, QuantPanels) and w_down.format == "q8_0"
+    runner.setup(1, len(rows[0]), 6)
+    got = runner.generate(rows, 6)
+    ref = peers.make_runner("meshserve", wl)
+    floats = block_params.dequantize_params(nnx.to_pure_dict(runner.params), expected_shapes(runner.cfg), np.float32)
+    ref.graphdef, ref.params = llama_from_params(runner.cfg, floats)
+    ref.setup(1, len(rows[0]), 6)
+    assert len(got) == 6 and got == ref.generate(rows, 6)
+    assert "meshserve int8 (Q8_0 of fp32)" in peers.QUANTIZED

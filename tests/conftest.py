@@ -79,12 +79,13 @@ def smollm2_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted with the real CLI (``meshserve convert``, float32), once per
-    session. A server restores it in about a second where the GGUF path dequantizes for 6-13 s."""
+    """The default model converted with the real CLI (``meshserve convert --dequantize``:
+    float32, the GGUF path's exact weights), once per session. A server restores it in about a
+    second where the GGUF path dequantizes for 6-13 s."""
     from service.cli import main
 
     out = tmp_path_factory.mktemp("ckpt") / "smollm2"
-    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
+    assert main(["convert", str(smollm2_gguf), str(out), "--dequantize"]) == 0
     return out
 
 

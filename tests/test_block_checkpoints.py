@@ -271,3 +271,19 @@ def test_a_bfloat16_kv_cache_works_with_blocks(files: dict[str, Path], source: s
         assert engine.ecfg.kv_dtype == "bfloat16"
         runs.append(greedy(engine))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_smollm2_converts_to_its_files_blocks(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """The default model's checkpoint (``convert``'s default) holds the GGUF's Q4_1 and Q8_0
+    blocks bit for bit, in about the file's bytes (float32: 538 MB)."""
+    from service.cli import main
+
+    out = tmp_path / "smollm2-blocks"
+    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
+    blocks = read_checkpoint_config(out)[1]["blocks"]
+    assert blocks == {**{f"layers/{m}": "q4_1" for m in MATMULS}, "embed": "q8_0"}
+    assert same(pure(out, stored=True), pure(smollm2_gguf, stored=True))
+    stored = sum(f.stat().st_size for f in (out / "params").rglob("*") if f.is_file())
+    tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2_gguf)).tensors)
+    assert stored < 1.05 * tensors

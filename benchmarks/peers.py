@@ -42,6 +42,10 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   GGUF's, dequantized) quantized to int8 blocks (Q8_0, ``model.block_params.quantize_params``:
   what ``serve --weights int8`` holds for a float checkpoint), multiplied like stored blocks.
   Not exact (benchmarks/int8_error.py measures what it changes); no MBU.
+* ``meshserve-paged`` (only when named in ``--peers``): what ``serve`` runs by default, the
+  ``PagedEngine`` (paged KV cache, ragged steps, scanned layers) through its engine loop and
+  scheduler (no gRPC), float32 weights; the other meshserve rows drive the per-slot ``Engine``'s
+  steps directly. Its TTFT includes the loop's scheduling; its host share is not measured.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -94,6 +98,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -110,11 +115,11 @@ if str(ROOT) not in sys.path:
 from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
 PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored",
-         "meshserve-int8")  # fmt: skip
+         "meshserve-int8", "meshserve-paged")  # fmt: skip
 DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
             "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"],
-            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"]}  # fmt: skip
+            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"], "meshserve-paged": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
@@ -122,6 +127,7 @@ VARIANTS = {
     "meshserve-kv-bf16": [("meshserve-kv-bf16", "meshserve fp32, bf16 KV")],
     "meshserve-stored": [("meshserve-stored", "meshserve GGUF blocks as stored")],
     "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
+    "meshserve-paged": [("meshserve-paged", "meshserve fp32, paged")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -314,6 +320,107 @@ class MeshserveRunner(Runner):
         host's work per decode step (the arguments, the jitted call's dispatch); the device runs
         the step while the host waits for the previous step's ids."""
         return {"dispatch_ms": self.dispatch_ms} if self.dispatch_ms is not None else {}
+
+
+class _NoText:
+    """A detokenizer that makes no text (the benchmark reads ids only)."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class PagedRunner(Runner):
+    """meshserve's served engine form: the ``PagedEngine`` (one page pool, ragged steps of
+    several prompts, the scanned layers) driven by its own engine loop (``PagedEngineLoop``
+    and ``PagedScheduler``, as ``serve`` runs it, without the gRPC front end), float32 weights
+    or the GGUF's blocks as stored. Each row is a request of ``n`` ids (EOS ignored) with the
+    prefix cache off, so repeated rounds prefill every prompt again."""
+
+    def __init__(self, model: Path, threads: int, stored: bool = False) -> None:
+        import jax
+
+        from model.loader import load_model
+
+        loaded = load_model(model, "float32", stored=stored)
+        self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
+        self.loop: Any = None
+        held = "GGUF blocks as stored" if stored else "float32"
+        self.notes = (
+            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, paged KV cache (the served "
+            f"default), scanned layers, weights {held}, through the engine loop"
+        )
+
+    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
+        from service.engine import EngineConfig
+        from service.paged_engine import PagedEngine
+        from service.paged_loop import engine_loop
+        from sharding.layouts import Layout
+
+        if self.loop is not None:
+            self.loop.stop()
+        self.loop = None  # free the previous pool first
+        length = prompt_len + new_tokens
+        ecfg = EngineConfig(
+            num_slots=batch,
+            max_seq_len=length,
+            kv_cache="paged",
+            kv_cache_tokens=batch * (length + 16),
+            max_num_batched_tokens=max(512, prompt_len),
+        )
+        engine = PagedEngine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
+        self.loop = engine_loop(engine, max_queue=batch)
+        self.loop.start()
+        while not self.loop.ready.wait(0.5):
+            if self.loop.error is not None:
+                raise RuntimeError(f"paged engine warm-up failed: {self.loop.error!r}")
+
+    def generate(self, rows: list[list[int]], n: int) -> list[int]:
+        from service.request import Request, SamplingOptions
+        from service.text_stream import TextStream
+
+        ids: list[list[int]] = [[] for _ in rows]
+        done = [threading.Event() for _ in rows]
+        firsts = [threading.Event() for _ in rows]
+        errors: list[str] = []
+
+        def emit_for(i: int) -> Callable[[Any], None]:
+            def emit(chunk: Any) -> None:
+                ids[i].extend(chunk.token_ids)
+                if ids[i]:
+                    firsts[i].set()
+                if chunk.error is not None:
+                    errors.append(chunk.error)
+                if chunk.finish_reason is not None or chunk.error is not None:
+                    firsts[i].set()
+                    done[i].set()
+
+            return emit
+
+        for i, row in enumerate(rows):
+            self.loop.submit(
+                Request(
+                    request_id=f"peers-{i}",
+                    prompt_ids=list(row),
+                    max_tokens=n,
+                    sampling=SamplingOptions(temperature=0.0),
+                    text=TextStream(_NoText()),
+                    emit=emit_for(i),
+                    eos_ids=frozenset(),
+                    ignore_eos=True,
+                    prefix_cache=False,
+                )
+            )
+        for e in firsts:
+            e.wait()
+        self.first_at = time.perf_counter()
+        for e in done:
+            e.wait()
+        if errors:
+            raise RuntimeError(f"paged engine: {errors[0]}")
+        return ids[0]
 
 
 class HFRunner(Runner):
@@ -512,6 +619,8 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), kv_dtype="bfloat16")
     if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (EngineConfig.weights)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), stored=True)
+    if variant == "meshserve-paged":  # the served default: paged KV cache through the engine loop
+        return PagedRunner(model, threads)
     if variant == "meshserve-int8":  # the float32 weights quantized to Q8_0 blocks (serve --weights int8)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), int8=True)
     if variant == "hf":
@@ -856,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
         default=list(DEFAULT_PEERS),
         help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
         "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored; meshserve-int8: float32 quantized "
-        "to int8 blocks)",
+        "to int8 blocks; meshserve-paged: the served default, paged KV cache through the engine loop)",
     )
     p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")

@@ -470,7 +470,10 @@ class PagedEngine:
         t0 = time.perf_counter()
         programs = list(dict.fromkeys([*self.warm_programs(full), *also]))
         for decode, prefill, window in programs:
-            self.step(self.idle_batch(decode, prefill, window * self.ecfg.page_size - 1)).host()
+            # The window's last position, or max_seq_len's: the largest window's last page may
+            # reach past it (a max_seq_len that is not whole pages) and holds the same pages.
+            position = min(window * self.ecfg.page_size, self.ecfg.max_seq_len) - 1
+            self.step(self.idle_batch(decode, prefill, position)).host()
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
         return elapsed

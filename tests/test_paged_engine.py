@@ -226,6 +226,24 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
     assert small.prefill_buckets == [0, 32, 64]
 
 
+@pytest.mark.parametrize("max_seq_len", [14, 60])
+def test_a_limit_that_is_not_whole_pages_warms_up_and_serves_to_its_end(max_seq_len: int) -> None:
+    """``max_seq_len`` 60 with 16-position pages: the largest window's last page reaches past
+    the limit, and warm-up ran a step there (it failed: "position 63 past max_seq_len 60"; so
+    did ``serve --max-seq-len 100``). The reference is limited to 64 positions."""
+    ecfg = EngineConfig(num_slots=2, max_seq_len=max_seq_len, chunk_size=8, kv_cache="paged", decode_attention="xla")
+    loop = engine_loop(PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg), max_queue=4)
+    loop.start()
+    try:
+        assert loop.ready.wait(600), loop.error
+        prompt = PROMPT_A[:9]
+        ((ids, reason),) = run(loop, [make(prompt, max_seq_len - len(prompt))])
+        assert len(ids) == max_seq_len - len(prompt) and reason == FinishReason.LENGTH
+        assert (ids, reason) == reference(prompt, max_seq_len - len(prompt))
+    finally:
+        loop.stop()
+
+
 def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:
     """A live switch's new engine warms the short-sequence programs and every program the old
     engine compiled (a long window here), not all of them."""

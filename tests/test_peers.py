@@ -258,3 +258,24 @@ def test_the_int8_row_serves_q8_0_blocks_of_the_float_weights(tmp_path: Path) ->
     ref.setup(1, len(rows[0]), 6)
     assert len(got) == 6 and got == ref.generate(rows, 6)
     assert "meshserve int8 (Q8_0 of fp32)" in peers.QUANTIZED
+
+
+def test_the_paged_row_serves_through_the_engine_loop(tmp_path: Path) -> None:
+    """``meshserve-paged`` runs the served default (paged KV cache, the engine loop) and gives
+    the per-slot row's ids on the same file, every row done, round after round."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    wl = {"model": str(path), "threads": 2, "layers": "scan"}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
+    ref = peers.make_runner("meshserve", wl)
+    ref.setup(2, len(rows[0]), 6)
+    want = ref.generate(rows, 6)
+    runner = peers.make_runner("meshserve-paged", wl)
+    runner.setup(2, len(rows[0]), 6)
+    for _ in range(2):  # a second round prefills again (prefix cache off) and gives the same ids
+        runner.first_at = None
+        assert runner.generate(rows, 6) == want
+        assert runner.first_at is not None
+    runner.setup(1, len(rows[0]), 6)  # a new B: the previous loop stopped, a new pool
+    assert runner.generate(rows[:1], 6) == want

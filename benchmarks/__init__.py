@@ -9,6 +9,8 @@
   against the KV cache's maximum length.
 * ``benchmarks.ragged_step``: ``python -m benchmarks.ragged_step``, the paged engine's ragged
   step against today's decode and prefill steps.
+* ``benchmarks.multiprocess_channel``: ``python -m benchmarks.multiprocess_channel``, two
+  jax.distributed CPU processes: the step plan's channel from process 0, and collectives.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

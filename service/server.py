@@ -53,7 +53,7 @@ from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
-from service.engine import Engine, EngineConfig
+from service.engine import DTYPES, Engine, EngineConfig
 from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
 from service.http_server import HttpServer, bind
 from service.loop import EngineLoop, EngineUnavailable
@@ -221,10 +221,26 @@ def server_config(
             raise ConfigError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
     for key, value in (overrides or {}).items():
         (engine if key in ENGINE_KEYS else top)[key] = value
+    _agree_weights_dtype(engine, overrides or {}, where)
     try:
         return ServerConfig(**top, engine=EngineConfig(**engine))
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _agree_weights_dtype(engine: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
+    """``weights: float32|bfloat16`` sets the dtype (``EngineConfig``): given with another
+    ``dtype``, the flag wins over the file; both from one place is a ConfigError."""
+    weights, dtype = engine.get("weights"), engine.get("dtype")
+    if weights not in DTYPES or dtype is None or dtype == weights:
+        return
+    if ("weights" in overrides) != ("dtype" in overrides):
+        engine["dtype" if "weights" in overrides else "weights"] = overrides.get("weights", dtype)
+        return
+    raise ConfigError(
+        f"{where}: weights {weights} and dtype {dtype} contradict each other (weights {weights} holds every "
+        "weight as that dtype); give one of them"
+    )
 
 
 def read_server_config(path: str | Path) -> dict[str, Any]:

@@ -123,3 +123,23 @@ def test_bad_flag_values_are_one_line_errors_too() -> None:
     assert (
         exc.value.code == "meshserve serve: error: flags: matmul='bf16x3' needs layers='unrolled' and dtype='float32'"
     )
+
+
+def test_weights_naming_a_dtype_and_another_dtype(tmp_path: Path) -> None:
+    """``--weights bfloat16`` holds every weight as bfloat16 (it sets the dtype): with another
+    ``--dtype`` from the same place it is an error, not a silent choice; a flag wins over the file."""
+    with pytest.raises(SystemExit, match="weights bfloat16 and dtype float32 contradict"):
+        serve_config("--weights", "bfloat16", "--dtype", "float32")
+    assert serve_config("--weights", "bfloat16", "--dtype", "bfloat16").engine.dtype == "bfloat16"
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine:\n  dtype: float32\n")
+    assert serve_config("--config", str(path), "--weights", "bfloat16").engine.dtype == "bfloat16"
+    path.write_text("engine:\n  weights: bfloat16\n")
+    cfg = serve_config("--config", str(path), "--dtype", "float32").engine
+    assert (cfg.weights, cfg.dtype) == ("float32", "float32")
+    path.write_text("engine:\n  weights: bfloat16\n  dtype: float32\n")
+    with pytest.raises(SystemExit, match="contradict"):
+        serve_config("--config", str(path))
+    assert (
+        serve_config("--weights", "int8", "--dtype", "bfloat16").engine.dtype == "bfloat16"
+    )  # int8: the rest bfloat16

@@ -368,7 +368,21 @@ def upload_host_arrays(host: dict[str, np.ndarray], sharding: jax.sharding.Shard
     """Device copies of host arrays (the sampling parameters), shapes and dtypes kept. Copies
     first: ``write_sampling_row`` writes the host arrays in place, and a CPU ``device_put`` may
     alias numpy memory."""
-    return jax.device_put({k: v.copy() for k, v in host.items()}, sharding)
+    copies = {k: v.copy() for k, v in host.items()}
+    if sharding.is_fully_addressable:
+        return jax.device_put(copies, sharding)
+    return {k: global_array(v, sharding) for k, v in copies.items()}
+
+
+def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``host`` on ``sharding``: ``jax.device_put`` where the sharding's devices are all this
+    process's; where it spans several processes (jax.distributed, ``service.distributed``), built
+    from this process's own shards of ``host``, which every process must hold alike (not
+    checked: ``device_put`` would compare it across the processes, a collective per array, and
+    ``jit`` refuses numpy inputs for a sharding there that is not fully replicated)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def bytes_per_device(tree: Any) -> dict[str, int]:

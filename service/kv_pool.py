@@ -61,9 +61,12 @@ def host_available_bytes() -> int | None:
 
 def device_free_bytes(devices: list[jax.Device]) -> int | None:
     """The least, over ``devices``, of ``ACCELERATOR_FRACTION`` x the memory limit less the bytes
-    in use; None when a device reports no limit (CPU devices)."""
+    in use; None when a device reports no limit (CPU devices). Only this process's devices count
+    (another process's cannot report their memory here: ``memory_stats`` raises)."""
     free = []
     for d in devices:
+        if getattr(d, "process_index", jax.process_index()) != jax.process_index():
+            continue
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None

@@ -67,6 +67,7 @@ from service.engine import (
     EngineConfig,
     StepOutput,
     bytes_per_device,
+    global_array,
     pack_step,
     pick_bucket,
     place_params,
@@ -246,7 +247,7 @@ class PagedEngine:
         self._sp_device: SamplingParams | None = None
         # Step inputs split by replica: token regions, page tables and rows over ``data``.
         self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
-        self._no_prev = jax.device_put(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
+        self._no_prev = global_array(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
         self._set_row = jax.jit(_set_history_row, out_shardings=self.repl, donate_argnums=(0,))
 
     # ---- the compiled step ---------------------------------------------------------------
@@ -369,19 +370,24 @@ class PagedEngine:
                 f"{self.decode_buckets} and {self.prefill_buckets}"
             )
         fn = self._step_fn(decode, prefill, window)
+        host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
+        split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
+        if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
+            split = tuple(global_array(a, self.by_replica) for a in (*host, batch.last_index))
+        tokens, source, positions, rows, generated, page_tables, last_index = split
         packed, logits, self.cache, self.history = fn(
             self.params,
             self.cache,
             self.history,
             self._sampling(),
-            batch.tokens,
-            batch.source,
+            tokens,
+            source,
             prev.packed if prev is not None else self._no_prev,
-            batch.positions,
-            batch.rows,
-            batch.generated,
-            batch.page_tables,
-            batch.last_index,
+            positions,
+            rows,
+            generated,
+            page_tables,
+            last_index,
             batch.ban_eos,
         )
         return StepOutput(packed, logits)

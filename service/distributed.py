@@ -1,0 +1,228 @@
+"""Several JAX processes serving one model (jax.distributed, multi-controller SPMD): process 0
+schedules, and every process runs the same engine calls in the same order on the global mesh.
+
+* ``initialize``: JAX's CPU collectives (gloo) and ``jax.distributed.initialize``; call it before
+  any other JAX use (the CPU backend takes its collectives from the distributed client when it
+  is first made).
+* ``StepChannel``: one TCP connection from process 0 to each other process, opened once (process
+  0 publishes its listening address in the distributed runtime's key-value store), carrying
+  length-prefixed pickled messages (docs/multiprocess.md: ~0.3 ms a step plan here, against
+  1.5-5 ms for the key-value store or ``broadcast_one_to_all``). Pickle runs whatever the peer
+  sends: the channel is for the processes of one job, on a trusted network.
+* ``MirroredEngine`` (process 0) and ``follow`` (the others): each engine call that launches JAX
+  work (``MIRRORED``) is first sent to the followers, which make the same call on their own
+  engine, so every process dispatches the same programs in the same order. A step's ``prev``
+  (the previous step's output, a device array) travels as ``PREVIOUS``: each follower passes its
+  own previous output.
+* The engine's own part (``service.engine.global_array``): a step's host inputs become
+  ``jax.Array``s on a sharding that spans the processes, each process placing its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import socket
+import struct
+import time
+from collections.abc import Collection
+from typing import Any
+
+import jax
+
+from service.engine import StepOutput
+from service.paged_engine import PagedEngine, RaggedBatch
+from service.request import SamplingOptions
+from sharding.layouts import Layout
+
+log = logging.getLogger(__name__)
+
+CPU_COLLECTIVES = "gloo"
+ADDRESS_KEY = "meshserve/step_channel"
+PREVIOUS = "meshserve:previous-step-output"  # a step's ``prev``: the previous step's own output
+STOP = "stop"
+MIRRORED = ("step", "warmup", "set_sampling", "set_history")  # the calls a follower repeats
+_HEADER = struct.Struct("<Q")
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join the job: gloo CPU collectives, then ``jax.distributed.initialize`` (process 0 also
+    runs the coordinator service at ``coordinator``, HOST:PORT). Before any other JAX use."""
+    jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("the peer closed the step channel")
+        view = view[got:]
+    return bytes(buf)
+
+
+class StepChannel:
+    """Process 0's connections to the followers (``peers``), or a follower's one to process 0.
+
+    ``send`` (process 0) writes one message to every follower; ``recv`` (a follower) reads one.
+    A message is an 8-byte little-endian length and a pickle (protocol 5) of any picklable
+    object: numpy arrays, dataclasses such as ``RaggedBatch``, small Python values.
+    """
+
+    def __init__(self, peers: list[socket.socket], process_id: int):
+        self.peers = peers
+        self.process_id = process_id
+
+    @classmethod
+    def open(cls, host: str = "127.0.0.1", timeout_s: float = 120.0) -> StepChannel:
+        """Connect this process of the job (after ``initialize``): process 0 listens on an
+        ephemeral port of ``host``, publishes HOST:PORT under ``ADDRESS_KEY`` in the key-value
+        store and accepts one connection from each other process (each says its process id);
+        the others read the address and connect.
+
+        Raises:
+            TimeoutError / ConnectionError: a process did not connect within ``timeout_s``.
+        """
+        from jax._src import distributed  # the key-value store is private in jax 0.10.2
+
+        client = distributed.global_state.client
+        if client is None:
+            raise RuntimeError("StepChannel.open needs jax.distributed to be initialized first")
+        me, count = jax.process_index(), jax.process_count()
+        if me == 0:
+            with socket.create_server((host, 0)) as server:
+                server.settimeout(timeout_s)
+                client.key_value_set(ADDRESS_KEY, f"{host}:{server.getsockname()[1]}")
+                by_id: dict[int, socket.socket] = {}
+                end = time.monotonic() + timeout_s
+                while len(by_id) < count - 1:
+                    server.settimeout(max(0.1, end - time.monotonic()))
+                    conn, _ = server.accept()
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    (peer,) = struct.unpack("<I", _recv_exact(conn, 4))
+                    by_id[peer] = conn
+            return cls([by_id[i] for i in sorted(by_id)], me)
+        address = client.blocking_key_value_get(ADDRESS_KEY, int(timeout_s * 1000))
+        where, port = address.rsplit(":", 1)
+        sock = socket.create_connection((where, int(port)), timeout=timeout_s)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(struct.pack("<I", me))
+        return cls([sock], me)
+
+    def send(self, message: Any) -> None:
+        """Process 0: ``message`` to every follower."""
+        blob = pickle.dumps(message, protocol=5)
+        frame = _HEADER.pack(len(blob)) + blob
+        for peer in self.peers:
+            peer.sendall(frame)
+
+    def recv(self) -> Any:
+        """A follower: the next message from process 0 (blocks).
+
+        Raises:
+            ConnectionError: process 0 closed the channel.
+        """
+        (size,) = _HEADER.unpack(_recv_exact(self.peers[0], _HEADER.size))
+        return pickle.loads(_recv_exact(self.peers[0], size))
+
+    def close(self) -> None:
+        for peer in self.peers:
+            with contextlib.suppress(OSError):
+                peer.close()
+
+
+class MirroredEngine(PagedEngine):
+    """Process 0's ``PagedEngine``: the calls in ``MIRRORED`` are sent to the followers
+    (``follow``) and then made on ``engine``; every other attribute is ``engine``'s.
+
+    A subclass so that ``service.paged_loop.engine_loop`` drives it as the paged engine it
+    wraps; it never runs ``PagedEngine.__init__`` and holds no state of its own but the channel
+    and the last step's output, so ``PagedEngine``'s other methods run against ``engine``'s
+    attributes (``__getattr__``) and may not assign any (``__setattr__`` refuses).
+    """
+
+    _own = ("_engine", "_channel", "_last")
+
+    def __init__(self, engine: PagedEngine, channel: StepChannel):  # no super().__init__: see the docstring
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_channel", channel)
+        object.__setattr__(self, "_last", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_engine"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"MirroredEngine.{name}: set it on the engine it wraps, not on the mirror")
+
+    def _send(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self._channel.send((name, args, kwargs))
+
+    def step(self, batch: RaggedBatch, prev: StepOutput | None = None) -> StepOutput:
+        if prev is not None and prev is not self._last:
+            raise ValueError("a mirrored step's prev must be the previous mirrored step's output")
+        self._send("step", batch, PREVIOUS if prev is not None else None)
+        out = self._engine.step(batch, prev)
+        object.__setattr__(self, "_last", out)
+        return out
+
+    def warmup(self, full: bool = False, also: Collection[tuple[int, int, int]] = ()) -> float:
+        self._send("warmup", full=full, also=tuple(also))
+        return self._engine.warmup(full=full, also=also)
+
+    def set_sampling(
+        self, slot: int, options: SamplingOptions, logprobs: bool = False, eos_ids: Collection[int] = ()
+    ) -> None:
+        self._send("set_sampling", slot, options, logprobs=logprobs, eos_ids=tuple(eos_ids))
+        self._engine.set_sampling(slot, options, logprobs=logprobs, eos_ids=eos_ids)
+
+    def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        self._send("set_history", slot, list(prompt_ids), list(generated_ids))
+        self._engine.set_history(slot, prompt_ids, generated_ids)
+
+    # Not mirrored yet: a live layout switch builds and warms a second engine on every process.
+    def warmup_to_replace(self, old: PagedEngine) -> float:
+        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+
+    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
+        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+
+    def adopt_state(self, old: PagedEngine) -> None:
+        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+
+    def stop(self) -> None:
+        """Tell the followers to stop (after the engine loop has stopped)."""
+        self._send(STOP)
+
+
+def follow(engine: PagedEngine, channel: StepChannel) -> int:
+    """A follower's loop: make each call process 0's ``MirroredEngine`` sends, in order, on
+    ``engine``, until ``STOP``; then wait for the last step to finish. Returns the steps run.
+
+    Raises:
+        ValueError: a message that is not one of ``MIRRORED``.
+        ConnectionError: process 0 went away without ``STOP``.
+    """
+    last: StepOutput | None = None
+    steps = 0
+    while True:
+        name, args, kwargs = channel.recv()
+        if name == STOP:
+            break
+        if name not in MIRRORED:
+            raise ValueError(f"a follower got {name!r}, not one of {MIRRORED}")
+        if name == "step":
+            batch, prev = args
+            if prev == PREVIOUS and last is None:
+                raise ValueError("a step reads the previous step's output, but this follower ran none")
+            last = engine.step(batch, last if prev == PREVIOUS else None)
+            steps += 1
+        else:
+            getattr(engine, name)(*args, **kwargs)
+    if last is not None:
+        last.packed.block_until_ready()
+    return steps

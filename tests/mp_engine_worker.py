@@ -1,0 +1,183 @@
+"""One process of tests/test_multiprocess_engine.py's two-process job (run as a script, with
+``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4``):
+
+    python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layout 2x4 --out ids.json
+
+Both processes build the tiny random model and a ``PagedEngine`` on the layout over all 8
+devices; process 0 drives ``service.paged_loop.engine_loop`` over a ``MirroredEngine``, runs
+``REQUESTS`` (greedy) and writes their ids as JSON; process 1 ``follow``s. Importable without JAX
+work (the test takes ``REQUESTS``, ``ecfg`` and ``run_requests`` from here for its one-process
+run)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (str(ROOT), str(ROOT / "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import numpy as np  # noqa: E402
+
+SEED = 3
+EXIT_NO_DISTRIBUTED = 3  # jax.distributed.initialize itself failed
+T, CHUNK = 64, 16
+SLOTS = 8  # the 8x1 layout's data axis divides it
+_rng = np.random.default_rng(0)
+PROMPT_A = _rng.integers(0, 256, 20).tolist()  # tests/test_engine_penalties.py's (vocab 256)
+PROMPT_B = _rng.integers(0, 256, 7).tolist()
+PROMPT_C = np.random.default_rng(7).integers(0, 256, 33).tolist()  # tests/test_paged_engine.py's
+# (prompt, max_tokens, sampling): greedy; the penalties make the tiny model's ids vary (without
+# them it repeats one id) and send the token history (``set_history``) through the mirror too.
+REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
+    (PROMPT_A, 12, {"repetition_penalty": 3.0}),
+    (PROMPT_B, 12, {"frequency_penalty": 0.8, "presence_penalty": 0.3}),
+    (PROMPT_C, 8, {}),
+)
+
+
+def ecfg() -> Any:
+    from service.engine import EngineConfig
+
+    return EngineConfig(
+        num_slots=SLOTS, max_seq_len=T, chunk_size=CHUNK, kv_cache="paged", page_size=4,
+        kv_cache_tokens=SLOTS * T, max_num_batched_tokens=32,
+    )  # fmt: skip
+
+
+def build_engine(layout: str) -> Any:
+    import jax
+
+    from model.build import random_llama
+    from model.config import LlamaConfig
+    from service.paged_engine import PagedEngine
+    from sharding.layouts import Layout
+
+    data, model = (int(n) for n in layout.split("x"))
+    graphdef, params = random_llama(LlamaConfig.tiny(), seed=SEED)
+    return PagedEngine(
+        LlamaConfig.tiny(), graphdef, params, Layout(layout, data=data, model=model), ecfg(), jax.devices()
+    )
+
+
+class _Pieces:
+    def push(self, token_id: int) -> str:
+        return f"<{token_id}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def run_requests(loop: Any, timeout_s: float = 120.0) -> list[list[int]]:
+    """``REQUESTS`` submitted together, greedy; each one's ids (raises on an error or timeout)."""
+    from service.request import Request, SamplingOptions
+    from service.text_stream import TextStream
+
+    done = [threading.Event() for _ in REQUESTS]
+    ids: list[list[int]] = [[] for _ in REQUESTS]
+    errors: list[str] = []
+
+    def emit_for(i: int) -> Any:
+        def emit(chunk: Any) -> None:
+            ids[i].extend(chunk.token_ids)
+            if chunk.error is not None:
+                errors.append(str(chunk.error))
+            if chunk.finish_reason is not None or chunk.error is not None:
+                done[i].set()
+
+        return emit
+
+    for i, (prompt, n, sampling) in enumerate(REQUESTS):
+        loop.submit(
+            Request(
+                request_id=f"r{i}", prompt_ids=list(prompt), max_tokens=n,
+                sampling=SamplingOptions(temperature=0.0, **sampling), text=TextStream(_Pieces()), emit=emit_for(i),
+                eos_ids=frozenset(),
+            )
+        )  # fmt: skip
+    end = time.monotonic() + timeout_s
+    for d in done:
+        if not d.wait(max(0.0, end - time.monotonic())):
+            raise TimeoutError(f"requests not done in {timeout_s} s (loop error: {loop.error!r})")
+    if errors:
+        raise RuntimeError(f"requests failed: {errors}")
+    return ids
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--layout", default="2x4")
+    parser.add_argument("--out")
+    parser.add_argument("--timeout", type=int, default=170)
+    args = parser.parse_args()
+    with contextlib.suppress(Exception):  # die with the parent (Linux PR_SET_PDEATHSIG)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    signal.alarm(args.timeout)  # SIGALRM ends a hung process
+
+    from service import distributed
+
+    t0 = time.monotonic()
+    try:
+        distributed.initialize(args.coordinator, 2, args.process_id)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_NO_DISTRIBUTED
+    import jax
+
+    assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
+    channel = distributed.StepChannel.open()
+    engine = build_engine(args.layout)
+    built = time.monotonic() - t0
+    if args.process_id == 0:
+        from service.paged_loop import engine_loop
+
+        mirror = distributed.MirroredEngine(engine, channel)
+        loop = engine_loop(mirror, max_queue=8)
+        loop.start()
+        if not loop.ready.wait(args.timeout):
+            raise TimeoutError("warm-up did not finish")
+        warm = time.monotonic() - t0 - built
+        if loop.error is not None:
+            raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
+        ids = run_requests(loop)
+        loop.stop()
+        if loop.error is not None:
+            raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
+        mirror.stop()
+        result = {"ids": ids, "build_s": built, "warmup_s": warm, "total_s": time.monotonic() - t0}
+        Path(args.out).write_text(json.dumps(result))
+        print(json.dumps(result), flush=True)
+    else:
+        steps = distributed.follow(engine, channel)
+        print(json.dumps({"followed_steps": steps, "total_s": time.monotonic() - t0}), flush=True)
+    channel.close()
+    jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # at once: an interpreter exit can hang in JAX's distributed shutdown
+    sys.exit(code)

@@ -1,0 +1,191 @@
+"""The paged engine over two jax.distributed processes of 4 CPU devices each (one 8-device mesh):
+process 0 drives ``service.paged_loop.engine_loop`` over a ``service.distributed.MirroredEngine``,
+process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary)
+must be the ids this process (8 CPU devices, no jax.distributed) gives for the same requests on
+the same layout. Every worker has a hard timeout and is killed with its process group when the
+other fails or time runs out."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import free_port
+from mp_engine_worker import EXIT_NO_DISTRIBUTED, build_engine, run_requests
+
+from service.distributed import PREVIOUS, STOP, MirroredEngine, StepChannel, follow
+from service.engine import StepOutput
+from service.paged_engine import PagedEngine, RaggedBatch
+from service.paged_loop import engine_loop
+from service.request import SamplingOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "mp_engine_worker.py"
+TIMEOUT_S = 150  # each worker's own alarm; the test waits a little longer
+LAYOUTS = ["2x4", "1x8", pytest.param("8x1", marks=pytest.mark.slow)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+    """End every worker still running, with its process group: SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+        end = time.monotonic() + wait
+        for p in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+
+
+def two_processes(layout: str, folder: Path) -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Run the two workers on ``layout``; (process 0's result, process 1's)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    out = folder / "ids.json"
+    procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    try:
+        for i in range(2):
+            cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--coordinator", coordinator,
+                   "--layout", layout, "--out", str(out), "--timeout", str(TIMEOUT_S)]  # fmt: skip
+            with open(folder / f"out{i}.txt", "w") as o, open(folder / f"err{i}.txt", "w") as e:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=e, start_new_session=True))
+        end = time.monotonic() + TIMEOUT_S + 15
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+        codes = [p.poll() for p in procs]
+    finally:
+        stop(procs)
+    assert all(p.poll() is not None for p in procs)  # no orphans
+    errs = [(folder / f"err{i}.txt").read_text(errors="replace")[-3000:] for i in range(2)]
+    if EXIT_NO_DISTRIBUTED in codes:
+        pytest.skip(f"jax.distributed.initialize cannot start here: {errs}")
+    assert codes == [0, 0], f"workers ended {codes} (None: timed out); stderr 0:\n{errs[0]}\nstderr 1:\n{errs[1]}"
+    lines = [(folder / f"out{i}.txt").read_text().splitlines() for i in range(2)]
+    return json.loads(out.read_text()), json.loads([s for s in lines[1] if s.startswith("{")][-1])
+
+
+def one_process(layout: str) -> list[list[int]]:
+    """The same requests on the same layout over this process's 8 devices."""
+    loop = engine_loop(build_engine(layout), max_queue=8)
+    loop.start()
+    try:
+        assert loop.ready.wait(300) and loop.error is None, loop.error
+        return run_requests(loop)
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_give_the_ids_of_one(layout: str, tmp_path: Path) -> None:
+    leader, follower = two_processes(layout, tmp_path)
+    assert follower["followed_steps"] > 0
+    want = one_process(layout)
+    assert len(set(want[0])) > 1  # the penalties make the ids vary
+    assert leader["ids"] == want
+
+
+# ---- the mirror's protocol, in one process (no JAX work) -------------------------------------
+
+
+class FakeChannel:
+    def __init__(self, inbox: list | None = None) -> None:  # type: ignore[type-arg]
+        self.sent: list = []  # type: ignore[type-arg]
+        self.inbox = list(inbox or [])
+
+    def send(self, message: object) -> None:
+        self.sent.append(pickle.loads(pickle.dumps(message)))  # what a follower would get
+
+    def recv(self) -> object:
+        return self.inbox.pop(0)
+
+
+class FakeEngine:
+    """Records calls; each step returns a new output that names its step."""
+
+    def __init__(self) -> None:
+        self.calls: list = []  # type: ignore[type-arg]
+        self.seq_block = 16
+
+    def step(self, batch: object, prev: object = None) -> StepOutput:
+        self.calls.append(("step", batch, prev))
+        return StepOutput(packed=jnp.zeros(1), logits=len(self.calls))  # type: ignore[arg-type]
+
+    def warmup(self, full: bool = False, also: object = ()) -> float:
+        self.calls.append(("warmup", full))
+        return 0.0
+
+    def set_sampling(self, slot: int, options: object, logprobs: bool = False, eos_ids: object = ()) -> None:
+        self.calls.append(("set_sampling", slot, options))
+
+    def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
+        self.calls.append(("set_history", slot, prompt_ids, generated_ids))
+
+
+def test_the_mirror_sends_each_call_before_making_it_and_prev_as_a_marker() -> None:
+    inner, channel = FakeEngine(), FakeChannel()
+    mirror = MirroredEngine(inner, channel)  # type: ignore[arg-type]
+    assert isinstance(mirror, PagedEngine) and mirror.seq_block == 16  # the loop's checks and reads
+    mirror.warmup()
+    mirror.set_sampling(2, SamplingOptions(temperature=0.0), eos_ids=frozenset({5}))
+    mirror.set_history(2, [1, 2], [3])
+    first = mirror.step("batch0")  # type: ignore[arg-type]
+    mirror.step("batch1", first)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="previous mirrored step"):
+        mirror.step("batch2", first)  # not the last output: a follower could not name it
+    with pytest.raises(AttributeError):
+        mirror.cache = None
+    mirror.stop()
+    assert [m[0] for m in channel.sent] == ["warmup", "set_sampling", "set_history", "step", "step", STOP]
+    assert channel.sent[3][1] == ("batch0", None) and channel.sent[4][1] == ("batch1", PREVIOUS)
+    assert inner.calls[-1] == ("step", "batch1", first)
+
+    # A follower replays them: the marker becomes its own previous output.
+    follower = FakeEngine()
+    assert follow(follower, FakeChannel(channel.sent)) == 2  # type: ignore[arg-type]
+    assert [c[0] for c in follower.calls] == ["warmup", "set_sampling", "set_history", "step", "step"]
+    assert follower.calls[4][2].logits == 4  # the output of its step 4 (its first step)
+
+
+def test_a_follower_refuses_a_call_that_is_not_mirrored() -> None:
+    with pytest.raises(ValueError, match="not one of"):
+        follow(FakeEngine(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
+
+
+def test_the_step_channel_carries_a_ragged_batch_over_tcp() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    server.close()
+    leader, follower = StepChannel([a], 0), StepChannel([b], 1)
+    batch = RaggedBatch(*(np.arange(n, dtype=np.int32) for n in (8, 8, 8, 8, 8, 2, 2)),
+                        page_tables=np.ones((2, 3), np.int32), num_real=3, max_position=2, decode_tokens=4)  # fmt: skip
+    try:
+        leader.send(("step", (batch, PREVIOUS), {}))
+        name, (got, prev), _ = follower.recv()
+        assert name == "step" and prev == PREVIOUS and got.num_real == 3
+        assert all(np.array_equal(getattr(got, f), getattr(batch, f)) for f in ("tokens", "page_tables"))
+        leader.close()
+        with pytest.raises(ConnectionError):
+            follower.recv()
+    finally:
+        leader.close()
+        follower.close()

@@ -133,8 +133,14 @@ def read_checkpoint_config(path: str | Path) -> tuple[LlamaConfig, dict[str, Any
             f"{', '.join(map(str, READ_VERSIONS))})"
         )
     blocks = data.get("blocks", {})
-    if not isinstance(blocks, dict) or any(f not in quant_panels.FORMATS for f in blocks.values()):
-        raise CheckpointError(f"{file}: 'blocks' must map parameters to one of {', '.join(quant_panels.FORMATS)}")
+    formats = ", ".join(quant_panels.FORMATS)
+    if not isinstance(blocks, dict):
+        raise CheckpointError(f"{file}: 'blocks' must map parameters to one of {formats}, got {blocks!r}")
+    for name, fmt in blocks.items():
+        if fmt not in quant_panels.FORMATS:
+            raise CheckpointError(f"{file}: 'blocks' gives {name!r} the format {fmt!r}; known: {formats}")
+    if blocks and version == 1:
+        raise CheckpointError(f"{file}: format_version 1 holds no blocks, but 'blocks' names {sorted(blocks)}")
     arch = data.get("architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -173,18 +179,24 @@ def expected_shapes(cfg: LlamaConfig, blocks: dict[str, str] | None = None) -> d
     Raises:
         CheckpointError: ``blocks`` names a parameter that cannot be held as blocks.
     """
+    return {name: shape for name, (shape, _) in _expected(cfg, blocks).items()}
+
+
+def _expected(cfg: LlamaConfig, blocks: dict[str, str] | None) -> dict[str, tuple[tuple[int, ...], np.dtype | None]]:
+    """``expected_shapes`` with each array's dtype: a block array's own (int8 or uint8 codes,
+    float16 scales and mins), None for a float parameter (any float dtype)."""
     _, state = abstract_llama(cfg)
     floats = {name: tuple(leaf.shape) for name, leaf in _flat(nnx.to_pure_dict(state)).items()}
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[tuple[int, ...], np.dtype | None]] = {}
     for name, shape in floats.items():
         if blocks and name in blocks:
             try:
                 panels = block_params.abstract_panels(name, shape, blocks[name])
             except ValueError as exc:
                 raise CheckpointError(f"'blocks': {exc}") from None
-            out |= {f"{name}/{k}": tuple(a.shape) for k, a in _block_arrays(panels).items()}
+            out |= {f"{name}/{k}": (tuple(a.shape), np.dtype(a.dtype)) for k, a in _block_arrays(panels).items()}
         else:
-            out[name] = shape
+            out[name] = (shape, None)
     unknown = sorted(set(blocks or ()) - set(floats))
     if unknown:
         raise CheckpointError(f"'blocks' names parameter(s) {unknown} the model does not have")
@@ -192,16 +204,25 @@ def expected_shapes(cfg: LlamaConfig, blocks: dict[str, str] | None = None) -> d
 
 
 def _check_tree(cfg: LlamaConfig, flat: dict[str, Any], what: str, blocks: dict[str, str] | None = None) -> None:
-    expected = expected_shapes(cfg, blocks)
+    typed = _expected(cfg, blocks)
+    expected = {name: shape for name, (shape, _) in typed.items()}
     missing = sorted(set(expected) - set(flat))
     if missing:
+        undeclared = sorted({n.rsplit("/", 1)[0] for n in flat if n.rsplit("/", 1)[0] in missing})
+        if undeclared:
+            raise CheckpointError(
+                f"{what}: holds {undeclared} as blocks (codes, scales) that config.json's 'blocks' does not declare"
+            )
         raise CheckpointError(f"{what}: array(s) {missing} are missing")
     unexpected = sorted(set(flat) - set(expected))
     if unexpected:
         raise CheckpointError(f"{what}: unexpected array(s) {unexpected}")
-    for name, shape in expected.items():
+    for name, (shape, dtype) in typed.items():
         if tuple(flat[name].shape) != shape:
             raise CheckpointError(f"{what}: array {name!r} has shape {tuple(flat[name].shape)}, expected {shape}")
+        got = np.dtype(flat[name].dtype)
+        if (dtype is not None and got != dtype) or (dtype is None and not jnp.issubdtype(got, jnp.floating)):
+            raise CheckpointError(f"{what}: array {name!r} has dtype {got}, expected {dtype or 'a float dtype'}")
 
 
 def _tokenizer(source: Tokenizer | str | Path) -> Tokenizer:
@@ -316,6 +337,11 @@ def _check_array_files(root: Path, name: str, stored: str) -> None:
     """The zarr directory ``params/<stored>`` of array ``name`` has its ``.zarray`` and every chunk file."""
     array_dir = root / PARAMS_DIR / stored
     zarray = array_dir / ".zarray"
+    if not zarray.is_file() and (array_dir.parent / f"{stored}.codes" / ".zarray").is_file():
+        raise CheckpointError(
+            f"checkpoint {root}: holds {name!r} as blocks ({PARAMS_DIR}/{stored}.codes, ...) that config.json's "
+            "'blocks' does not declare"
+        )
     if not zarray.is_file():
         raise CheckpointError(f"checkpoint {root} is truncated: array {name!r} ({PARAMS_DIR}/{stored}) is missing")
     try:

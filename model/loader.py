@@ -66,6 +66,8 @@ class LoadedModel:
             Face directory loaded without ``shardings``, else ``jax.Array`` in the shardings.
         dtype: the parameters' dtype name ("float32", "bfloat16", ...).
         tokenizer: the model's tokenizer, or None when not asked for.
+        quantized: the parameters ``load_model(quantize=...)`` quantized ("layers/wqkv", ...);
+            empty when it quantized none (blocks already held are not counted).
     """
 
     path: Path
@@ -75,6 +77,7 @@ class LoadedModel:
     state: nnx.State
     dtype: str
     tokenizer: Tokenizer | None = None
+    quantized: tuple[str, ...] = ()
 
 
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
@@ -210,6 +213,7 @@ def load_model(
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
     stored = stored or quantize is not None
+    quantized: tuple[str, ...] = ()
     p = Path(path)
     kind = model_format(p)
     if kind == "checkpoint" and quantize is None and (stored or not checkpoint_blocks(p)):
@@ -223,7 +227,9 @@ def load_model(
         else:
             cfg, params, name = _read_hf(p, dtype, progress)
         if quantize == "int8":
+            held = block_params.block_formats(params)
             params = block_params.quantize_params(params)
+            quantized = tuple(sorted(set(block_params.block_formats(params)) - set(held)))
         graphdef, state = llama_from_params(cfg, params, name)
         if shardings is not None:
             state = jax.device_put(state, shardings(cfg, state))
@@ -235,6 +241,7 @@ def load_model(
         state=state,
         dtype=name,
         tokenizer=load_tokenizer(p) if tokenizer else None,
+        quantized=quantized,
     )
 
 

@@ -419,7 +419,7 @@ def place_params(params: Any, dtype: jnp.dtype, layers: str, mesh: jax.sharding.
         native = one_cpu and quant_matmul.available()
         params = choose_quant_kernel(params, "native" if native else "xla")
         log.info(
-            "GGUF blocks as stored: multiplied by %s", "the native CPU kernel" if native else "XLA (dequantize, dot)"
+            "weights held as blocks: multiplied by %s", "the native CPU kernel" if native else "XLA (dequantize, dot)"
         )
     sharding = param_shardings(params, mesh, rules)
     return jax.device_put(params, sharding), sharding

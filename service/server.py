@@ -346,6 +346,11 @@ def stored_formats(state: Any) -> dict[str, str]:
     return out
 
 
+def pool_weight_bytes(engine: Any) -> int:
+    """Bytes of parameters an engine's devices hold, per data replica (``ModelInfo.weight_bytes``)."""
+    return sum(engine.weight_bytes_per_device().values()) // max(1, engine.layout.data)
+
+
 def describe_weights(weights: str, formats: dict[str, str], dtype: str) -> str:
     """One phrase for the startup log: "float32", "GGUF blocks as stored (q4_1: w_down, ...;
     q8_0: embed; the rest float32)" or "int8 blocks (q8_0: ...; the rest float32)"."""
@@ -446,7 +451,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 models = [load_model(path, tokenizer=True, stored=stored, quantize=quantize)] * len(specs)
             model_cfg, graphdef, tokenizer = models[0].cfg, models[0].graphdef, models[0].tokenizer
             formats = stored_formats(models[0].state)
-            weights = ("int8" if quantize else "stored") if formats else ecfg.dtype
+            # "int8" when load quantized float weights; blocks that were already held are "stored"
+            weights = ("int8" if models[0].quantized else "stored") if formats else ecfg.dtype
             assert tokenizer is not None  # asked for
             self.tokenizer = tokenizer
             params_per_pool = [m.state for m in models]
@@ -527,7 +533,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             page_size=ecfg.page_size if ecfg.paged else 0,
             weights=weights,
             weight_formats=formats,
-            weight_bytes=sum(engines[0].weight_bytes_per_device().values()) // max(1, engines[0].layout.data),
+            weight_bytes=pool_weight_bytes(engines[0]),
         )
         self.metrics.set_weights(weights, formats)
 
@@ -697,6 +703,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         info.pool, info.layout, info.layout_data, info.layout_model = pool.name, layout.name, layout.data, layout.model
         info.attention = make_plan(layout, self.model_cfg).attention
         info.platform, info.device_kind = device.platform, device.device_kind
+        info.weight_bytes = pool_weight_bytes(pool.loop.engine)  # this pool's, as now laid out
         return info
 
     def count_undecodable(self, method: str) -> None:

@@ -245,8 +245,61 @@ def test_a_truncated_or_mislabelled_block_checkpoint_is_named(q41_checkpoint: Pa
         load_model(relabelled, stored=True)
     config["blocks"]["layers/w_down"] = "q5_k"
     (relabelled / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"'blocks' must map parameters to one of"):
+    with pytest.raises(CheckpointError, match=r"'blocks' gives 'layers/w_down' the format 'q5_k'"):
         load_model(relabelled, stored=True)
+    config["blocks"]["layers/w_down"] = "q4_1"
+    config["format_version"] = 1  # version 1 readers would take the block arrays for floats
+    (relabelled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"format_version 1 holds no blocks"):
+        load_model(relabelled, stored=True)
+    config["format_version"] = 2
+    del config["blocks"]["layers/w_down"]
+    (relabelled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"holds 'layers/w_down' as blocks .* does not declare"):
+        load_model(relabelled, stored=True)
+
+
+def test_block_arrays_of_the_wrong_dtype_are_named(q41_checkpoint: Path, tmp_path: Path) -> None:
+    """Q4_1 codes relabelled int8 in their .zarray kept their shape: without a dtype check the
+    XLA path served garbage from them (the native one failed at warm-up, naming no array)."""
+    broken = tmp_path / "dtype"
+    shutil.copytree(q41_checkpoint, broken)
+    zarray = broken / "params" / "layers.wqkv.codes" / ".zarray"
+    spec = json.loads(zarray.read_text())
+    assert spec["dtype"] == "|u1"
+    zarray.write_text(json.dumps({**spec, "dtype": "|i1"}))
+    for stored in (True, False):
+        with pytest.raises(CheckpointError, match=r"array 'layers/wqkv/codes' has dtype int8, expected uint8"):
+            load_model(broken, stored=stored)
+
+
+def test_info_reports_each_pools_weight_bytes_and_int8_only_when_it_quantized(
+    q41_checkpoint: Path, files: dict[str, Path]
+) -> None:
+    """Pools on other layouts hold other bytes (1x2 splits the QKV panels, replicates the rest):
+    each pool's ``weight_bytes`` is its own. ``weights="int8"`` on a model whose matmuls are all
+    blocks already quantizes nothing: it reports "stored"."""
+    ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, weights="stored")
+    srv = ServerThread(
+        ServerConfig(model=str(q41_checkpoint), port=0, metrics_port=0, engine=ecfg, pools=["a=1x1", "b=1x2"])
+    ).start()
+    try:
+        client = Client(srv.address)
+        a = client.model_info()
+        b = client.stub.GetModelInfo(pb.GetModelInfoRequest(layout="b"), timeout=10)
+        assert (a.pool, b.pool) == ("a", "b") and a.weights == b.weights == "stored"
+        assert srv.running is not None
+        engine_b = next(p for p in srv.running.service.pools if p.name == "b").loop.engine
+        assert b.weight_bytes == sum(engine_b.weight_bytes_per_device().values()) != a.weight_bytes
+    finally:
+        srv.stop()
+    ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, weights="int8")
+    srv = ServerThread(ServerConfig(model=str(files["Q4_1"]), port=0, metrics_port=0, engine=ecfg)).start()
+    try:
+        info = Client(srv.address).model_info()
+        assert (info.weights, dict(info.weight_formats)) == ("stored", dict.fromkeys(MATMULS, "q4_1"))
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("source", ["Q4_1", "F32-int8"])

@@ -140,6 +140,12 @@ def main() -> int:
         return EXIT_NO_DISTRIBUTED
     import jax
 
+    from model.fetch import cache_dir
+
+    # The compiled steps persist as the server's do (service.server.enable_compilation_cache):
+    # a rerun skips most of the warm-up's compiles.
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
     channel = distributed.StepChannel.open()
     engine = build_engine(args.layout)

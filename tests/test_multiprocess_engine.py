@@ -7,11 +7,9 @@ other fails or time runs out."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import pytest
 from helpers import free_port
 from mp_engine_worker import EXIT_NO_DISTRIBUTED, build_engine, run_requests
 
+from benchmarks.multiprocess_channel import stop
 from service.distributed import PREVIOUS, STOP, MirroredEngine, StepChannel, follow
 from service.engine import StepOutput
 from service.paged_engine import PagedEngine, RaggedBatch
@@ -34,19 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "mp_engine_worker.py"
 TIMEOUT_S = 150  # each worker's own alarm; the test waits a little longer
 LAYOUTS = ["2x4", "1x8", pytest.param("8x1", marks=pytest.mark.slow)]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
-    """End every worker still running, with its process group: SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
-        end = time.monotonic() + wait
-        for p in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, end - time.monotonic()))
 
 
 def two_processes(layout: str, folder: Path) -> tuple[dict, dict]:  # type: ignore[type-arg]

@@ -44,6 +44,7 @@ __all__ = [
     "num_tensors",
     "random_llama",
     "read_model_config",
+    "restores_as_saved",
 ]
 
 FORMATS = ("gguf", "hf", "checkpoint")
@@ -216,8 +217,7 @@ def load_model(
     quantized: tuple[str, ...] = ()
     p = Path(path)
     kind = model_format(p)
-    if kind == "checkpoint" and quantize is None and (stored or not checkpoint_blocks(p)):
-        # as saved, straight into the target shardings
+    if restores_as_saved(p, stored, quantize):
         cfg, graphdef, state, name = _restore(p, dtype, shardings)
     else:
         if kind == "checkpoint":  # restored on one device, then changed on the host
@@ -258,6 +258,15 @@ def _read_hf(p: Path, dtype: Any, progress: Callable[[str], None] | None) -> tup
 
     cfg, params = load_hf_llama(p, None if dtype is None else np.dtype(jnp.dtype(dtype)), progress)
     return cfg, params, np.dtype(params["embed"].dtype).name
+
+
+def restores_as_saved(path: str | Path, stored: bool, quantize: str | None) -> bool:
+    """Whether ``load_model(path, stored=stored, quantize=quantize)`` restores a checkpoint as
+    saved, straight into the target shardings (no host copy): a checkpoint, nothing to quantize,
+    and its blocks (if any) kept. False for the other formats, read on the host."""
+    if model_format(path) != "checkpoint" or quantize is not None:
+        return False
+    return stored or not checkpoint_blocks(path)
 
 
 def checkpoint_blocks(p: str | Path) -> dict[str, str]:

@@ -368,10 +368,7 @@ def upload_host_arrays(host: dict[str, np.ndarray], sharding: jax.sharding.Shard
     """Device copies of host arrays (the sampling parameters), shapes and dtypes kept. Copies
     first: ``write_sampling_row`` writes the host arrays in place, and a CPU ``device_put`` may
     alias numpy memory."""
-    copies = {k: v.copy() for k, v in host.items()}
-    if sharding.is_fully_addressable:
-        return jax.device_put(copies, sharding)
-    return {k: global_array(v, sharding) for k, v in copies.items()}
+    return {k: global_array(v.copy(), sharding) for k, v in host.items()}
 
 
 def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -44,10 +44,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from model import quant_matmul
+from model.block_params import block_formats
 from model.config import LlamaConfig
 from model.fetch import resolve_model
-from model.loader import ShardingsFn, checkpoint_blocks, load_model, model_format
-from model.quant_panels import QuantPanels
+from model.loader import ShardingsFn, load_model, model_format, restores_as_saved
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
@@ -333,17 +333,10 @@ def stored_weights(weights: str, kind: str, layouts: list[Layout], platform: str
     return platform == "cpu" and all(lay.num_devices == 1 for lay in layouts) and quant_matmul.available()
 
 
-def stored_formats(state: Any) -> dict[str, str]:
-    """The parameters of a model state held as GGUF blocks, by name ("wqkv", "embed", ...) ->
-    format ("q4_1", ...); empty when every weight is a float array."""
-    flat = nnx.to_flat_state(state) if isinstance(state, nnx.State) else []
-    out = {}
-    for path, var in flat:
-        value = var.get_value()
-        first = value[0] if isinstance(value, tuple) else value
-        if isinstance(first, QuantPanels):
-            out[str(path[-1])] = first.format
-    return out
+def stored_formats(state: nnx.State) -> dict[str, str]:
+    """The parameters of a loaded model's state held as blocks, by name ("wqkv", "embed", ...)
+    -> format ("q4_1", ...); empty when every weight is a float array."""
+    return {path.rsplit("/", 1)[-1]: fmt for path, fmt in block_formats(nnx.to_pure_dict(state)).items()}
 
 
 def pool_weight_bytes(engine: Any) -> int:
@@ -352,8 +345,8 @@ def pool_weight_bytes(engine: Any) -> int:
 
 
 def describe_weights(weights: str, formats: dict[str, str], dtype: str) -> str:
-    """One phrase for the startup log: "float32", "GGUF blocks as stored (q4_1: w_down, ...;
-    q8_0: embed; the rest float32)" or "int8 blocks (q8_0: ...; the rest float32)"."""
+    """One phrase for the startup log: "float32", "blocks as stored (q4_1: w_down, ...; q8_0:
+    embed; the rest float32)" or "int8 blocks (q8_0: ...; the rest float32)"."""
     if weights not in ("stored", "int8"):
         return weights
     by_format: dict[str, list[str]] = {}
@@ -434,7 +427,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             t0 = time.perf_counter()
             stored = stored_weights(ecfg.weights, kind, [s.layout for s in specs], devices[0].platform)
             quantize = "int8" if ecfg.weights == "int8" else None
-            if kind == "checkpoint" and quantize is None and (stored or not checkpoint_blocks(path)):
+            if restores_as_saved(path, stored, quantize):
                 # Restored as saved straight into each pool's shardings; layout switches restore
                 # from it.
                 self.checkpoint_path, self._restore_stored = path, stored

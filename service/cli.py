@@ -30,7 +30,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
                 "max_queue", "default_max_tokens", "dtype", "kv_dtype", "layers", "matmul", "kv_cache", "weights", "page_size", "kv_cache_tokens", "kv_cache_memory",
                 "max_num_batched_tokens", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
-                "watchdog_interval_s", "admin_host", "admin_port"):  # fmt: skip
+                "watchdog_interval_s", "admin_host", "admin_port", "process_timeout_s"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
             flags[key] = value
@@ -62,12 +62,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     configure_serve_logging()
     cfg = _serve_config(args)
+    if args.coordinator or args.num_processes or args.process_id is not None or args.distributed:
+        return _serve_distributed(args, cfg)
     try:
         return asyncio.run(serve_forever(cfg))
     except (OSError, RuntimeError, ValueError) as exc:  # bind errors, bad layouts, bad model files
         logging.getLogger("meshserve").debug("startup failed", exc_info=True)
         print(f"meshserve serve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _serve_distributed(args: argparse.Namespace, cfg: Any) -> int:
+    """``serve`` as one process of a job over several (docs/multiprocess.md): join it
+    (``service.distributed.initialize``), then process 0 serves and the others follow
+    (``service.server.follow_job``); a whole job leaves through ``jax.distributed.shutdown``
+    together. Exits 1 when the job broke (a process lost). Ends with ``os._exit``: a broken
+    job's interpreter exit could wait in JAX's distributed shutdown for the lost process."""
+    from service import distributed
+    from service.server import follow_job, serve_forever
+
+    log = logging.getLogger("meshserve")
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except Exception as exc:  # JAX raises RuntimeError, ValueError or its own XlaRuntimeError
+        print(f"meshserve serve: error: could not join the job: {exc}", file=sys.stderr)
+        return 1
+    import jax
+
+    code = 1
+    try:
+        code = asyncio.run(serve_forever(cfg)) if jax.process_index() == 0 else follow_job(cfg)
+    except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError: process 0 went away
+        log.debug("serve failed", exc_info=True)
+        print(f"meshserve serve: error (process {jax.process_index()}): {exc}", file=sys.stderr)
+    except BaseException:
+        log.exception("serve failed")
+    if distributed.lost is not None:
+        print(f"meshserve serve: error: the job broke: {distributed.lost}", file=sys.stderr)
+        code = 1
+    elif code == 0:
+        # Every process of a whole job meets in JAX's shutdown barrier; a broken job skips it
+        # (it would wait shutdown_timeout_seconds, 300 s, for the lost process).
+        try:
+            jax.distributed.shutdown()
+        except Exception as exc:
+            print(f"meshserve serve: jax.distributed.shutdown failed: {exc}", file=sys.stderr)
+            code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -458,6 +502,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--admin-host", help="Admin service address (default 127.0.0.1)")
     s.add_argument("--admin-port", type=port_number, help="Admin service port (default 50052)")
+    d = s.add_argument_group(
+        "several processes", "one model served by a job of several processes (docs/multiprocess.md); process 0 "
+        "serves, the others follow and take process 0's settings"
+    )  # fmt: skip
+    d.add_argument("--coordinator", help="HOST:PORT of process 0's coordinator (or $JAX_COORDINATOR_ADDRESS)")
+    d.add_argument("--num-processes", type=positive_int, help="processes in the job")
+    d.add_argument("--process-id", type=int, help="this process's index, 0 to N-1 (0 serves)")
+    d.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a job whose settings JAX detects (Cloud TPU slices, SLURM, Open MPI, GKE) or finds in "
+        "$JAX_COORDINATOR_ADDRESS, without the three flags above",
+    )
+    d.add_argument(
+        "--process-timeout",
+        dest="process_timeout_s",
+        type=positive_float,
+        help="seconds without a follower's heartbeat before process 0 counts it as hung (default 10)",
+    )
     s.set_defaults(func=cmd_serve)
 
     h = sub.add_parser("health", help="wait until a server reports SERVING (exit 0) or give up (exit 1)")

@@ -14,6 +14,10 @@ schedules, and every process runs the same engine calls in the same order on the
   engine, so every process dispatches the same programs in the same order. A step's ``prev``
   (the previous step's output, a device array) travels as ``PREVIOUS``: each follower passes its
   own previous output.
+* Faults: each follower sends a heartbeat byte every ``HEARTBEAT_S`` on its connection
+  (``Heartbeat``); process 0's ``StepChannel.watch`` marks the channel lost (``fault``) when a
+  connection closes (the process exited) or stays silent for ``timeout_s`` (it hangs), then
+  closes every connection, so the other followers, whose heartbeat can no longer be sent, exit.
 * The engine's own part (``service.engine.global_array``): a step's host inputs become
   ``jax.Array``s on a sharding that spans the processes, each process placing its own shards.
 """
@@ -22,9 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pickle
+import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Collection
 from typing import Any
@@ -42,15 +49,45 @@ CPU_COLLECTIVES = "gloo"
 ADDRESS_KEY = "meshserve/step_channel"
 PREVIOUS = "meshserve:previous-step-output"  # a step's ``prev``: the previous step's own output
 STOP = "stop"
+CONFIG = "config"  # process 0's first message to a serving follower: the ServerConfig to build from
 MIRRORED = ("step", "warmup", "set_sampling", "set_history")  # the calls a follower repeats
+HEARTBEAT_S = 1.0  # a follower's heartbeat period, seconds
+EXIT_LEADER_LOST = 3  # a follower's exit status when process 0 went away
+# How long JAX's shutdown barrier waits for every process (its default, 300 s, would hold a
+# stopping process that long when another already died).
+SHUTDOWN_TIMEOUT_S = 30
 _HEADER = struct.Struct("<Q")
+# Why this process's job broke (a process lost, seen by ``StepChannel.watch``), or None; read by
+# ``serve``'s exit (a broken job skips JAX's distributed shutdown, which would wait for the lost).
+lost: str | None = None
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
     """Join the job: gloo CPU collectives, then ``jax.distributed.initialize`` (process 0 also
-    runs the coordinator service at ``coordinator``, HOST:PORT). Before any other JAX use."""
+    runs the coordinator service at ``coordinator``, HOST:PORT). What is None JAX fills in: the
+    address from ``JAX_COORDINATOR_ADDRESS``, and all three from the cluster it detects (Cloud
+    TPU slices, SLURM, Open MPI, GKE; ``jax/_src/clusters``). JAX's heartbeat timeout (100 s)
+    is kept: it is what ends the processes of a broken job that nothing else ends. Before any
+    other JAX use.
+
+    Raises:
+        RuntimeError / ValueError: JAX could not join (no address to use, a coordinator that
+            does not answer within JAX's ``initialization_timeout``, 300 s).
+    """
     jax.config.update("jax_cpu_collectives_implementation", CPU_COLLECTIVES)
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def coordinator_host() -> str:
+    """The host part of the job's coordinator address (process 0's host, which every process
+    reaches by definition), after ``initialize``."""
+    from jax._src import distributed  # the address JAX resolved is private in jax 0.10.2
+
+    address = distributed.global_state.coordinator_address or "127.0.0.1:0"
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -75,13 +112,17 @@ class StepChannel:
     def __init__(self, peers: list[socket.socket], process_id: int):
         self.peers = peers
         self.process_id = process_id
+        self.fault: str | None = None  # process 0: why a follower is lost (``watch``), else None
+        self._closed = False
+        self._finishing = False  # process 0 sent its last message: a follower closing is expected
 
     @classmethod
-    def open(cls, host: str = "127.0.0.1", timeout_s: float = 120.0) -> StepChannel:
+    def open(cls, host: str = "127.0.0.1", timeout_s: float = 120.0, bind: str | None = None) -> StepChannel:
         """Connect this process of the job (after ``initialize``): process 0 listens on an
-        ephemeral port of ``host``, publishes HOST:PORT under ``ADDRESS_KEY`` in the key-value
-        store and accepts one connection from each other process (each says its process id);
-        the others read the address and connect.
+        ephemeral port of ``bind`` (default ``host``; "" = every interface), publishes
+        HOST:PORT under ``ADDRESS_KEY`` in the key-value store and accepts one connection from
+        each other process (each says its process id); the others read the address and connect.
+        Process 0 never unpickles what a follower sends (ids and heartbeat bytes only).
 
         Raises:
             TimeoutError / ConnectionError: a process did not connect within ``timeout_s``.
@@ -93,7 +134,7 @@ class StepChannel:
             raise RuntimeError("StepChannel.open needs jax.distributed to be initialized first")
         me, count = jax.process_index(), jax.process_count()
         if me == 0:
-            with socket.create_server((host, 0)) as server:
+            with socket.create_server((host if bind is None else bind, 0)) as server:
                 server.settimeout(timeout_s)
                 client.key_value_set(ADDRESS_KEY, f"{host}:{server.getsockname()[1]}")
                 by_id: dict[int, socket.socket] = {}
@@ -131,9 +172,104 @@ class StepChannel:
         return pickle.loads(_recv_exact(self.peers[0], size))
 
     def close(self) -> None:
+        self._closed = True
         for peer in self.peers:
             with contextlib.suppress(OSError):
+                peer.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+            with contextlib.suppress(OSError):
                 peer.close()
+
+    def watch(self, timeout_s: float) -> threading.Thread:
+        """Process 0: a daemon thread that reads the followers' heartbeats and sets ``fault``
+        when a follower's connection closes (it exited or was killed: seen at once) or carries
+        nothing for ``timeout_s`` seconds (it hangs, or its host is gone), then closes every
+        connection (the other followers then exit: ``Heartbeat``). Returns the started thread."""
+
+        def run() -> None:
+            last = {sock: time.monotonic() for sock in self.peers}
+            ids = {sock: i + 1 for i, sock in enumerate(self.peers)}  # peers are sorted by process id
+            while not (self._closed or self._finishing):
+                try:
+                    ready, _, _ = select.select(list(last), [], [], min(1.0, timeout_s))
+                except (OSError, ValueError):  # closed under us
+                    return
+                now = time.monotonic()
+                for sock in ready:
+                    try:
+                        got = sock.recv(4096)
+                    except OSError:
+                        got = b""
+                    if not got:
+                        if self._finishing:
+                            return
+                        self._lose(f"process {ids[sock]} closed its step channel (it exited or was killed)")
+                        return
+                    last[sock] = now
+                for sock, seen in last.items():
+                    if now - seen > timeout_s and not self._finishing:
+                        self._lose(f"process {ids[sock]} sent no heartbeat for {now - seen:.1f} s (it hangs)")
+                        return
+
+        thread = threading.Thread(target=run, name="step-channel-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def finish(self, message: Any, timeout_s: float = 30.0) -> bool:
+        """Process 0's last word: send ``message`` (``STOP``), wait up to ``timeout_s`` for each
+        follower to close its end (it got the message and is leaving), then close. Returns
+        whether every follower closed in time (a lost one never does)."""
+        self._finishing = True
+        with contextlib.suppress(OSError):
+            self.send(message)
+        end = time.monotonic() + timeout_s
+        closed = 0
+        for sock in self.peers:
+            with contextlib.suppress(OSError, ValueError):
+                while (left := end - time.monotonic()) > 0:
+                    ready, _, _ = select.select([sock], [], [], left)
+                    if ready and not sock.recv(4096):
+                        closed += 1
+                        break
+        self.close()
+        return closed == len(self.peers)
+
+    def _lose(self, why: str) -> None:
+        global lost
+        if self._closed:
+            return
+        self.fault = lost = why
+        log.error("multi-process job broken: %s; closing the step channel", why)
+        self.close()
+
+
+class Heartbeat:
+    """A follower's heartbeat to process 0: a byte every ``interval_s`` seconds on its step
+    channel connection, from a daemon thread. When the byte cannot be sent (process 0 exited, or
+    closed the channel after losing another follower) the process ends at once with
+    ``EXIT_LEADER_LOST`` (``os._exit``: its main thread may be blocked in a collective that will
+    never complete, and an interpreter exit could wait in JAX's distributed shutdown)."""
+
+    def __init__(self, channel: StepChannel, interval_s: float = HEARTBEAT_S):
+        self._sock = channel.peers[0]
+        self._interval_s = interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval_s):
+            try:
+                self._sock.sendall(b"\x01")
+            except OSError as exc:
+                if self._done.is_set():
+                    return
+                log.error("process 0 is gone (%s): exiting", exc)
+                logging.shutdown()
+                os._exit(EXIT_LEADER_LOST)
+
+    def stop(self) -> None:
+        """Stop beating (a clean ``STOP``: the channel closes next)."""
+        self._done.set()
 
 
 class MirroredEngine(PagedEngine):
@@ -147,6 +283,11 @@ class MirroredEngine(PagedEngine):
     """
 
     _own = ("_engine", "_channel", "_last")
+
+    @property
+    def fault(self) -> str | None:  # type: ignore[override]
+        """Why the job can no longer step (a follower lost: ``StepChannel.watch``), or None."""
+        return self._channel.fault
 
     def __init__(self, engine: PagedEngine, channel: StepChannel):  # no super().__init__: see the docstring
         object.__setattr__(self, "_engine", engine)
@@ -195,8 +336,10 @@ class MirroredEngine(PagedEngine):
         raise NotImplementedError("a live layout switch across processes is not mirrored yet")
 
     def stop(self) -> None:
-        """Tell the followers to stop (after the engine loop has stopped)."""
-        self._send(STOP)
+        """Tell the followers to stop (after the engine loop has stopped); a follower already
+        gone is not an error here."""
+        with contextlib.suppress(OSError):
+            self._send(STOP)
 
 
 def follow(engine: PagedEngine, channel: StepChannel) -> int:

@@ -74,6 +74,15 @@ def device_free_bytes(devices: list[jax.Device]) -> int | None:
     return min(free) if free else None
 
 
+def agreed_tokens(tokens: int) -> int:
+    """The least of every process's ``tokens`` (a job over several processes, each of which
+    sized the pool from its own memory; all must build the same pool). A collective: every
+    process of the job calls it, in the same order."""
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray([tokens], np.int64))))
+
+
 def pool_tokens(
     *,
     kv_cache_tokens: int,

@@ -150,6 +150,10 @@ class PagedEngine:
         ValueError: ``engine_cfg`` is not paged (``EngineConfig.paged``).
     """
 
+    # Why this engine can no longer step although its loop runs (a lost process of a job over
+    # several: ``service.distributed.MirroredEngine``), or None.
+    fault: str | None = None
+
     def __init__(
         self,
         cfg: LlamaConfig,
@@ -201,6 +205,9 @@ class PagedEngine:
             host_available=kv_pool.host_available_bytes(),
             replicas=d,
         )
+        if jax.process_count() > 1 and not engine_cfg.kv_cache_tokens:
+            # Sized from each process's own memory: every process must build the same pool.
+            tokens = kv_pool.agreed_tokens(tokens)
         # The resolved size replaces the ask, so a relayout (live switch) keeps the same pages.
         engine_cfg = dataclasses.replace(engine_cfg, kv_cache_tokens=tokens, kv_cache_memory=0)
         self.ecfg = engine_cfg

@@ -53,6 +53,7 @@ from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
+from service.distributed import CONFIG, STOP, Heartbeat, MirroredEngine, StepChannel, coordinator_host, follow
 from service.engine import DTYPES, Engine, EngineConfig
 from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
 from service.http_server import HttpServer, bind
@@ -115,6 +116,10 @@ class ServerConfig:
         http_port: the OpenAI-compatible HTTP API (and ``/health``, ``/metrics``) on
             ``host:http_port``; 0 = off, the default: a second public port is opened only when
             asked for (``serve --http-port 8000``).
+        process_timeout_s: in a job over several processes (``serve --coordinator``), how long
+            process 0 waits for a follower's heartbeat before it counts the follower as hung,
+            in seconds (one that exits is seen at once); then health is NOT_SERVING and the
+            in-flight streams end with UNAVAILABLE (docs/multiprocess.md).
     """
 
     model: str | None = None
@@ -135,6 +140,7 @@ class ServerConfig:
     admin_port: int = 50052
     metrics_port: int = 9400
     http_port: int = 0
+    process_timeout_s: float = 10.0
 
 
 class ConfigError(ValueError):
@@ -381,6 +387,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         # The most tokens (prompt + generated) a request may hold: set by load() from the engines
         # (``max_seq_len``, and no more than one data replica's pool); a layout switch never lowers it.
         self.max_request_tokens = cfg.engine.max_request_tokens
+        # A job over several processes (``jax.process_count() > 1``): the step channel, and on
+        # process 0 the mirror the default pool's loop drives; on a follower, the steps it ran.
+        self.channel: StepChannel | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.mirror: MirroredEngine | None = None
+        self.followed_steps = 0
 
     @property
     def loop(self) -> EngineLoop | None:
@@ -399,14 +411,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         tracing, lowering and XLA compilation or persistent-cache fetch) and warm-up (running the
         compiled steps once); ``startup_seconds`` keeps the numbers.
 
+        In a job over several processes (``jax.process_count() > 1``, after
+        ``service.distributed.initialize``), every process calls this: process 0 first sends its
+        ``ServerConfig`` over the step channel, and a follower builds from that one instead of
+        its own; both build the same engine (the same collectives, in the same order); then
+        process 0 drives it through a ``MirroredEngine`` and a follower replays its calls
+        (``follow``) and returns only when process 0 sends ``STOP``.
+
         Raises:
             LayoutError: a layout or pool does not fit the devices or the model (at startup,
                 never on the first request).
+            ConfigError: several processes with several pools or the slots KV cache.
             RuntimeError: warm-up failed.
             CheckpointError, HFConfigError, WeightError, GGUFMetadataError: the model is unreadable.
+            ConnectionError, TimeoutError: (several processes) the step channel did not open or
+                closed early.
         """
         from model.fetch import cache_dir
 
+        if jax.process_count() > 1:
+            self._join_processes()
         cfg = self.cfg
         root = cache_dir(cfg.cache_dir)
         enable_compilation_cache(root)
@@ -460,6 +484,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                 for s, ds, params in zip(specs, device_sets, params_per_pool, strict=True)
             ]
             del params_per_pool
+            if self.channel is not None and self.channel.process_id != 0:
+                self.followed_steps = follow(engines[0], self.channel)  # type: ignore[arg-type]  # paged: _check_job
+                return
+            if self.channel is not None:
+                self.mirror = MirroredEngine(engines[0], self.channel)  # type: ignore[arg-type]
+                engines = [self.mirror]
             if ecfg.paged:  # the pools' sizes as resolved (service.kv_pool); requests are held to the least
                 tokens = min(e.ecfg.kv_cache_tokens for e in engines)
                 ecfg = dataclasses.replace(ecfg, kv_cache_tokens=tokens, kv_cache_memory=0)
@@ -530,6 +560,54 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
         self.metrics.set_weights(weights, formats)
 
+    def _join_processes(self) -> None:
+        """Open the step channel of a job over several processes; process 0 sends its config
+        (less the admin token), a follower takes it as its own and starts its heartbeat.
+
+        Raises:
+            ConfigError: process 0's config asks for what the job cannot run (several pools,
+                the slots KV cache); the followers then see the channel close and exit.
+        """
+        cfg = self.cfg
+        if jax.process_index() == 0:
+            self._check_job()
+            # Every interface: the followers reach it at the coordinator's host.
+            self.channel = StepChannel.open(host=coordinator_host(), bind="")
+            self.channel.send((CONFIG, (dataclasses.replace(cfg, admin_token=None),), {}))
+            self.channel.watch(cfg.process_timeout_s)
+            log.info("process 0 of %d: %d devices, %d here", jax.process_count(), jax.device_count(),
+                     jax.local_device_count())  # fmt: skip
+            return
+        self.channel = StepChannel.open()
+        self.heartbeat = Heartbeat(self.channel)
+        name, (config,), _ = self.channel.recv()
+        if name != CONFIG:
+            raise ConnectionError(f"process 0 sent {name!r} first, not its config")
+        self.cfg = config
+        log.info("process %d of %d: following process 0 (model %s, layout %s)", jax.process_index(),
+                 jax.process_count(), config.model or "default", config.layout)  # fmt: skip
+
+    def _check_job(self) -> None:
+        """What a job over several processes cannot run (``MirroredEngine`` mirrors one paged
+        engine).
+
+        Raises:
+            ConfigError: several pools, or the slots KV cache.
+        """
+        cfg = self.cfg
+        if len(cfg.pools) > 1:
+            raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
+        if not cfg.engine.paged:
+            raise ConfigError("serving over several processes needs the paged KV cache (--kv-cache paged)")
+
+    def release_followers(self) -> None:
+        """Process 0, after its engine loop stopped: send the followers ``STOP``, wait for them
+        to leave, close the step channel (a no-op on one process)."""
+        if self.channel is None or self.channel.fault is not None:  # a broken job's channel is closed
+            return
+        if not self.channel.finish((STOP, (), {})):
+            log.warning("not every follower left the job within 30 s of STOP")
+
     def restore_for_layout(self, layout: Layout, devices: list) -> nnx.State | None:
         """When serving a converted checkpoint: its params restored straight into ``layout``'s
         shardings on ``devices`` (a layout switch then reads the checkpoint instead of moving the
@@ -574,6 +652,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Why ``pool`` cannot serve (warming up, its loop died or stopped, or a loop with work
         made no progress for ``stall_timeout_s``), or None when it can."""
         loop = pool.loop
+        if loop.engine.fault is not None:
+            return f"the job is broken: {loop.engine.fault}"
         if not loop.ready.is_set():
             return "the engine is still warming up"
         if loop.error is not None:
@@ -944,6 +1024,7 @@ class RunningServer:
         for pool in service.pools:
             await asyncio.to_thread(pool.loop.stop, 5.0)  # fails what is left with UNAVAILABLE
         service.fail_inflight(None, "the server is shutting down")  # whatever a stuck loop still holds
+        service.release_followers()
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self.admin_server is not None:
@@ -1106,6 +1187,24 @@ async def serve_forever(cfg: ServerConfig) -> int:
     await stop.wait()
     log.info("signal received: draining for up to %.0f s", cfg.grace_period_s)
     await running.shutdown(cfg.grace_period_s)
+    return 0
+
+
+def follow_job(cfg: ServerConfig) -> int:
+    """A follower's ``serve`` in a job over several processes (``jax.process_index() > 0``):
+    build process 0's engine from process 0's config and replay its calls until it sends
+    ``STOP`` (its SIGTERM drain is over); returns the exit code (0). No port is opened here.
+
+    Raises: what ``GenerationService.load`` raises; ``ConnectionError`` when process 0 went
+    away without ``STOP``.
+    """
+    service = GenerationService(cfg)
+    service.load()
+    log.info("process %d: process 0 ended the job after %d steps", jax.process_index(), service.followed_steps)
+    if service.heartbeat is not None:
+        service.heartbeat.stop()  # before the channel closes: a beat that cannot be sent ends the process
+    if service.channel is not None:
+        service.channel.close()
     return 0
 
 

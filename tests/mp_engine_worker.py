@@ -1,11 +1,13 @@
 """One process of tests/test_multiprocess_engine.py's two-process job (run as a script, with
 ``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4``):
 
-    python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layout 2x4 --out ids.json
+    python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json
 
-Both processes build the tiny random model and a ``PagedEngine`` on the layout over all 8
-devices; process 0 drives ``service.paged_loop.engine_loop`` over a ``MirroredEngine``, runs
-``REQUESTS`` (greedy) and writes their ids as JSON; process 1 ``follow``s. Importable without JAX
+For each layout in turn, both processes build the tiny random model and a ``PagedEngine`` on
+the layout over all 8 devices; process 0 drives ``service.paged_loop.engine_loop`` over a
+``MirroredEngine``, runs ``REQUESTS`` (greedy) and stops the followers (``STOP``), process 1
+``follow``s; process 0 then writes every layout's ids as JSON. One job for all the layouts: a
+job's start (two interpreters, jax.distributed, gloo) costs about 15 s here. Importable without JAX
 work (the test takes ``REQUESTS``, ``ecfg`` and ``run_requests`` from here for its one-process
 run)."""
 
@@ -118,7 +120,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--layout", default="2x4")
+    parser.add_argument("--layouts", default="2x4", help="comma-separated, run in this order")
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=int, default=170)
     args = parser.parse_args()
@@ -148,30 +150,34 @@ def main() -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
     channel = distributed.StepChannel.open()
-    engine = build_engine(args.layout)
-    built = time.monotonic() - t0
-    if args.process_id == 0:
-        from service.paged_loop import engine_loop
+    result: dict[str, Any] = {"ids": {}, "seconds": {}, "followed_steps": {}}
+    for layout in args.layouts.split(","):
+        t1 = time.monotonic()
+        engine = build_engine(layout)
+        built = time.monotonic() - t1
+        if args.process_id == 0:
+            from service.paged_loop import engine_loop
 
-        mirror = distributed.MirroredEngine(engine, channel)
-        loop = engine_loop(mirror, max_queue=8)
-        loop.start()
-        if not loop.ready.wait(args.timeout):
-            raise TimeoutError("warm-up did not finish")
-        warm = time.monotonic() - t0 - built
-        if loop.error is not None:
-            raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
-        ids = run_requests(loop)
-        loop.stop()
-        if loop.error is not None:
-            raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
-        mirror.stop()
-        result = {"ids": ids, "build_s": built, "warmup_s": warm, "total_s": time.monotonic() - t0}
+            mirror = distributed.MirroredEngine(engine, channel)
+            loop = engine_loop(mirror, max_queue=8)
+            loop.start()
+            if not loop.ready.wait(args.timeout):
+                raise TimeoutError("warm-up did not finish")
+            warm = time.monotonic() - t1 - built
+            if loop.error is not None:
+                raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
+            result["ids"][layout] = run_requests(loop)
+            loop.stop()
+            if loop.error is not None:
+                raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
+            mirror.stop()
+            result["seconds"][layout] = {"build": built, "warmup": warm, "total": time.monotonic() - t1}
+        else:
+            result["followed_steps"][layout] = distributed.follow(engine, channel)
+    result["total_s"] = time.monotonic() - t0
+    if args.process_id == 0:
         Path(args.out).write_text(json.dumps(result))
-        print(json.dumps(result), flush=True)
-    else:
-        steps = distributed.follow(engine, channel)
-        print(json.dumps({"followed_steps": steps, "total_s": time.monotonic() - t0}), flush=True)
+    print(json.dumps(result), flush=True)
     channel.close()
     jax.distributed.shutdown()
     return 0

@@ -1,0 +1,224 @@
+"""``meshserve serve`` as a job of two processes of 4 CPU devices each (one 8-device mesh, layout
+2x4, the tiny model): process 0 serves gRPC, process 1 follows (``--coordinator``,
+``--num-processes``, ``--process-id``). Concurrent streams, greedy and seeded, give the ids of a
+one-process server (8 CPU devices, this process) on the same layout; SIGTERM to process 0 lets a
+running stream finish and ends both processes with 0; a follower killed mid-stream ends the
+stream with UNAVAILABLE and turns health NOT_SERVING within the documented time
+(docs/multiprocess.md), and process 0 still stops on SIGTERM. Every process is killed with its
+process group when the test ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from helpers import free_port
+
+from benchmarks.multiprocess_channel import stop
+from service.client import Client, make_request
+from service.engine import EngineConfig
+from service.server import ServerConfig, ServerThread
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = "2x4"
+SLOTS, MAX_LEN, POOL = 4, 128, 512
+PROCESS_TIMEOUT_S = 5.0  # serve --process-timeout: a hung follower is lost after this
+WATCHDOG_S = 0.5  # serve --watchdog-interval
+# Sent at once: greedy, seeded, seeded with top-k. The tiny model's logits are so peaked that its
+# sampled ids equal its greedy ones; the penalties make them vary.
+REQUESTS = (
+    dict(prompt="hello world", temperature=0.0, max_tokens=24, repetition_penalty=3.0),
+    dict(prompt="the quick brown fox", temperature=1.0, seed=7, max_tokens=24, frequency_penalty=1.5),
+    dict(prompt="abc", temperature=1.0, top_k=20, seed=11, max_tokens=20, repetition_penalty=3.0),
+)
+
+
+class Job:
+    """Two ``python -m service.cli serve`` processes of one job, and a client to process 0."""
+
+    def __init__(self, model: Path, folder: Path, grace_s: float = 30.0):
+        self.port = free_port()
+        coordinator = f"127.0.0.1:{free_port()}"
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
+        self.logs = [folder / f"process{i}.log" for i in range(2)]
+        self.procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+        for i in range(2):
+            cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--layout", LAYOUT,
+                   "--port", str(self.port), "--metrics-port", "0", "--num-slots", str(SLOTS),
+                   "--max-seq-len", str(MAX_LEN), "--kv-cache-tokens", str(POOL), "--grace-period", str(grace_s),
+                   "--watchdog-interval", str(WATCHDOG_S), "--process-timeout", str(PROCESS_TIMEOUT_S),
+                   "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
+            with self.logs[i].open("wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
+        self.client = Client(f"127.0.0.1:{self.port}")
+
+    def log(self, i: int) -> str:
+        return "\n".join(s for s in self.logs[i].read_text(errors="replace").splitlines() if "[Gloo]" not in s)[-4000:]
+
+    def health(self) -> int:
+        return self.client.health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    def wait_serving(self, timeout_s: float = 400.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                assert p.poll() is None, f"process {i} exited with {p.returncode}:\n{self.log(i)}"
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"not SERVING after {timeout_s} s:\n{self.log(0)}\n---\n{self.log(1)}")
+
+    def wait_exit(self, i: int, timeout_s: float) -> int:
+        try:
+            return self.procs[i].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process {i} still runs {timeout_s} s on:\n{self.log(i)}") from None
+
+    def close(self) -> None:
+        self.client.close()
+        stop(self.procs)
+
+
+@pytest.fixture()
+def job(tiny_gguf: Path, tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    started: list[Job] = []
+
+    def start() -> Job:
+        j = Job(tiny_gguf, tmp_path / f"job{len(started)}")
+        started.append(j)
+        j.wait_serving()
+        return j
+
+    (tmp_path / "job0").mkdir()
+    (tmp_path / "job1").mkdir()
+    yield start
+    for j in started:
+        j.close()
+
+
+def concurrent_ids(client: Client) -> list[list[int]]:
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        results = pool.map(lambda r: client.generate(make_request(**r), timeout_s=120), REQUESTS)
+        return [r.token_ids for r in results]
+
+
+class Stream:
+    """A long greedy Generate on its own thread: ids, final status code and when it ended."""
+
+    def __init__(self, client: Client, max_tokens: int):
+        self.ids: list[int] = []
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.ended_at = 0.0
+        self.started = threading.Event()
+        req = make_request(prompt="hello world", temperature=0.0, max_tokens=max_tokens, repetition_penalty=3.0)
+        self._call = client.stream(req, 120)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for resp in self._call:
+                self.ids.extend(resp.token_ids)
+                if len(self.ids) >= 4:
+                    self.started.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details() or ""
+        self.ended_at = time.monotonic()
+        self.started.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the stream did not end"
+
+
+def one_process_ids(model: Path) -> list[list[int]]:
+    ecfg = EngineConfig(num_slots=SLOTS, max_seq_len=MAX_LEN, kv_cache="paged", kv_cache_tokens=POOL)
+    cfg = ServerConfig(model=str(model), port=0, metrics_port=0, layout=LAYOUT, engine=ecfg)
+    srv = ServerThread(cfg).start()
+    try:
+        client = Client(srv.address)
+        try:
+            return concurrent_ids(client)
+        finally:
+            client.close()
+    finally:
+        srv.stop()
+
+
+def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    j = job()
+    info = j.client.model_info()
+    assert info.layout == LAYOUT and info.kv_cache_tokens == POOL
+    got = concurrent_ids(j.client)
+    want = one_process_ids(tiny_gguf)
+    assert all(len(set(ids)) > 1 for ids in want), want  # the penalty and sampling make the ids vary
+    assert got == want
+
+    stream = Stream(j.client, max_tokens=100)
+    assert stream.started.wait(60)
+    j.procs[0].send_signal(signal.SIGTERM)
+    stream.join(90)
+    assert stream.code == grpc.StatusCode.OK and len(stream.ids) == 100, (stream.code, stream.details)
+    assert j.wait_exit(0, 60) == 0
+    assert j.wait_exit(1, 30) == 0, j.log(1)
+    assert "process 0 ended the job after" in j.log(1)
+
+
+def test_a_follower_killed_mid_stream_ends_the_stream_unavailable(job) -> None:  # type: ignore[no-untyped-def]
+    j = job()
+    stream = Stream(j.client, max_tokens=100)
+    assert stream.started.wait(60)
+    j.procs[1].kill()
+    killed = time.monotonic()
+    stream.join(60)
+    assert stream.code == grpc.StatusCode.UNAVAILABLE, (stream.code, stream.details, len(stream.ids))
+    # Seen at once (its connection closes), failed by the watchdog: well within the bound.
+    assert stream.ended_at - killed < PROCESS_TIMEOUT_S + 2 * WATCHDOG_S + 2.0
+    deadline = time.monotonic() + 2 * WATCHDOG_S + 2.0
+    while j.health() != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline, "still SERVING with a follower gone"
+        time.sleep(0.1)
+    with pytest.raises(grpc.RpcError) as refused:
+        j.client.generate(make_request(prompt="hi", max_tokens=2), timeout_s=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    j.procs[0].send_signal(signal.SIGTERM)
+    assert j.wait_exit(0, 30) == 1  # the job broke: a process manager sees a failure
+    assert "the job broke: process 1 closed its step channel" in j.log(0)
+
+
+def test_a_config_the_job_cannot_run_is_refused_before_it_starts() -> None:
+    """Several pools, or the slots cache, over several processes: a clear error on process 0
+    (checked before the channel opens; its followers then see process 0 go and exit)."""
+    from service.server import ConfigError, GenerationService
+
+    service = GenerationService(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
+    with pytest.raises(ConfigError, match="one pool"):
+        service._check_job()
+    slots = ServerConfig(engine=EngineConfig(kv_cache="slots"))
+    with pytest.raises(ConfigError, match="paged"):
+        GenerationService(slots)._check_job()

@@ -114,10 +114,6 @@ class AdminService(apb_grpc.AdminServicer):
     async def SetLayout(self, request: apb.SetLayoutRequest, context: grpc.aio.ServicerContext) -> apb.LayoutInfo:
         await self._authorize(context)
         pool = await self._pool(request.pool, context)
-        if self.service.mirror is not None:
-            await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED, "a live layout switch in a job over several processes is not built yet"
-            )
         try:
             layout = load_layout(request.layout)
             assert self.service.model_cfg is not None
@@ -145,15 +141,21 @@ class AdminService(apb_grpc.AdminServicer):
             t0 = time.perf_counter()
             old = pool.loop.engine
 
-            def build():  # type: ignore[no-untyped-def]
+            def build(old=old):  # type: ignore[no-untyped-def]
                 restored = self.service.restore_for_layout(layout, pool.devices)
                 engine = old.relayout(layout, pool.devices, restored)
                 engine.warmup_to_replace(old)
                 return engine
 
-            new_engine = await asyncio.to_thread(build)
-            t_build = time.perf_counter() - t0
-            await asyncio.to_thread(pool.loop.switch_engine, new_engine)
+            if self.service.channel is None:
+                new_engine = await asyncio.to_thread(build)
+                t_build = time.perf_counter() - t0
+                await asyncio.to_thread(pool.loop.switch_engine, new_engine)
+            else:
+                # A job over several processes: every process makes the switch's JAX calls in
+                # the steps' order, so the loop thread builds between two steps (streams pause).
+                await asyncio.to_thread(pool.loop.switch_engine, build)
+                t_build = time.perf_counter() - t0
             self.service.publish_layout(pool)
             log.info(
                 "pool %s: %s -> %s (built and compiled in %.1f s, total %.1f s)",

@@ -50,7 +50,8 @@ ADDRESS_KEY = "meshserve/step_channel"
 PREVIOUS = "meshserve:previous-step-output"  # a step's ``prev``: the previous step's own output
 STOP = "stop"
 CONFIG = "config"  # process 0's first message to a serving follower: the ServerConfig to build from
-MIRRORED = ("step", "warmup", "set_sampling", "set_history")  # the calls a follower repeats
+# The calls a follower repeats: a step's, and a live switch's (on the engine being built)
+MIRRORED = ("step", "warmup", "set_sampling", "set_history", "relayout", "warmup_to_replace", "adopt_state")
 HEARTBEAT_S = 1.0  # a follower's heartbeat period, seconds
 EXIT_LEADER_LOST = 3  # a follower's exit status when process 0 went away
 # How long JAX's shutdown barrier waits for every process (its default, 300 s, would hold a
@@ -325,15 +326,29 @@ class MirroredEngine(PagedEngine):
         self._send("set_history", slot, list(prompt_ids), list(generated_ids))
         self._engine.set_history(slot, prompt_ids, generated_ids)
 
-    # Not mirrored yet: a live layout switch builds and warms a second engine on every process.
-    def warmup_to_replace(self, old: PagedEngine) -> float:
-        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+    # A live layout switch: every process builds, warms and fills the new engine, so these must
+    # run on the engine loop's thread between two steps (``EngineLoop.switch_engine`` with a
+    # build function), in the order of the steps around them.
+    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> MirroredEngine:
+        """The new engine on ``layout`` over ``devices`` (sent as device ids), mirrored on the
+        same channel. ``params`` (weights restored for the layout on this process alone) cannot
+        be mirrored: the live ones move.
 
-    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> PagedEngine:
-        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+        Raises:
+            ValueError: ``params`` given.
+        """
+        if params is not None:
+            raise ValueError("a job over several processes moves the live weights; restored ones cannot be mirrored")
+        self._send("relayout", layout, [d.id for d in devices])
+        return MirroredEngine(self._engine.relayout(layout, devices), self._channel)
+
+    def warmup_to_replace(self, old: PagedEngine) -> float:
+        self._send("warmup_to_replace")
+        return self._engine.warmup_to_replace(_inner(old))
 
     def adopt_state(self, old: PagedEngine) -> None:
-        raise NotImplementedError("a live layout switch across processes is not mirrored yet")
+        self._send("adopt_state")
+        self._engine.adopt_state(_inner(old))
 
     def stop(self) -> None:
         """Tell the followers to stop (after the engine loop has stopped); a follower already
@@ -342,15 +357,24 @@ class MirroredEngine(PagedEngine):
             self._send(STOP)
 
 
+def _inner(engine: PagedEngine) -> PagedEngine:
+    """The engine a mirror wraps (``engine`` itself when it is none)."""
+    return object.__getattribute__(engine, "_engine") if isinstance(engine, MirroredEngine) else engine
+
+
 def follow(engine: PagedEngine, channel: StepChannel) -> int:
     """A follower's loop: make each call process 0's ``MirroredEngine`` sends, in order, on
     ``engine``, until ``STOP``; then wait for the last step to finish. Returns the steps run.
 
+    A live switch arrives as ``relayout`` (the new engine is built beside the old one),
+    ``warmup_to_replace`` and ``adopt_state`` (the new one takes over and the old is dropped).
+
     Raises:
-        ValueError: a message that is not one of ``MIRRORED``.
+        ValueError: a message that is not one of ``MIRRORED``, or out of order.
         ConnectionError: process 0 went away without ``STOP``.
     """
     last: StepOutput | None = None
+    pending: PagedEngine | None = None  # a live switch's new engine, until it adopts the old one's state
     steps = 0
     while True:
         name, args, kwargs = channel.recv()
@@ -364,6 +388,16 @@ def follow(engine: PagedEngine, channel: StepChannel) -> int:
                 raise ValueError("a step reads the previous step's output, but this follower ran none")
             last = engine.step(batch, last if prev == PREVIOUS else None)
             steps += 1
+        elif name == "relayout":
+            layout, ids = args
+            by_id = {d.id: d for d in jax.devices()}
+            pending = engine.relayout(layout, [by_id[i] for i in ids])
+        elif name in ("warmup_to_replace", "adopt_state"):
+            if pending is None:
+                raise ValueError(f"a follower got {name!r} with no relayout before it")
+            getattr(pending, name)(engine)
+            if name == "adopt_state":
+                engine, pending, last = pending, None, None
         else:
             getattr(engine, name)(*args, **kwargs)
     if last is not None:

@@ -80,7 +80,9 @@ class EngineLoop:
         self.steps = 0
         self._pending = 0  # requests in the inbox, counted against the queue bound
         self._lock = threading.Lock()
-        self._switch: tuple[Engine, threading.Event] | None = None
+        # A pending switch: the new engine, or a function of the old one that builds it here.
+        self._switch: tuple[Engine | Callable[[Engine], Engine], threading.Event] | None = None
+        self._switch_error: BaseException | None = None  # what the last build function raised
         self._inflight: DispatchedStep | None = None  # dispatched, not yet postprocessed
         self._dispatched = 0  # steps dispatched so far
         # Test hook (fault injection), None in production: called with the plan at the top of
@@ -132,21 +134,29 @@ class EngineLoop:
         self._wake.set()
 
     # ---- live layout switch --------------------------------------------------------------------
-    def switch_engine(self, new_engine: Engine, timeout_s: float = 600.0) -> None:
+    def switch_engine(self, new_engine: Engine | Callable[[Engine], Engine], timeout_s: float = 600.0) -> None:
         """Swap in ``new_engine`` (built and warmed by the caller) between two steps: the live KV
         cache and slot state move to it and every stream continues. Blocks until done.
 
+        ``new_engine`` may instead be a function of the old engine that builds and warms the new
+        one: the loop thread then calls it between two steps (the streams pause meanwhile), as a
+        job over several processes needs (every JAX call of the switch in the steps' order).
+
         Raises:
             EngineUnavailable: the loop is not running or did not reach a step boundary in time.
+            Whatever the build function raises (the old engine then stays).
         """
         done = threading.Event()
         with self._lock:
             self._switch = (new_engine, done)
+            self._switch_error = None
         self._wake.set()
         if not done.wait(timeout_s):
             with self._lock:
                 self._switch = None
             raise EngineUnavailable("the engine loop did not apply the layout switch in time")
+        if self._switch_error is not None:
+            raise self._switch_error
 
     def _apply_switch(self) -> None:
         with self._lock:
@@ -156,6 +166,13 @@ class EngineLoop:
         new_engine, done = pending
         t0 = time.perf_counter()
         self._finish_inflight()  # the old engine's last step must land before its cache moves
+        if callable(new_engine):  # an engine is not callable: a build function
+            try:
+                new_engine = new_engine(self.engine)
+            except Exception as exc:  # the old engine serves on
+                self._switch_error = exc
+                done.set()
+                return
         self.adopt_engine(new_engine)
         log.info("layout switched to %s in %.2f s", new_engine.layout.name, time.perf_counter() - t0)
         done.set()

@@ -387,11 +387,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         # The most tokens (prompt + generated) a request may hold: set by load() from the engines
         # (``max_seq_len``, and no more than one data replica's pool); a layout switch never lowers it.
         self.max_request_tokens = cfg.engine.max_request_tokens
-        # A job over several processes (``jax.process_count() > 1``): the step channel, and on
-        # process 0 the mirror the default pool's loop drives; on a follower, the steps it ran.
+        # A job over several processes (``jax.process_count() > 1``): the step channel (process
+        # 0's loop drives a ``MirroredEngine`` on it); a follower's heartbeat and the steps it ran.
         self.channel: StepChannel | None = None
         self.heartbeat: Heartbeat | None = None
-        self.mirror: MirroredEngine | None = None
         self.followed_steps = 0
 
     @property
@@ -488,8 +487,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.followed_steps = follow(engines[0], self.channel)  # type: ignore[arg-type]  # paged: _check_job
                 return
             if self.channel is not None:
-                self.mirror = MirroredEngine(engines[0], self.channel)  # type: ignore[arg-type]
-                engines = [self.mirror]
+                engines = [MirroredEngine(engines[0], self.channel)]  # type: ignore[arg-type]
             if ecfg.paged:  # the pools' sizes as resolved (service.kv_pool); requests are held to the least
                 tokens = min(e.ecfg.kv_cache_tokens for e in engines)
                 ecfg = dataclasses.replace(ecfg, kv_cache_tokens=tokens, kv_cache_memory=0)
@@ -612,7 +610,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """When serving a converted checkpoint: its params restored straight into ``layout``'s
         shardings on ``devices`` (a layout switch then reads the checkpoint instead of moving the
         live arrays); None otherwise."""
-        if self.checkpoint_path is None:
+        if self.checkpoint_path is None or self.channel is not None:  # a job's processes move the live weights
             return None
         shardings = self._pool_shardings(layout, devices)
         return load_model(

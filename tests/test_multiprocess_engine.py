@@ -125,6 +125,20 @@ class FakeEngine:
     def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
         self.calls.append(("set_history", slot, prompt_ids, generated_ids))
 
+    def relayout(self, layout: object, devices: list, params: object = None) -> FakeEngine:  # type: ignore[type-arg]
+        self.calls.append(("relayout", layout, [d.id for d in devices]))
+        new = FakeEngine()
+        new.calls = self.calls  # one record of both engines' calls, in order
+        new.name = "new"  # type: ignore[attr-defined]
+        return new
+
+    def warmup_to_replace(self, old: object) -> float:
+        self.calls.append(("warmup_to_replace", getattr(self, "name", "old"), getattr(old, "name", "old")))
+        return 0.0
+
+    def adopt_state(self, old: object) -> None:
+        self.calls.append(("adopt_state", getattr(self, "name", "old"), getattr(old, "name", "old")))
+
 
 def test_the_mirror_sends_each_call_before_making_it_and_prev_as_a_marker() -> None:
     inner, channel = FakeEngine(), FakeChannel()
@@ -151,9 +165,36 @@ def test_the_mirror_sends_each_call_before_making_it_and_prev_as_a_marker() -> N
     assert follower.calls[4][2].logits == 4  # the output of its step 4 (its first step)
 
 
+def test_a_live_switch_is_mirrored_and_the_follower_steps_the_new_engine_after_it() -> None:
+    import jax
+
+    inner, channel = FakeEngine(), FakeChannel()
+    old = MirroredEngine(inner, channel)  # type: ignore[arg-type]
+    old.step("batch0")  # type: ignore[arg-type]
+    new = old.relayout("L", jax.devices()[:2])  # type: ignore[arg-type]
+    assert isinstance(new, MirroredEngine)
+    with pytest.raises(ValueError, match="restored ones"):
+        old.relayout("L", jax.devices()[:2], params={})  # type: ignore[arg-type]
+    new.warmup_to_replace(old)
+    new.adopt_state(old)
+    new.step("batch1")  # type: ignore[arg-type]
+    new.stop()
+    names = [m[0] for m in channel.sent]
+    assert names == ["step", "relayout", "warmup_to_replace", "adopt_state", "step", STOP]
+    assert channel.sent[1][1] == ("L", [jax.devices()[0].id, jax.devices()[1].id])
+
+    follower = FakeEngine()
+    assert follow(follower, FakeChannel(channel.sent)) == 2  # type: ignore[arg-type]
+    assert [c[0] for c in follower.calls] == ["step", "relayout", "warmup_to_replace", "adopt_state", "step"]
+    assert follower.calls[2][1:] == ("new", "old") and follower.calls[3][1:] == ("new", "old")
+    assert follower.calls[4][2] is None  # the first step after a switch reads no previous output
+    with pytest.raises(ValueError, match="no relayout"):
+        follow(FakeEngine(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
+
+
 def test_a_follower_refuses_a_call_that_is_not_mirrored() -> None:
     with pytest.raises(ValueError, match="not one of"):
-        follow(FakeEngine(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
+        follow(FakeEngine(), FakeChannel([("replacement_programs", (), {})]))  # type: ignore[arg-type]
 
 
 def test_the_step_channel_carries_a_ragged_batch_over_tcp() -> None:

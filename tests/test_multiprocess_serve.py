@@ -1,8 +1,9 @@
 """``meshserve serve`` as a job of two processes of 4 CPU devices each (one 8-device mesh, layout
 2x4, the tiny model): process 0 serves gRPC, process 1 follows (``--coordinator``,
 ``--num-processes``, ``--process-id``). Concurrent streams, greedy and seeded, give the ids of a
-one-process server (8 CPU devices, this process) on the same layout; SIGTERM to process 0 lets a
-running stream finish and ends both processes with 0; a follower killed mid-stream ends the
+one-process server (8 CPU devices, this process) on the same layout, before and after a live
+switch to 1x8 (Admin ``SetLayout``), and a stream running through the switch keeps its ids;
+SIGTERM to process 0 lets a running stream finish and ends both processes with 0; a follower killed mid-stream ends the
 stream with UNAVAILABLE and turns health NOT_SERVING within the documented time
 (docs/multiprocess.md), and process 0 still stops on SIGTERM. Every process is killed with its
 process group when the test ends."""
@@ -26,12 +27,16 @@ from grpc_health.v1 import health_pb2
 from helpers import free_port
 
 from benchmarks.multiprocess_channel import stop
+from protos.meshserve.v1 import admin_pb2 as apb
+from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYOUT = "2x4"
+LAYOUT, SWITCHED = "2x4", "1x8"
+TOKEN = "job-admin-token"
+AUTH = [("authorization", f"Bearer {TOKEN}")]
 SLOTS, MAX_LEN, POOL = 4, 128, 512
 PROCESS_TIMEOUT_S = 5.0  # serve --process-timeout: a hung follower is lost after this
 WATCHDOG_S = 0.5  # serve --watchdog-interval
@@ -48,7 +53,7 @@ class Job:
     """Two ``python -m service.cli serve`` processes of one job, and a client to process 0."""
 
     def __init__(self, model: Path, folder: Path, grace_s: float = 30.0):
-        self.port = free_port()
+        self.port, self.admin_port = free_port(), free_port()
         coordinator = f"127.0.0.1:{free_port()}"
         env = dict(
             os.environ,
@@ -63,6 +68,7 @@ class Job:
                    "--port", str(self.port), "--metrics-port", "0", "--num-slots", str(SLOTS),
                    "--max-seq-len", str(MAX_LEN), "--kv-cache-tokens", str(POOL), "--grace-period", str(grace_s),
                    "--watchdog-interval", str(WATCHDOG_S), "--process-timeout", str(PROCESS_TIMEOUT_S),
+                   "--admin-token", TOKEN, "--admin-port", str(self.admin_port),
                    "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
             with self.logs[i].open("wb") as log:
                 self.procs.append(
@@ -125,17 +131,20 @@ def concurrent_ids(client: Client) -> list[list[int]]:
         return [r.token_ids for r in results]
 
 
-class Stream:
-    """A long greedy Generate on its own thread: ids, final status code and when it ended."""
+LONG = dict(prompt="hello world", temperature=0.0, max_tokens=100, repetition_penalty=3.0)
 
-    def __init__(self, client: Client, max_tokens: int):
+
+class Stream:
+    """A long greedy Generate (``LONG``) on its own thread: ids, final status code and when it
+    ended; ``started`` is set after its fourth id."""
+
+    def __init__(self, client: Client):
         self.ids: list[int] = []
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.ended_at = 0.0
         self.started = threading.Event()
-        req = make_request(prompt="hello world", temperature=0.0, max_tokens=max_tokens, repetition_penalty=3.0)
-        self._call = client.stream(req, 120)
+        self._call = client.stream(make_request(**LONG), 120)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -156,14 +165,15 @@ class Stream:
         assert not self._thread.is_alive(), "the stream did not end"
 
 
-def one_process_ids(model: Path) -> list[list[int]]:
+def one_process_ids(model: Path) -> tuple[list[list[int]], list[int]]:
+    """``REQUESTS``' ids and ``LONG``'s on one process (8 devices) on ``LAYOUT``."""
     ecfg = EngineConfig(num_slots=SLOTS, max_seq_len=MAX_LEN, kv_cache="paged", kv_cache_tokens=POOL)
     cfg = ServerConfig(model=str(model), port=0, metrics_port=0, layout=LAYOUT, engine=ecfg)
     srv = ServerThread(cfg).start()
     try:
         client = Client(srv.address)
         try:
-            return concurrent_ids(client)
+            return concurrent_ids(client), client.generate(make_request(**LONG), timeout_s=120).token_ids
         finally:
             client.close()
     finally:
@@ -175,11 +185,25 @@ def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_g
     info = j.client.model_info()
     assert info.layout == LAYOUT and info.kv_cache_tokens == POOL
     got = concurrent_ids(j.client)
-    want = one_process_ids(tiny_gguf)
+    want, want_long = one_process_ids(tiny_gguf)
     assert all(len(set(ids)) > 1 for ids in want), want  # the penalty and sampling make the ids vary
     assert got == want
 
-    stream = Stream(j.client, max_tokens=100)
+    # A live switch across both processes, with a stream running through it.
+    through = Stream(j.client)
+    assert through.started.wait(60)
+    with grpc.insecure_channel(f"127.0.0.1:{j.admin_port}") as channel:
+        switched = apb_grpc.AdminStub(channel).SetLayout(
+            apb.SetLayoutRequest(layout=SWITCHED), metadata=AUTH, timeout=300
+        )
+    assert through.code is None  # still running: the loop switched between two of its steps
+    assert switched.name == SWITCHED and j.client.model_info().layout == SWITCHED
+    through.join(90)
+    assert through.code == grpc.StatusCode.OK, (through.code, through.details)
+    assert through.ids == want_long
+    assert concurrent_ids(j.client) == want  # layouts serve the same ids
+
+    stream = Stream(j.client)
     assert stream.started.wait(60)
     j.procs[0].send_signal(signal.SIGTERM)
     stream.join(90)
@@ -191,7 +215,7 @@ def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_g
 
 def test_a_follower_killed_mid_stream_ends_the_stream_unavailable(job) -> None:  # type: ignore[no-untyped-def]
     j = job()
-    stream = Stream(j.client, max_tokens=100)
+    stream = Stream(j.client)
     assert stream.started.wait(60)
     j.procs[1].kill()
     killed = time.monotonic()

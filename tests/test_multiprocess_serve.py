@@ -4,7 +4,7 @@
 one-process server (8 CPU devices, this process) on the same layout, before and after a live
 switch to 1x8 (Admin ``SetLayout``), and a stream running through the switch keeps its ids;
 SIGTERM to process 0 lets a running stream finish and ends both processes with 0; a follower killed mid-stream ends the
-stream with UNAVAILABLE and turns health NOT_SERVING within the documented time
+stream with UNAVAILABLE (the job served from a converted checkpoint, restored by each process) and turns health NOT_SERVING within the documented time
 (docs/multiprocess.md), and process 0 still stops on SIGTERM. Every process is killed with its
 process group when the test ends."""
 
@@ -112,8 +112,8 @@ class Job:
 def job(tiny_gguf: Path, tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     started: list[Job] = []
 
-    def start() -> Job:
-        j = Job(tiny_gguf, tmp_path / f"job{len(started)}")
+    def start(model: Path = tiny_gguf) -> Job:
+        j = Job(model, tmp_path / f"job{len(started)}")
         started.append(j)
         j.wait_serving()
         return j
@@ -213,8 +213,14 @@ def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_g
     assert "process 0 ended the job after" in j.log(1)
 
 
-def test_a_follower_killed_mid_stream_ends_the_stream_unavailable(job) -> None:  # type: ignore[no-untyped-def]
-    j = job()
+def test_a_follower_killed_mid_stream_ends_the_stream_unavailable(job, tiny_gguf: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Served from a converted checkpoint: each process restores it (orbax) into the job's shardings.
+    from service.cli import main
+
+    checkpoint = tmp_path / "tiny-checkpoint"
+    assert main(["convert", str(tiny_gguf), str(checkpoint)]) == 0
+    j = job(checkpoint)
+    assert j.client.model_info().model_path == str(checkpoint)
     stream = Stream(j.client)
     assert stream.started.wait(60)
     j.procs[1].kill()

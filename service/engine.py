@@ -423,7 +423,9 @@ def place_params(params: Any, dtype: jnp.dtype, layers: str, mesh: jax.sharding.
         # Each process places only its own shards of the host copy it read (``global_array``):
         # no collective per weight comparing whole arrays across processes.
         def place(s: jax.sharding.Sharding, sub: Any) -> Any:  # ``sharding`` is a prefix of ``params``
-            return jax.tree.map(lambda a: global_array(a, s) if isinstance(a, np.ndarray) else jax.device_put(a, s), sub)
+            return jax.tree.map(
+                lambda a: global_array(a, s) if isinstance(a, np.ndarray) else jax.device_put(a, s), sub
+            )
 
         return jax.tree.map(place, sharding, params), sharding
     return jax.device_put(params, sharding), sharding

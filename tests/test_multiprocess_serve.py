@@ -40,12 +40,14 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 SLOTS, MAX_LEN, POOL = 4, 128, 512
 PROCESS_TIMEOUT_S = 5.0  # serve --process-timeout: a hung follower is lost after this
 WATCHDOG_S = 0.5  # serve --watchdog-interval
-# Sent at once: greedy, seeded, seeded with top-k. The tiny model's logits are so peaked that its
-# sampled ids equal its greedy ones; the penalties make them vary.
+# Sent at once (C03-style: more streams than slots, prompts with distinct suffixes): greedy,
+# seeded, seeded with top-k. The tiny model's logits are so peaked that its sampled ids equal its
+# greedy ones; the penalties make them vary.
 REQUESTS = (
     dict(prompt="hello world", temperature=0.0, max_tokens=24, repetition_penalty=3.0),
     dict(prompt="the quick brown fox", temperature=1.0, seed=7, max_tokens=24, frequency_penalty=1.5),
     dict(prompt="abc", temperature=1.0, top_k=20, seed=11, max_tokens=20, repetition_penalty=3.0),
+    *(dict(prompt=f"count 1 2 3 #{k}", temperature=0.0, max_tokens=16, repetition_penalty=2.0) for k in range(5)),
 )
 
 
@@ -126,6 +128,7 @@ def job(tiny_gguf: Path, tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
 
 
 def concurrent_ids(client: Client) -> list[list[int]]:
+    """``REQUESTS``, all at once; each one's ids (the chunks' ids in the order they came)."""
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         results = pool.map(lambda r: client.generate(make_request(**r), timeout_s=120), REQUESTS)
         return [r.token_ids for r in results]
@@ -252,3 +255,15 @@ def test_a_config_the_job_cannot_run_is_refused_before_it_starts() -> None:
     slots = ServerConfig(engine=EngineConfig(kv_cache="slots"))
     with pytest.raises(ConfigError, match="paged"):
         GenerationService(slots)._check_job()
+
+
+def test_serve_distributed_with_nothing_to_join_is_one_clear_error() -> None:
+    """``--distributed`` where JAX detects no cluster and no ``JAX_COORDINATOR_ADDRESS`` is set:
+    exit 1 with one line, no traceback, no hang."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "SLURM_", "OMPI_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--distributed", "--port", "0", "--metrics-port", "0"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "meshserve serve: error: could not join the job:" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -39,12 +39,14 @@ _rng = np.random.default_rng(0)
 PROMPT_A = _rng.integers(0, 256, 20).tolist()  # tests/test_engine_penalties.py's (vocab 256)
 PROMPT_B = _rng.integers(0, 256, 7).tolist()
 PROMPT_C = np.random.default_rng(7).integers(0, 256, 33).tolist()  # tests/test_paged_engine.py's
-# (prompt, max_tokens, sampling): greedy; the penalties make the tiny model's ids vary (without
-# them it repeats one id) and send the token history (``set_history``) through the mirror too.
+# (prompt, max_tokens, sampling): greedy unless a temperature is given; the penalties make the
+# tiny model's greedy ids vary (without them it repeats one id) and send the token history
+# (``set_history``) through the mirror too; the last one samples with a seed.
 REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
     (PROMPT_A, 12, {"repetition_penalty": 3.0}),
     (PROMPT_B, 12, {"frequency_penalty": 0.8, "presence_penalty": 0.3}),
     (PROMPT_C, 8, {}),
+    (PROMPT_B, 10, {"temperature": 1.0, "seed": 5}),
 )
 
 
@@ -81,7 +83,7 @@ class _Pieces:
 
 
 def run_requests(loop: Any, timeout_s: float = 120.0) -> list[list[int]]:
-    """``REQUESTS`` submitted together, greedy; each one's ids (raises on an error or timeout)."""
+    """``REQUESTS`` submitted together; each one's ids (raises on an error or timeout)."""
     from service.request import Request, SamplingOptions
     from service.text_stream import TextStream
 
@@ -103,7 +105,7 @@ def run_requests(loop: Any, timeout_s: float = 120.0) -> list[list[int]]:
         loop.submit(
             Request(
                 request_id=f"r{i}", prompt_ids=list(prompt), max_tokens=n,
-                sampling=SamplingOptions(temperature=0.0, **sampling), text=TextStream(_Pieces()), emit=emit_for(i),
+                sampling=SamplingOptions(**{"temperature": 0.0, **sampling}), text=TextStream(_Pieces()), emit=emit_for(i),
                 eos_ids=frozenset(),
             )
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """The paged engine over two jax.distributed processes of 4 CPU devices each (one 8-device mesh):
 process 0 drives ``service.paged_loop.engine_loop`` over a ``service.distributed.MirroredEngine``,
-process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary)
+process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary) and seeded ones
 must be the ids this process (8 CPU devices, no jax.distributed) gives for the same requests on
 the same layout: 1x8 and 8x1 here, one after the other in one job (2x4 is served through
 ``meshserve serve`` in tests/test_multiprocess_serve.py). Every worker has a hard timeout and is
@@ -86,6 +86,7 @@ def test_two_processes_give_the_ids_of_one(tmp_path: Path) -> None:
         assert follower["followed_steps"][layout] > 0, layout
         want = one_process(layout)
         assert len(set(want[0])) > 1  # the penalties make the ids vary
+        assert len(set(want[3])) > 1  # sampled: the ids vary
         assert leader["ids"][layout] == want, layout
 
 

@@ -9,7 +9,8 @@ What a step costs, per device of one model replica (a tensor-parallel group of `
 * FLOPs: 2 per weight per token for the matmuls, plus attention: 4·N·H per (query, key) pair
   (QKᵀ and PV), causal in prefill (T(T+1)/2 pairs), B·S pairs in decode;
 * collectives: each tensor-parallel all-reduce of the residual stream, B·D·itemsize bytes, costs
-  ``2(n-1)/n · bytes / W_ici`` on a ring of n devices (plus ``2(n-1)`` hop latencies if given).
+  ``2(n-1)/n · bytes / W_ici`` on a ring of n devices (plus ``2(n-1)`` hop latencies if given);
+  see "Several hosts" below for a group that spans hosts.
 
 Step time = max(bytes / W_hbm, FLOPs / peak) + collective time: the roofline of Williams et al.
 (2009) as the JAX scaling book's inference chapter applies it ("How to Scale Your Model",
@@ -27,6 +28,35 @@ mode, whole on each device in ``replicated`` mode; norms replicated. All-reduces
 2 in ``heads`` mode (after O and after down), 1 in ``replicated`` mode, plus 1 for the embedding
 lookup of the vocabulary-split table. meshserve keeps the residual stream in float32, so the
 all-reduced activations are 4 bytes per element whatever the weight dtype.
+
+Several hosts (processes). A mesh puts the devices in JAX's global order, process by process
+(``jax.make_mesh``; on GPUs sorted by id), shaped (data, model): data-major, model-minor, so a
+replica's ``tp`` devices are consecutive and, with ``devices_per_host`` = k devices on each host,
+a replica stays inside one host while ``tp <= k`` (k a multiple of ``tp``) and spans h = tp / k
+hosts, k devices on each, when ``tp > k`` (``tp`` a multiple of k); other shapes are refused
+(:class:`TopologyError`). A crossing all-reduce is priced as the two-level all-reduce
+(reduce-scatter inside each host, an all-reduce of each device's 1/k shard with its peers on the
+other hosts, all-gather inside each host):
+
+    t = 2(k-1)/k · bytes / W_ici + 2(k-1) · lat_ici            (inside a host)
+      + 2(h-1)/h · (bytes / k) / W_inter + 2(h-1) · lat_inter  (across hosts)
+
+with W_inter and lat_inter the preset's ``inter_host_bytes_per_s`` (per device: each device has its
+own NIC share) and ``inter_host_latency_s`` (per hop). It is the hierarchical all-reduce of
+Jia et al. 2018 ("Highly Scalable Deep Learning Training System with Mixed-Precision") and
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``. It is chosen over one flat ring throttled by its
+slowest hop (2(n-1)/n · bytes / W_inter) because that is not what runs on hosts with a NIC per
+device: NCCL's rings over several hosts use one channel per NIC, each carrying 1/k of the data, so
+they are bound near 2(n-1)/n · bytes / (k · W_inter), as the inter-host term above is. Its bytes
+sent per device add up to the flat ring's 2(n-1)/n · bytes, and with h = 1 it is exactly the
+one-host ring above. The latency inside a host is the workload's ``hop_latency_s`` (0 unless
+``--hop-latency-us``); across hosts it is the preset's. The ``data`` axis costs nothing in the model's forward pass (each replica
+reads its own pages), but the engine's step returns its packed host-bound results
+(``service.engine.pack_step``: 2 + 2 · TOP_LOGPROBS float32 per row) replicated to every device
+(``service/paged_engine.py``: ``out_shardings`` ``repl``), an all-gather over the replicas. Inside a
+host it is left out (a few kB, as before); when the replicas sit on g > 1 host groups it is priced
+as a ring all-gather of the dp · B rows among those groups over the inter-host link:
+``(g-1)/g · bytes / W_inter + (g-1) · lat_inter`` (latency-bound in practice).
 
 Simplifications (an ideal to measure against, not a simulator): no kernel-launch or host
 overhead, no chunked-prefill re-reads, the LM head evaluated on the last prompt position only
@@ -62,6 +92,10 @@ class HardwareError(ValueError):
     """Unknown hardware preset, or a dtype the preset has no peak for."""
 
 
+class TopologyError(ValueError):
+    """A layout that does not tile the hosts, or spans hosts on hardware with no inter-host link."""
+
+
 # ---- hardware -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -77,6 +111,13 @@ class Hardware:
         source: where the numbers come from.
         shared: the figures are one machine's totals that every device of a mesh shares (fake
             XLA CPU devices on one host): each of n devices gets 1/n of each.
+        inter_host_bytes_per_s: bytes/s one device sends across hosts, each way (its share of its
+            host's NICs: the W_inter of the module docstring's two-level all-reduce); None = no
+            link between hosts (CPU presets): a layout that spans hosts is refused.
+        inter_host_latency_s: seconds per hop of a collective across hosts.
+        devices_per_host: devices one host (one process of a job) holds; None = all devices on one
+            host (no collective crosses hosts: the one-host numbers). ``meshserve roofline
+            --devices-per-host`` / ``--hosts`` set it; the shipped presets leave it unset.
     """
 
     name: str
@@ -87,9 +128,17 @@ class Hardware:
     description: str = ""
     source: str = ""
     shared: bool = False
+    inter_host_bytes_per_s: float | None = None
+    inter_host_latency_s: float = 0.0
+    devices_per_host: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices_per_host is not None and self.devices_per_host < 1:
+            raise HardwareError(f"hardware {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
 
     def per_device(self, num_devices: int) -> Hardware:
-        """What one of ``num_devices`` mesh devices gets: itself, or 1/n of a shared machine."""
+        """What one of ``num_devices`` mesh devices gets: itself, or 1/n of a shared machine (the
+        inter-host link is per device already and stays as it is)."""
         if not self.shared or num_devices == 1:
             return self
         n = float(num_devices)
@@ -178,11 +227,15 @@ def load_hardware(name: str, path: Path = HARDWARE_FILE) -> Hardware:
     if name not in presets:
         raise HardwareError(f"unknown hardware {name!r}; presets: {', '.join(presets)}")
     entry = presets[name]
+    inter_bw, per_host = entry.get("inter_host_bytes_per_s"), entry.get("devices_per_host")
     common: dict[str, Any] = {
         "name": name,
         "description": str(entry.get("description", "")),
         "source": str(entry.get("source", "")),
         "shared": bool(entry.get("shared", False)),
+        "inter_host_bytes_per_s": None if inter_bw is None else float(inter_bw),
+        "inter_host_latency_s": float(entry.get("inter_host_latency_s", 0.0)),
+        "devices_per_host": None if per_host is None else int(per_host),
     }
     if entry.get("measure") == "cpu":
         bandwidth, flops = measure_cpu()
@@ -267,6 +320,48 @@ class Parallelism:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostSplit:
+    """How a layout's devices fall on hosts (data-major, model-minor, process by process).
+
+    Attributes:
+        per_host: k, devices of one replica's all-reduce group on each host it spans.
+        group_hosts: h, hosts one replica spans (1: its all-reduces stay inside a host).
+        data_groups: g, host groups the replicas sit on (1: the step's gather stays inside a host).
+        hosts: hosts the layout's devices occupy.
+    """
+
+    per_host: int
+    group_hosts: int
+    data_groups: int
+    hosts: int
+
+    @property
+    def crosses(self) -> bool:
+        return self.group_hosts > 1 or self.data_groups > 1
+
+
+def host_split(par: Parallelism, devices_per_host: int | None) -> HostSplit:
+    """Where ``par``'s devices sit with ``devices_per_host`` devices on each host (None: all on one).
+
+    Raises:
+        TopologyError: the model axis neither fits a whole number of times in a host nor spans a
+            whole number of hosts (e.g. tp = 3 on hosts of 8 devices: a replica would straddle).
+    """
+    n, tp = par.num_devices, par.tp
+    k = n if devices_per_host is None else devices_per_host
+    if k >= n:
+        return HostSplit(per_host=tp, group_hosts=1, data_groups=1, hosts=1)
+    hosts = -(-n // k)
+    if tp > k:
+        if tp % k:
+            raise TopologyError(f"the model axis ({tp} devices) does not span a whole number of {k}-device hosts")
+        return HostSplit(per_host=k, group_hosts=tp // k, data_groups=par.dp, hosts=hosts)
+    if k % tp:
+        raise TopologyError(f"hosts of {k} devices do not hold a whole number of {tp}-device model groups")
+    return HostSplit(per_host=tp, group_hosts=1, data_groups=-(-par.dp // (k // tp)), hosts=hosts)
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """What is being served.
 
@@ -310,7 +405,13 @@ class StepCost:
         weight_bytes, kv_bytes: bytes read from (KV: read or written to) memory.
         collective_bytes: bytes this device sends into its all-reduces (ring: 2(n-1)/n each).
         num_collectives: all-reduces in the step.
-        memory_s, compute_s, collective_s: bytes / W_hbm, FLOPs / peak, all-reduce time.
+        memory_s, compute_s, collective_s: bytes / W_hbm, FLOPs / peak, collective time
+            (``inside_host_s + across_hosts_s``).
+        inside_host_s: the collectives' time over the links inside a host (all of it on one host).
+        across_hosts_s: their time over the inter-host link: the all-reduces' inter-host stage
+            and the gather of the step's results over replicas on other hosts (0 on one host).
+        across_hosts_bytes: bytes this device sends over the inter-host link (part of
+            ``collective_bytes`` for the all-reduces, plus the gather's share).
     """
 
     flops: float
@@ -321,6 +422,9 @@ class StepCost:
     memory_s: float
     compute_s: float
     collective_s: float
+    inside_host_s: float = 0.0
+    across_hosts_s: float = 0.0
+    across_hosts_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> float:
@@ -387,6 +491,11 @@ class Roofline:
         return self.decode.regime
 
     @property
+    def hosts(self) -> int:
+        """Hosts the layout's devices occupy (``hardware.devices_per_host`` each)."""
+        return host_split(self.parallelism, self.hardware.devices_per_host).hosts
+
+    @property
     def fits(self) -> bool | None:
         """Whether weights plus KV fit in one device's memory (None if the capacity is unknown)."""
         if self.hardware.memory_bytes is None:
@@ -404,6 +513,8 @@ class Roofline:
             "dp": self.parallelism.dp,
             "tp": self.parallelism.tp,
             "attention": self.parallelism.attention,
+            "devices_per_host": self.hardware.devices_per_host,
+            "hosts": self.hosts,
             **dataclasses.asdict(self.workload),
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
@@ -452,17 +563,58 @@ def weight_bytes_per_device(cfg: LlamaConfig, par: Parallelism, itemsize: int) -
     return (e.matmul + e.embed + e.norms) * itemsize
 
 
-def _collectives(
-    cfg: LlamaConfig, par: Parallelism, tokens: int, hw: Hardware, wl: Workload
-) -> tuple[int, float, float]:
-    """(count, bytes sent per device, seconds) of one step's all-reduces over ``tokens`` rows."""
-    if par.tp == 1:
-        return 0, 0.0, 0.0
-    count = cfg.num_layers * par.all_reduces_per_layer + 1  # + the vocabulary-split embedding lookup
-    nbytes = tokens * cfg.hidden_size * wl.act_itemsize
-    sent = count * 2 * (par.tp - 1) / par.tp * nbytes
-    seconds = count * ring_all_reduce_s(nbytes, par.tp, hw.interconnect_bytes_per_s, wl.hop_latency_s)
-    return count, sent, seconds
+# Bytes per row of the step's packed host-bound results (``service.engine.pack_step``): the id, its
+# log-probability, TOP_LOGPROBS (20) log-probabilities and their ids, float32 each.
+PACKED_ROW_BYTES = (2 + 2 * 20) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    count: int  # all-reduces
+    sent: float  # bytes each device sends into them (both stages) and into the gather
+    inside_s: float
+    across_s: float
+    across_bytes: float
+
+
+def _collectives(cfg: LlamaConfig, par: Parallelism, tokens: int, hw: Hardware, wl: Workload) -> _Comm:
+    """One step's collectives over ``tokens`` rows, per device.
+
+    All-reduces: ``num_layers · all_reduces_per_layer + 1`` of ``tokens · D · act_itemsize`` bytes,
+    each a ring inside a host, or the two-level all-reduce of the module docstring when a replica
+    spans h > 1 hosts. The gather of the step's ``dp · batch`` packed rows is priced only when the
+    replicas sit on several host groups (module docstring, "Several hosts").
+
+    Raises:
+        TopologyError: the layout does not tile the hosts, or spans hosts and ``hw`` has no
+            inter-host link.
+    """
+    split = host_split(par, hw.devices_per_host)
+    if split.crosses and hw.inter_host_bytes_per_s is None:
+        raise TopologyError(
+            f"hardware {hw.name!r} has no inter-host link (inter_host_bytes_per_s in configs/hardware.yaml): "
+            f"a layout over {split.hosts} hosts ({hw.devices_per_host} devices per host) cannot be priced on it"
+        )
+    inter_bw, inter_lat = hw.inter_host_bytes_per_s or math.inf, hw.inter_host_latency_s
+    count, sent, inside_s, across_s, across_bytes = 0, 0.0, 0.0, 0.0, 0.0
+    if par.tp > 1:
+        k, h = split.per_host, split.group_hosts
+        count = cfg.num_layers * par.all_reduces_per_layer + 1  # + the vocabulary-split embedding lookup
+        nbytes = tokens * cfg.hidden_size * wl.act_itemsize
+        sent = count * 2 * (k - 1) / k * nbytes
+        inside_s = count * ring_all_reduce_s(nbytes, k, hw.interconnect_bytes_per_s, wl.hop_latency_s)
+        if h > 1:
+            across_bytes = count * 2 * (h - 1) / h * nbytes / k
+            sent += across_bytes
+            across_s = count * ring_all_reduce_s(nbytes / k, h, inter_bw, inter_lat)
+    g = split.data_groups
+    if g > 1:
+        gathered = par.dp * wl.batch * PACKED_ROW_BYTES
+        share = (g - 1) / g * gathered
+        sent += share
+        across_bytes += share
+        across_s += share / inter_bw + (g - 1) * inter_lat
+    return _Comm(count=count, sent=sent, inside_s=inside_s, across_s=across_s, across_bytes=across_bytes)
 
 
 def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> StepCost:
@@ -478,16 +630,19 @@ def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) 
     kv_bytes = B * S * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 4 * B * S * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * B * e.matmul + attn_flops
-    count, sent, comm_s = _collectives(cfg, par, B, hw, wl)
+    comm = _collectives(cfg, par, B, hw, wl)
     return StepCost(
         flops=float(flops),
         weight_bytes=float(weight_bytes),
         kv_bytes=float(kv_bytes),
-        collective_bytes=sent,
-        num_collectives=count,
+        collective_bytes=comm.sent,
+        num_collectives=comm.count,
         memory_s=(weight_bytes + kv_bytes) / hw.hbm_bytes_per_s,
         compute_s=flops / hw.peak(wl.dtype),
-        collective_s=comm_s,
+        collective_s=comm.inside_s + comm.across_s,
+        inside_host_s=comm.inside_s,
+        across_hosts_s=comm.across_s,
+        across_hosts_bytes=comm.across_bytes,
     )
 
 
@@ -504,16 +659,19 @@ def prefill_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload)
     kv_bytes = T * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 2 * T * (T + 1) * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * T * (e.attn + e.mlp) + 2 * e.lm_head + attn_flops
-    count, sent, comm_s = _collectives(cfg, par, T, hw, wl)
+    comm = _collectives(cfg, par, T, hw, wl)
     return StepCost(
         flops=float(flops),
         weight_bytes=float(weight_bytes),
         kv_bytes=float(kv_bytes),
-        collective_bytes=sent,
-        num_collectives=count,
+        collective_bytes=comm.sent,
+        num_collectives=comm.count,
         memory_s=(weight_bytes + kv_bytes) / hw.hbm_bytes_per_s,
         compute_s=flops / hw.peak(wl.dtype),
-        collective_s=comm_s,
+        collective_s=comm.inside_s + comm.across_s,
+        inside_host_s=comm.inside_s,
+        across_hosts_s=comm.across_s,
+        across_hosts_bytes=comm.across_bytes,
     )
 
 
@@ -522,6 +680,12 @@ def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> 
 
     TTFT = prefill time of one prompt; TPOT = decode step time; throughput = dp · B / TPOT.
     On ``shared`` hardware (fake CPU devices) each of the layout's devices gets 1/n of the machine.
+    With ``hw.devices_per_host`` set, collectives that cross hosts are priced as the module
+    docstring's "Several hosts" says.
+
+    Raises:
+        HardwareError: ``hw`` has no peak for ``wl.dtype``.
+        TopologyError: the layout does not tile ``hw``'s hosts, or spans hosts without a link.
     """
     hw = hw.per_device(par.num_devices)
     ridge = hw.ridge(wl.dtype)
@@ -630,22 +794,26 @@ def _fmt_b(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def format_table(rows: list[tuple[str, Roofline]]) -> str:
+def format_table(rows: list[tuple[str, Roofline]], hosts: bool = False) -> str:
     """A fixed-width table, one line per (label, prediction): decode bytes per step and device
-    split into weights / KV / collectives, the three time terms, TPOT, throughput, regime, TTFT."""
+    split into weights / KV / collectives, the three time terms, TPOT, throughput, regime, TTFT.
+    With ``hosts``, three more columns after t_comm: the hosts the layout spans, and t_comm split
+    into its time inside a host (``t_in``) and across hosts (``t_across``)."""
+    split = f" {'hosts':>5s} {'t_in':>9s} {'t_across':>9s}" if hosts else ""
     header = (
         f"{'layout':10s} {'DxM':>5s} {'attn':>5s} {'B':>5s} {'weights':>9s} {'KV':>9s} {'coll':>9s} "
-        f"{'t_mem':>9s} {'t_flop':>9s} {'t_comm':>9s} {'TPOT':>9s} {'tok/s':>10s} {'regime':>7s} "
+        f"{'t_mem':>9s} {'t_flop':>9s} {'t_comm':>9s}{split} {'TPOT':>9s} {'tok/s':>10s} {'regime':>7s} "
         f"{'MBU@roof':>8s} {'TTFT':>9s} {'fits':>4s}"
     )
     lines = [header]
     for label, r in rows:
         d, p = r.decode, r.parallelism
         fits = {True: "yes", False: "NO", None: "?"}[r.fits]
+        split = f" {r.hosts:5d} {_fmt_s(d.inside_host_s):>9s} {_fmt_s(d.across_hosts_s):>9s}" if hosts else ""
         lines.append(
             f"{label:10s} {p.dp}x{p.tp:<3d} {p.attention[:5]:>5s} {r.workload.batch:5d} {_fmt_b(d.weight_bytes):>9s} "
             f"{_fmt_b(d.kv_bytes):>9s} {_fmt_b(d.collective_bytes):>9s} {_fmt_s(d.memory_s):>9s} "
-            f"{_fmt_s(d.compute_s):>9s} {_fmt_s(d.collective_s):>9s} {_fmt_s(r.tpot_s):>9s} "
+            f"{_fmt_s(d.compute_s):>9s} {_fmt_s(d.collective_s):>9s}{split} {_fmt_s(r.tpot_s):>9s} "
             f"{r.tokens_per_s:10.1f} {r.regime:>7s} "
             f"{mbu(d.memory_bytes, r.tpot_s, r.hardware.hbm_bytes_per_s):8.0%} {_fmt_s(r.ttft_s):>9s} {fits:>4s}"
         )
@@ -673,6 +841,16 @@ def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hop-latency-us", type=nonnegative_float, default=0.0, help="latency per ring hop of a collective, µs"
     )
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument(
+        "--devices-per-host",
+        type=positive_int,
+        help="devices on each host (process); collectives between hosts go over the preset's inter-host link "
+        "(default: every layout on one host)",
+    )
+    hosts.add_argument(
+        "--hosts", type=positive_int, help="split each layout's devices evenly over this many hosts (processes)"
+    )
     p.add_argument("--json", help="also write every prediction to this JSON file")
 
 
@@ -682,6 +860,15 @@ def _si(value: float, unit: str) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.3g} {prefix}{unit}"
     return f"{value:.3g} {unit}"
+
+
+def _inter_host_line(hw: Hardware) -> str:
+    if hw.inter_host_bytes_per_s is None:
+        return "  no inter-host link: layouts over several hosts are unusable on it\n"
+    return (
+        f"  across hosts: {_si(hw.inter_host_bytes_per_s, 'B/s')} per device, "
+        f"{_fmt_s(hw.inter_host_latency_s)} per hop\n"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -712,6 +899,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
     results: list[dict[str, Any]] = []
     unusable: list[str] = []
+    by_hosts = args.devices_per_host is not None or args.hosts is not None
     for hw_name in args.hardware:
         try:
             hw = load_hardware(hw_name)
@@ -727,6 +915,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             f"{' in all, shared by the mesh devices (each of n gets 1/n)' if hw.shared else ''}\n"
             f"  source: {hw.source}\n"
             f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
+            f"{_inter_host_line(hw) if by_hosts else ''}"
             f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
             f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights, {args.kv_dtype or dtype} KV; "
             f"context {args.context}, "
@@ -743,6 +932,17 @@ def run_from_args(args: argparse.Namespace) -> int:
                 print(f"  {name}: unusable: {exc}")
                 unusable.append(name)
                 continue
+            on_hosts = hw
+            if args.hosts is not None:
+                if layout.num_devices % args.hosts:
+                    print(
+                        f"  {name}: unusable: {layout.num_devices} devices do not split evenly over {args.hosts} hosts"
+                    )
+                    unusable.append(name)
+                    continue
+                on_hosts = dataclasses.replace(hw, devices_per_host=layout.num_devices // args.hosts)
+            elif args.devices_per_host is not None:
+                on_hosts = dataclasses.replace(hw, devices_per_host=args.devices_per_host)
             for batch in args.batch:
                 workload = Workload(
                     batch=batch,
@@ -753,15 +953,27 @@ def run_from_args(args: argparse.Namespace) -> int:
                     act_itemsize=args.act_bytes,
                     hop_latency_s=args.hop_latency_us * 1e-6,
                 )
-                r = roofline(cfg, hw, Parallelism.from_plan(plan), workload)
+                try:
+                    r = roofline(cfg, on_hosts, Parallelism.from_plan(plan), workload)
+                except TopologyError as exc:
+                    print(f"  {name}: unusable: {exc}")
+                    unusable.append(name)
+                    break
                 rows.append((layout.name, r))
                 results.append({"layout": layout.name, "model": str(path), **r.as_dict()})
-        print(format_table(rows) + "\n")
+        print(format_table(rows, hosts=by_hosts) + "\n")
     print(
         "per decode step and device: weights, KV = bytes read; coll = bytes sent into TP all-reduces; t_mem = bytes / "
         "bandwidth; t_flop = FLOPs / peak; t_comm = ring all-reduces; TPOT = max(t_mem, t_flop) + t_comm; "
         "tok/s = DP x B / TPOT (B = sequences per replica); MBU@roof = t_mem / TPOT, the most a real run can "
         "reach; TTFT = prefill of one prompt. Collectives cost bandwidth only unless --hop-latency-us is given."
+        + (
+            " hosts = hosts the layout spans; coll includes the bytes of the gather across hosts; t_comm = t_in (inside a host: ring, or the reduce-scatter/all-gather "
+            "stages) + t_across (inter-host link: the all-reduces' middle stage and the gather of the step's sampled "
+            "rows over replicas on other hosts, with the preset's inter-host latency per hop)."
+            if by_hosts
+            else ""
+        )
     )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

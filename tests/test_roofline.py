@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,117 @@ def test_cli_errors_on_bad_model_json_path_and_no_usable_layout(
     assert "1x3: unusable" in captured.out and "no usable layout among 1x3, foo" in captured.err
     assert main(["roofline", "--hardware", "h200", "--model", str(model), "--context", "100000"]) == 0
     assert "past the model's" in capsys.readouterr().err
+
+
+# ---- several hosts ------------------------------------------------------------------------------
+def _steps(hw: Hardware, par: Parallelism, wl: Workload) -> tuple[rl.StepCost, rl.StepCost]:
+    return rl.decode_step(SMOLLM2, hw, par, wl), rl.prefill_step(SMOLLM2, hw, par, wl)
+
+
+@pytest.mark.parametrize(("dp", "tp", "attention"), [(1, 8, "replicated"), (2, 4, "replicated"), (1, 3, "heads")])
+def test_one_host_reproduces_the_ring_exactly(dp: int, tp: int, attention: str) -> None:
+    hw = rl.load_hardware("h200")
+    par, wl = Parallelism(dp=dp, tp=tp, attention=attention), Workload(batch=64, prompt_len=300, hop_latency_s=1e-6)
+    one = _steps(hw, par, wl)
+    for per_host in (par.num_devices, 2 * par.num_devices, 1000):
+        assert _steps(dataclasses.replace(hw, devices_per_host=per_host), par, wl) == one
+    for step, rows in zip(one, (64, 300), strict=True):
+        count, nbytes = 30 * par.all_reduces_per_layer + 1, rows * 576 * 4
+        # Bit for bit what the one-host ring gave before hosts existed.
+        assert step.collective_s == count * ring_all_reduce_s(nbytes, tp, 450e9, 1e-6) == step.inside_host_s
+        assert step.collective_bytes == count * 2 * (tp - 1) / tp * nbytes
+        assert step.across_hosts_s == 0 and step.across_hosts_bytes == 0
+    assert roofline(SMOLLM2, hw, par, wl).hosts == 1
+
+
+def test_model_axis_across_two_hosts_by_hand() -> None:
+    hw = dataclasses.replace(rl.load_hardware("h200"), devices_per_host=8)
+    assert (hw.interconnect_bytes_per_s, hw.inter_host_bytes_per_s, hw.inter_host_latency_s) == (450e9, 50e9, 5e-6)
+    par, wl = Parallelism(tp=16, attention="replicated"), Workload(batch=64, hop_latency_s=1e-6)
+    assert rl.host_split(par, 8) == rl.HostSplit(per_host=8, group_hosts=2, data_groups=1, hosts=2)
+    d = rl.decode_step(SMOLLM2, hw, par, wl)
+    # 31 all-reduces of 64 x 576 x 4 = 147,456 B, two-level over k = 8 devices on each of h = 2 hosts:
+    # reduce-scatter + all-gather inside a host 2(k-1)/k * B / 450 GB/s + 2(k-1) * 1 µs; the 1/k shard
+    # all-reduced across hosts 2(h-1)/h * (B/k) / 50 GB/s + 2(h-1) * 5 µs.
+    inside = 31 * (2 * 7 / 8 * 147456 / 450e9 + 14 * 1e-6)
+    across = 31 * (2 * 1 / 2 * (147456 / 8) / 50e9 + 2 * 5e-6)
+    assert d.inside_host_s == pytest.approx(inside, rel=1e-12)
+    assert d.across_hosts_s == pytest.approx(across, rel=1e-12)
+    assert d.collective_s == pytest.approx(inside + across, rel=1e-12)
+    # The bytes each device sends add up to the flat ring's 2(n-1)/n; 1/k of the reduced data crosses.
+    assert d.collective_bytes == pytest.approx(31 * 2 * 15 / 16 * 147456, rel=1e-12)
+    assert d.across_hosts_bytes == pytest.approx(31 * 147456 / 8, rel=1e-12)
+    r = roofline(SMOLLM2, hw, par, wl)
+    assert r.tpot_s == pytest.approx(max(d.memory_s, d.compute_s) + inside + across, rel=1e-12)
+    assert r.hosts == 2 and r.as_dict()["hosts"] == 2 and r.as_dict()["decode"]["across_hosts_s"] == d.across_hosts_s
+    # Memory and compute do not care where the devices sit.
+    flat = rl.decode_step(SMOLLM2, dataclasses.replace(hw, devices_per_host=None), par, wl)
+    assert (d.memory_s, d.compute_s, d.num_collectives) == (flat.memory_s, flat.compute_s, flat.num_collectives)
+
+
+def test_data_only_split_adds_only_the_gather() -> None:
+    hw = rl.load_hardware("h200")
+    wl = Workload(batch=32, hop_latency_s=1e-6)
+    # Source of the packed row: pack_step's 2 + 2 * TOP_LOGPROBS float32 columns.
+    top = re.search(
+        r"^TOP_LOGPROBS = (\d+)", (Path(rl.__file__).parent.parent / "service" / "engine.py").read_text(), re.M
+    )
+    assert top and rl.PACKED_ROW_BYTES == (2 + 2 * int(top.group(1))) * 4 == 168
+    for par, groups in ((Parallelism(dp=16), 2), (Parallelism(dp=2, tp=8, attention="replicated"), 2),
+                        (Parallelism(dp=4, tp=4, attention="replicated"), 2), (Parallelism(dp=24), 3)):  # fmt: skip
+        one = rl.decode_step(SMOLLM2, hw, par, wl)
+        two = rl.decode_step(SMOLLM2, dataclasses.replace(hw, devices_per_host=8), par, wl)
+        assert rl.host_split(par, 8).data_groups == groups and rl.host_split(par, 8).group_hosts == 1
+        # A ring all-gather of dp * B packed rows among the host groups: (g-1)/g * bytes / 50 GB/s + (g-1) * 5 µs.
+        share = (groups - 1) / groups * par.dp * 32 * 168
+        assert two.inside_host_s == one.collective_s  # the all-reduces stay inside a host, unchanged
+        assert two.across_hosts_s == pytest.approx(share / 50e9 + (groups - 1) * 5e-6, rel=1e-12)
+        assert two.across_hosts_bytes == pytest.approx(share, rel=1e-12)
+        assert two.collective_bytes == pytest.approx(one.collective_bytes + share, rel=1e-12)
+        assert (two.memory_s, two.compute_s, two.num_collectives) == (one.memory_s, one.compute_s, one.num_collectives)
+    # Replicas that fit one host: nothing crosses.
+    assert (
+        rl.decode_step(SMOLLM2, dataclasses.replace(hw, devices_per_host=8), Parallelism(dp=8), wl).across_hosts_s == 0
+    )
+
+
+def test_layouts_that_do_not_tile_hosts_or_lack_a_link() -> None:
+    with pytest.raises(rl.TopologyError, match="whole number of 3-device model groups"):
+        rl.host_split(Parallelism(tp=3, attention="heads", dp=4), 8)
+    with pytest.raises(rl.TopologyError, match="12 devices"):
+        rl.host_split(Parallelism(tp=12), 8)
+    cpu = dataclasses.replace(rl.load_hardware("cpu-peers-md"), devices_per_host=2)
+    assert cpu.inter_host_bytes_per_s is None
+    roofline(SMOLLM2, cpu, Parallelism(tp=2), Workload(dtype="float32"))  # one host: fine
+    with pytest.raises(rl.TopologyError, match="no inter-host link"):
+        roofline(SMOLLM2, cpu, Parallelism(dp=2, tp=2), Workload(dtype="float32"))
+    with pytest.raises(HardwareError, match="devices_per_host"):
+        dataclasses.replace(cpu, devices_per_host=0)
+    for name in ("h100-sxm", "h200", "tpu-v5e", "tpu-v5p"):
+        hw = rl.load_hardware(name)
+        assert hw.inter_host_bytes_per_s and hw.inter_host_latency_s > 0 and hw.devices_per_host is None
+
+
+def test_cli_prints_inside_and_across_host_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from service.cli import main
+
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "r.json"
+    args = ["roofline", "--model", str(model), "--hardware", "h200", "--layout", "1x8", "2x4", "3x1"]
+    assert main([*args, "--hosts", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("layout"))
+    assert header.index("t_comm") < header.index("hosts") < header.index("t_in") < header.index("t_across")
+    assert "across hosts: 50 GB/s per device, 5.0 µs per hop" in text
+    assert "3x1: unusable: 3 devices do not split evenly over 2 hosts" in text
+    rows = json.loads(out.read_text())
+    assert [(r["dp"], r["tp"], r["hosts"], r["devices_per_host"]) for r in rows] == [(1, 8, 2, 4), (2, 4, 2, 4)]
+    assert all(r["decode"]["across_hosts_s"] > 0 for r in rows)
+    # Without a host option the table is as before: no split columns.
+    assert main(["roofline", "--model", str(model), "--hardware", "h200", "--layout", "1x8"]) == 0
+    assert "t_across" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--hosts", "2", "--devices-per-host", "8"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err

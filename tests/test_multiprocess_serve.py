@@ -189,7 +189,7 @@ def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_g
     assert info.layout == LAYOUT and info.kv_cache_tokens == POOL
     got = concurrent_ids(j.client)
     want, want_long = one_process_ids(tiny_gguf)
-    assert all(len(set(ids)) > 1 for ids in want), want  # the penalty and sampling make the ids vary
+    assert all(len(set(ids)) > 1 for ids in want[:3]), want  # the penalties make the first three vary
     assert got == want
 
     # A live switch across both processes, with a stream running through it.

@@ -5,6 +5,7 @@ penalized``."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -28,6 +29,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def job_process_env(local_devices: int = 4) -> dict[str, str]:
+    """The environment of one process of a two-process jax.distributed test job: CPU JAX with
+    ``local_devices`` devices, the repository importable."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+        PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ killed with its process group when the other fails or time runs out."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import socket
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import free_port
+from helpers import free_port, job_process_env
 from mp_engine_worker import EXIT_NO_DISTRIBUTED, build_engine, run_requests
 
 from benchmarks.multiprocess_channel import stop
@@ -39,12 +38,7 @@ LAYOUTS = ("1x8", "8x1")
 def two_processes(layouts: tuple[str, ...], folder: Path) -> tuple[dict, dict]:  # type: ignore[type-arg]
     """Run the two workers on ``layouts`` in turn; (process 0's result, process 1's)."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    )
+    env = job_process_env()
     out = folder / "ids.json"
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import free_port
+from helpers import free_port, job_process_env
 
 from benchmarks.multiprocess_channel import stop
 from protos.meshserve.v1 import admin_pb2 as apb
@@ -57,12 +57,7 @@ class Job:
     def __init__(self, model: Path, folder: Path, grace_s: float = 30.0):
         self.port, self.admin_port = free_port(), free_port()
         coordinator = f"127.0.0.1:{free_port()}"
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-            PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        )
+        env = job_process_env()
         self.logs = [folder / f"process{i}.log" for i in range(2)]
         self.procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
         for i in range(2):

@@ -21,6 +21,7 @@ from model.config import ITEMSIZE
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service import kv_pool
+from service.distributed import job_layout_problem
 from service.engine import resolve_kv_dtype
 from service.validation import InvalidRequest
 from service.wire import add_servicer
@@ -118,6 +119,8 @@ class AdminService(apb_grpc.AdminServicer):
             layout = load_layout(request.layout)
             assert self.service.model_cfg is not None
             make_plan(layout, self.service.model_cfg, self.service.cfg.engine.num_slots)
+            if (problem := job_layout_problem(layout)) is not None:
+                raise LayoutError(problem)
             if layout.num_devices > len(pool.devices):
                 raise LayoutError(
                     f"layout {layout.name!r} needs {layout.num_devices} devices; pool {pool.name!r} owns {len(pool.devices)}"

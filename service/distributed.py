@@ -91,6 +91,18 @@ def coordinator_host() -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
+def job_layout_problem(layout: Layout) -> str | None:
+    """Why a job over several processes cannot serve on ``layout`` (a mesh without devices of
+    every process: the others could not run its steps, nor process 0 read what runs only on
+    theirs), or None. A layout must use all the job's devices."""
+    if jax.process_count() > 1 and layout.num_devices != jax.device_count():
+        return (
+            f"layout {layout.name!r} uses {layout.num_devices} devices; a job over {jax.process_count()} processes "
+            f"serves on all of its {jax.device_count()} (e.g. --layout 1x{jax.device_count()})"
+        )
+    return None
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)

@@ -53,7 +53,16 @@ from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
-from service.distributed import CONFIG, STOP, Heartbeat, MirroredEngine, StepChannel, coordinator_host, follow
+from service.distributed import (
+    CONFIG,
+    STOP,
+    Heartbeat,
+    MirroredEngine,
+    StepChannel,
+    coordinator_host,
+    follow,
+    job_layout_problem,
+)
 from service.engine import DTYPES, Engine, EngineConfig
 from service.generation import GRPC_CODES, Generation, Refusal, Refused, StreamFailed
 from service.http_server import HttpServer, bind
@@ -597,6 +606,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
         if not cfg.engine.paged:
             raise ConfigError("serving over several processes needs the paged KV cache (--kv-cache paged)")
+        layout = parse_pool(cfg.pools[0]).layout if cfg.pools else load_layout(cfg.layout)
+        problem = job_layout_problem(layout)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def release_followers(self) -> None:
         """Process 0, after its engine loop stopped: send the followers ``STOP``, wait for them

@@ -239,10 +239,28 @@ def test_a_follower_killed_mid_stream_ends_the_stream_unavailable(job, tiny_gguf
     assert "the job broke: process 1 closed its step channel" in j.log(0)
 
 
-def test_a_config_the_job_cannot_run_is_refused_before_it_starts() -> None:
-    """Several pools, or the slots cache, over several processes: a clear error on process 0
-    (checked before the channel opens; its followers then see process 0 go and exit)."""
+def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several pools, the slots cache, or a layout without every process's devices, over several
+    processes: a clear error on process 0 (checked before the channel opens; its followers then
+    see process 0 go and exit). The same layout rule refuses a live switch (Admin)."""
+    import jax
+
+    from service.distributed import job_layout_problem
     from service.server import ConfigError, GenerationService
+    from sharding.layouts import load_layout
+
+    assert job_layout_problem(load_layout("single")) is None  # one process: any layout
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # as in a job of 2 x 4 devices
+    monkeypatch.setattr(jax, "device_count", lambda: 8)
+    assert job_layout_problem(load_layout("2x4")) is None
+    assert "uses 1 devices; a job over 2 processes serves on all of its 8" in str(
+        job_layout_problem(load_layout("single"))
+    )
+    with pytest.raises(ConfigError, match="uses 4 devices"):
+        GenerationService(ServerConfig(layout="1x4"))._check_job()
+    with pytest.raises(ConfigError, match="uses 2 devices"):
+        GenerationService(ServerConfig(pools=["p=1x2"]))._check_job()
+    GenerationService(ServerConfig(layout="8x1"))._check_job()
 
     service = GenerationService(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
     with pytest.raises(ConfigError, match="one pool"):

@@ -11,7 +11,10 @@
 #      throughput, MBU and MFU against the roofline preset that matches the device (e.g. h200).
 #      Weights' values do not change the speed.
 #      The sweep's default --layers auto takes the unrolled form on a GPU (EngineConfig.layers).
-#   2. The engine's tests that need neither the default model's download nor 8 CPU devices, on
+#   2. The same sweep with int8 weights (`--weights int8`: random Q8_0 blocks, a float16 scale
+#      per 32 weights, multiplied by XLA's dequantize-then-dot path), batch 1 and 8, and the
+#      batch-1 TPOT ratio int8 / bfloat16 (issue "Weights as stored": target <= 0.6).
+#   3. The engine's tests that need neither the default model's download nor 8 CPU devices, on
 #      the GPU: logits of tiny Llama checkpoints against Hugging Face transformers, prefill/decode
 #      consistency, the serving loop and the scheduler. float32 matmuls at "highest" precision
 #      (JAX_DEFAULT_MATMUL_PRECISION), as the references compute them: the GPU's default uses
@@ -35,6 +38,24 @@ timeout "$sweep_timeout" python3 -m service.cli sweep --random --model configs/m
   --hardware auto --out "$out/sweep" 2>&1 | tee "$out/sweep.log"
 sweep_rc=${PIPESTATUS[0]}
 
+timeout "$sweep_timeout" python3 -m service.cli sweep --random --model configs/models/llama-3-8b \
+  --dtype bfloat16 --weights int8 --layouts 1x1 --batches 1 8 --prompt-lens 128 --steps 16 \
+  --hardware auto --out "$out/sweep-int8" 2>&1 | tee "$out/sweep-int8.log"
+int8_rc=${PIPESTATUS[0]}
+python3 - "$out/sweep/sweep.json" "$out/sweep-int8/sweep.json" <<'PY' 2>&1 | tee "$out/int8-ratio.txt"
+import json, sys
+def tpot(path, batch):
+    rows = [r for r in json.load(open(path))["rows"] if r["batch"] == batch and r["status"] == "ok"]
+    return rows[0]["tpot_ms"] if rows else None
+for batch in (1, 8):
+    bf16, int8 = tpot(sys.argv[1], batch), tpot(sys.argv[2], batch)
+    if bf16 is None or int8 is None:
+        print(f"B={batch}: no measurement (bfloat16 {bf16}, int8 {int8})")
+        continue
+    verdict = ("PASS" if int8 / bf16 <= 0.6 else "FAIL") + " (target <= 0.6)" if batch == 1 else ""
+    print(f"B={batch}: TPOT int8 {int8:.3f} ms / bfloat16 {bf16:.3f} ms = {int8 / bf16:.3f} {verdict}")
+PY
+
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider \
   tests/test_hf_llama.py tests/test_model_consistency.py tests/test_loop_pipelining.py \
   tests/test_scheduler.py tests/test_engine_config.py \
@@ -44,5 +65,5 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$test_timeout" python3 -m pytest -
   2>&1 | tee "$out/pytest.log"
 test_rc=${PIPESTATUS[0]}
 
-echo "gpu_check: sweep rc=$sweep_rc, tests rc=$test_rc" | tee -a "$out/gpu.txt"
-[ "$sweep_rc" -eq 0 ] && [ "$test_rc" -eq 0 ]
+echo "gpu_check: sweep rc=$sweep_rc, int8 sweep rc=$int8_rc, tests rc=$test_rc" | tee -a "$out/gpu.txt"
+[ "$sweep_rc" -eq 0 ] && [ "$int8_rc" -eq 0 ] && [ "$test_rc" -eq 0 ]

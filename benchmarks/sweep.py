@@ -305,34 +305,49 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
 
 # ---- loading -------------------------------------------------------------------------------------
 def model_to_time(
-    model: str | None, cache_dir: str | None, random: bool, tiny: bool, seed: int = 0, dtype: str = "float32"
+    model: str | None,
+    cache_dir: str | None,
+    random: bool,
+    tiny: bool,
+    seed: int = 0,
+    dtype: str = "float32",
+    weights: str = "float",
 ) -> tuple[Any, Any, Any, str]:
     """(cfg, graphdef, params, description) of the model to time; weights in ``dtype``.
 
     ``tiny``: random weights at ``LlamaConfig.tiny()``'s shapes; ``random``: random weights at the
     model's shapes (reads only its config); else the model's own weights (GGUF, Hugging Face
     directory, or converted checkpoint, by ``model.loader.load_model``: a checkpoint restored
-    onto the first device, the others read on the host for the engine to place).
+    onto the first device, the others read on the host for the engine to place). ``weights``
+    "int8": the matmul weights as Q8_0 blocks (random ones, ``model.build.random_block_llama``,
+    or the model's quantized at load, ``load_model(quantize="int8")``); "float": as ``dtype``.
 
     Raises:
         FileNotFoundError, ValueError: see ``model.loader.load_model``.
     """
     import jax.numpy as jnp
 
+    from model.build import random_block_llama
     from model.config import LlamaConfig
     from model.loader import load_model, random_llama, read_model_config
 
+    def make_random(cfg: LlamaConfig) -> tuple[Any, Any]:
+        if weights == "int8":
+            return random_block_llama(cfg, seed, jnp.dtype(dtype), "q8_0")
+        return random_llama(cfg, seed, jnp.dtype(dtype))
+
+    held = ", matmul weights as int8 (Q8_0) blocks" if weights == "int8" else ""
     if tiny:
         cfg = LlamaConfig.tiny()
-        return (cfg, *random_llama(cfg, seed, jnp.dtype(dtype)), "random weights, LlamaConfig.tiny()")
+        return (cfg, *make_random(cfg), f"random weights, LlamaConfig.tiny(){held}")
     from model.fetch import resolve_model
 
     path = resolve_model(model, cache_dir)
     if random:
         cfg = read_model_config(path)
-        return (cfg, *random_llama(cfg, seed, jnp.dtype(dtype)), f"random weights at the shapes of {path}")
-    m = load_model(path, dtype)
-    return m.cfg, m.graphdef, m.state, f"{path} ({m.kind})"
+        return (cfg, *make_random(cfg), f"random weights at the shapes of {path}{held}")
+    m = load_model(path, dtype, quantize="int8" if weights == "int8" else None)
+    return m.cfg, m.graphdef, m.state, f"{path} ({m.kind}){held}"
 
 
 def default_layouts(num_devices: int) -> list[str]:
@@ -526,6 +541,13 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=positive_int, help="KV tokens per slot (default: prompt + steps + 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameters (%(default)s)")
     p.add_argument(
+        "--weights",
+        choices=["float", "int8"],
+        default="float",
+        help="matmul weights as --dtype (%(default)s) or as int8 (Q8_0) blocks: random ones with --random/--tiny, "
+        "else the model's quantized at load; the roofline overlay still prices them as --dtype",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
@@ -593,7 +615,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             max_seq_len=args.max_seq_len,
         )
         cfg, graphdef, params, source = model_to_time(
-            args.model, args.cache_dir, args.random, args.tiny, args.seed, args.dtype
+            args.model, args.cache_dir, args.random, args.tiny, args.seed, args.dtype, args.weights
         )
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"meshserve sweep: {exc}") from None

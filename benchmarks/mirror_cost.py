@@ -238,12 +238,11 @@ def tiny_engine(devices: list[Any]) -> Any:
 
 
 def enable_compilation_cache() -> None:
-    import jax
-
+    """The server's persistent compilation cache (``service.server.enable_compilation_cache``)."""
     from model.fetch import cache_dir
+    from service.server import enable_compilation_cache as enable
 
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    enable(cache_dir())
 
 
 # ---------------------------------------------------------------------------------------------

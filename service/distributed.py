@@ -227,13 +227,13 @@ class StepChannel:
         thread.start()
         return thread
 
-    def finish(self, message: Any, timeout_s: float = 30.0) -> bool:
-        """Process 0's last word: send ``message`` (``STOP``), wait up to ``timeout_s`` for each
-        follower to close its end (it got the message and is leaving), then close. Returns
-        whether every follower closed in time (a lost one never does)."""
+    def finish(self, timeout_s: float = 30.0) -> bool:
+        """Process 0's last word: send ``STOP`` (as ``MirroredEngine.stop`` does), wait up to
+        ``timeout_s`` for each follower to close its end (it got it and is leaving), then close.
+        Returns whether every follower closed in time (a lost one never does)."""
         self._finishing = True
         with contextlib.suppress(OSError):
-            self.send(message)
+            self.send((STOP, (), {}))
         end = time.monotonic() + timeout_s
         closed = 0
         for sock in self.peers:
@@ -296,11 +296,6 @@ class MirroredEngine(PagedEngine):
     """
 
     _own = ("_engine", "_channel", "_last")
-
-    @property
-    def fault(self) -> str | None:  # type: ignore[override]
-        """Why the job can no longer step (a follower lost: ``StepChannel.watch``), or None."""
-        return self._channel.fault
 
     def __init__(self, engine: PagedEngine, channel: StepChannel):  # no super().__init__: see the docstring
         object.__setattr__(self, "_engine", engine)

@@ -450,8 +450,6 @@ class Engine:
             the kernels not built, or weight widths not multiples of 32).
     """
 
-    fault: str | None = None  # as ``PagedEngine.fault`` (never set on this engine)
-
     def __init__(
         self,
         cfg: LlamaConfig,

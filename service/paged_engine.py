@@ -150,10 +150,6 @@ class PagedEngine:
         ValueError: ``engine_cfg`` is not paged (``EngineConfig.paged``).
     """
 
-    # Why this engine can no longer step although its loop runs (a lost process of a job over
-    # several: ``service.distributed.MirroredEngine``), or None.
-    fault: str | None = None
-
     def __init__(
         self,
         cfg: LlamaConfig,

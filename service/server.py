@@ -55,7 +55,6 @@ from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.admin import start_admin_server
 from service.distributed import (
     CONFIG,
-    STOP,
     Heartbeat,
     MirroredEngine,
     StepChannel,
@@ -616,7 +615,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         to leave, close the step channel (a no-op on one process)."""
         if self.channel is None or self.channel.fault is not None:  # a broken job's channel is closed
             return
-        if not self.channel.finish((STOP, (), {})):
+        if not self.channel.finish():
             log.warning("not every follower left the job within 30 s of STOP")
 
     def restore_for_layout(self, layout: Layout, devices: list) -> nnx.State | None:
@@ -660,11 +659,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         raise InvalidRequest(f"layout: unknown layout or pool {name!r}; valid: {', '.join(valid)}")
 
     def pool_problem(self, pool: Pool) -> str | None:
-        """Why ``pool`` cannot serve (warming up, its loop died or stopped, or a loop with work
-        made no progress for ``stall_timeout_s``), or None when it can."""
+        """Why ``pool`` cannot serve (a job over several processes lost one, warming up, its loop
+        died or stopped, or a loop with work made no progress for ``stall_timeout_s``), or None
+        when it can."""
         loop = pool.loop
-        if loop.engine.fault is not None:
-            return f"the job is broken: {loop.engine.fault}"
+        if self.channel is not None and self.channel.fault is not None:
+            return f"the job is broken: {self.channel.fault}"
         if not loop.ready.is_set():
             return "the engine is still warming up"
         if loop.error is not None:

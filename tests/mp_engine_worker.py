@@ -145,11 +145,9 @@ def main() -> int:
     import jax
 
     from model.fetch import cache_dir
+    from service.server import enable_compilation_cache
 
-    # The compiled steps persist as the server's do (service.server.enable_compilation_cache):
-    # a rerun skips most of the warm-up's compiles.
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    enable_compilation_cache(cache_dir())  # as the server's: a rerun skips most of the warm-up's compiles
     assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
     channel = distributed.StepChannel.open()
     result: dict[str, Any] = {"ids": {}, "seconds": {}, "followed_steps": {}}

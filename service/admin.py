@@ -140,6 +140,11 @@ class AdminService(apb_grpc.AdminServicer):
                     f"pool's {ecfg.num_pages * ecfg.page_size} tokens, fewer than the {self.service.max_request_tokens} "
                     "one request may hold now; serve with a bigger --kv-cache-tokens to switch to it",
                 )
+        # The new engine is built beside the serving one: refuse what cannot fit before building.
+        predicted = layout_info(self.service, layout)
+        need = predicted.weight_bytes_per_device + predicted.kv_cache_bytes_per_device
+        if (problem := kv_pool.switch_problem(pool.devices[: layout.num_devices], need)) is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"layout {layout.name!r}: {problem}")
         async with self._switch_lock:
             t0 = time.perf_counter()
             old = pool.loop.engine
@@ -151,7 +156,15 @@ class AdminService(apb_grpc.AdminServicer):
                 return engine
 
             if self.service.channel is None:
-                new_engine = await asyncio.to_thread(build)
+                try:
+                    new_engine = await asyncio.to_thread(build)
+                except Exception as exc:  # nothing was swapped: the old engine keeps serving
+                    out_of_memory = isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc)
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED if out_of_memory else grpc.StatusCode.INTERNAL,
+                        f"layout {layout.name!r}: building the new engine failed ({type(exc).__name__}: {exc}); "
+                        f"pool {pool.name!r} keeps serving on {old.layout.name!r}",
+                    )
                 t_build = time.perf_counter() - t0
                 await asyncio.to_thread(pool.loop.switch_engine, new_engine)
             else:

@@ -74,6 +74,42 @@ def device_free_bytes(devices: list[jax.Device]) -> int | None:
     return min(free) if free else None
 
 
+def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | None:
+    """Why a new engine needing ``need_per_device`` bytes on each of ``devices`` cannot be built
+    now, beside the engine that keeps serving while it is built (a live layout switch holds
+    both until the hand-over), or None where it fits.
+
+    Accelerators (``memory_stats()`` reports ``bytes_limit``): each device needs
+    ``need_per_device`` within its limit less its bytes in use (the old engine's weights and pool
+    among them). CPU devices share the host's memory: ``need_per_device`` x the devices within
+    MemAvailable. A device that reports nothing (and an unreadable /proc/meminfo) is not
+    checked. The default pool on an accelerator takes ``ACCELERATOR_FRACTION`` of the memory,
+    so a switch on the same devices fits only where ``--kv-cache-memory`` or
+    ``--kv-cache-tokens`` left room for the new engine.
+    """
+    local = [d for d in devices if getattr(d, "process_index", jax.process_index()) == jax.process_index()]
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in local]
+    gib = 2**30
+    if local and all(s and "bytes_limit" in s for s in stats):
+        free = min(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
+        if need_per_device > free:
+            return (
+                f"the new layout needs {need_per_device / gib:.2f} GiB per device (weights and KV pool) beside "
+                f"the engine serving now, and a device has {max(free, 0) / gib:.2f} GiB free; "
+                "serve with a smaller --kv-cache-memory (or --kv-cache-tokens) to leave room for a switch"
+            )
+        return None
+    available = host_available_bytes()
+    need = need_per_device * len(local)
+    if available is not None and need > available:
+        return (
+            f"the new layout needs {need / gib:.2f} GiB of host memory ({len(local)} CPU device(s), weights "
+            f"and KV pool) beside the engine serving now, and the host has {available / gib:.2f} GiB "
+            "available; serve with a smaller --kv-cache-tokens (or --kv-cache-memory) to leave room for a switch"
+        )
+    return None
+
+
 def agreed_tokens(tokens: int) -> int:
     """The least of every process's ``tokens`` (a job over several processes, each of which
     sized the pool from its own memory; all must build the same pool). A collective: every

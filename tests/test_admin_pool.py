@@ -1,6 +1,7 @@
 """The Admin service on a paged pool (tiny model): the layout predictions count the pool as
-served, and a switch to a layout whose data replicas would each hold less than a request may
-now is refused before anything is built."""
+served; a switch to a layout whose data replicas would each hold less than a request may now,
+or that would not fit in memory beside the engine serving now, is refused before anything is
+built; a build that fails leaves the pool serving on its layout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service import kv_pool
+from service.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
@@ -47,3 +50,44 @@ def test_a_switch_that_would_split_the_pool_below_the_request_limit_is_refused(s
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "holds 64 of the pool's 128 tokens" in err.value.details() and "--kv-cache-tokens" in err.value.details()
     assert srv.running.service.pools[0].loop.engine.layout.name == "1x2"  # nothing changed
+
+
+def test_a_switch_that_would_not_fit_in_memory_is_refused(small_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    srv, admin = small_pool
+    predicted = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
+    one = next(p for p in predicted.presets if p.data == 1 and p.model == 1)
+    need = one.weight_bytes_per_device + one.kv_cache_bytes_per_device
+    monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: need - 1)  # one CPU device's need, less a byte
+    with pytest.raises(grpc.RpcError) as err:
+        admin.SetLayout(apb.SetLayoutRequest(pool="p", layout="1x1"), metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "'1x1'" in err.value.details() and "of host memory (1 CPU device(s)" in err.value.details()
+    assert srv.running.service.pools[0].loop.engine.layout.name == "1x2"  # nothing changed
+
+
+def test_a_failed_build_leaves_the_pool_serving(small_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    srv, admin = small_pool
+    service = srv.running.service
+    client = Client(srv.address)
+    greedy = make_request(prompt="Hello", max_tokens=6, temperature=0.0)
+    before = client.generate(greedy).token_ids
+
+    def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes.")
+
+    monkeypatch.setattr(service, "restore_for_layout", out_of_memory)
+    with pytest.raises(grpc.RpcError) as err:
+        admin.SetLayout(apb.SetLayoutRequest(pool="p", layout="1x1"), metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "building the new engine failed" in err.value.details() and "keeps serving on '1x2'" in err.value.details()
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("something else")
+
+    monkeypatch.setattr(service, "restore_for_layout", broken)
+    with pytest.raises(grpc.RpcError) as err:
+        admin.SetLayout(apb.SetLayoutRequest(pool="p", layout="1x1"), metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "ValueError: something else" in err.value.details()
+    assert service.pools[0].loop.engine.layout.name == "1x2"
+    assert client.generate(greedy).token_ids == before and len(before) == 6
+    client.close()

@@ -64,6 +64,31 @@ def test_device_memory_is_read_where_devices_report_it() -> None:
     assert kv_pool.host_available_bytes() is None or kv_pool.host_available_bytes() > 0
 
 
+def test_a_switch_must_fit_beside_the_engine_serving_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Accelerator:
+        def __init__(self, in_use: int) -> None:
+            self.in_use = in_use
+
+        def memory_stats(self) -> dict[str, int]:
+            return {"bytes_limit": 10 * 2**30, "bytes_in_use": self.in_use}
+
+    roomy, full = Accelerator(2 * 2**30), Accelerator(9 * 2**30)
+    assert kv_pool.switch_problem([roomy, roomy], 8 * 2**30) is None  # type: ignore[list-item]
+    problem = kv_pool.switch_problem([roomy, full], 2 * 2**30)  # type: ignore[list-item]
+    assert problem is not None
+    assert "needs 2.00 GiB per device" in problem and "1.00 GiB free" in problem and "--kv-cache-memory" in problem
+
+    cpu = jax.devices()[:2]
+    if cpu[0].platform == "cpu":  # CPU devices share the host's memory: the need of all of them counts
+        monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: 3 * 2**30)
+        assert kv_pool.switch_problem(cpu, 2**30) is None
+        problem = kv_pool.switch_problem(cpu, 2 * 2**30)
+        assert problem is not None and "needs 4.00 GiB of host memory (2 CPU device(s)" in problem
+        assert "3.00 GiB available" in problem
+        monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: None)  # unreadable: not checked
+        assert kv_pool.switch_problem(cpu, 2**50) is None
+
+
 def test_an_engine_sizes_its_pool_from_bytes_and_keeps_the_size_for_a_relayout() -> None:
     per_token = kv_pool.bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, "float32")
     assert per_token == 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4

@@ -182,3 +182,22 @@ def test_roofline_streams_the_blocks_bytes(files: dict[str, Path], tmp_path: Pat
     plan = make_plan(Layout("1x2", data=1, model=2), cfg)
     assert runs["stored"][2]["decode"]["weight_bytes"] == plan.weight_bytes_per_device(cfg, 4, held_formats(path, True))
     assert "held_weights" not in floats and runs["stored"][2]["held_weights"]["label"].startswith("blocks as stored")
+
+
+def test_roofline_weights_and_dtype_must_agree(files: dict[str, Path]) -> None:
+    from service.cli import main
+
+    with pytest.raises(SystemExit, match="--weights float32 and --dtype bfloat16 contradict"):
+        main(
+            [
+                "roofline",
+                "--model",
+                str(files["F32"]),
+                "--hardware",
+                "h200",
+                "--weights",
+                "float32",
+                "--dtype",
+                "bfloat16",
+            ]
+        )

@@ -82,7 +82,7 @@ import yaml
 
 from model.config import LlamaConfig
 from model.config import itemsize as _itemsize
-from service.arg_types import nonnegative_float, positive_int
+from service.arg_types import WEIGHT_MODES, nonnegative_float, positive_int
 
 HARDWARE_FILE = Path(__file__).resolve().parent.parent / "configs" / "hardware.yaml"
 ATTENTION_MODES = ("heads", "replicated")
@@ -457,6 +457,7 @@ class Roofline:
         critical_batch: batch at which the weight matmuls turn compute-bound, ridge · itemsize / 2.
         weights_stored_bytes, kv_stored_bytes: per device: all weights held, and the KV cache of
             ``batch`` sequences of ``context_len`` tokens.
+        held: the weights held as blocks it was priced with (None: all ``workload.dtype``).
     """
 
     hardware: Hardware
@@ -468,6 +469,7 @@ class Roofline:
     critical_batch: float
     weights_stored_bytes: float
     kv_stored_bytes: float
+    held: HeldWeights | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -528,6 +530,8 @@ class Roofline:
             "fits": self.fits,
             "prefill": step(self.prefill),
             "decode": step(self.decode),
+            # Only when some weights are blocks, so the float predictions' JSON is unchanged.
+            **({} if self.held is None else {"held_weights": dataclasses.asdict(self.held)}),
         }
 
 
@@ -561,6 +565,63 @@ def weight_bytes_per_device(cfg: LlamaConfig, par: Parallelism, itemsize: int) -
     """Parameter bytes held by each device (equals ``ShardingPlan.weight_bytes_per_device``)."""
     e = _elements(cfg, par)
     return (e.matmul + e.embed + e.norms) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldWeights:
+    """The weights as each device holds them, in bytes by group, when some are GGUF blocks (as
+    stored, or int8) rather than all ``Workload.dtype`` floats: ``held_weights`` reads them from
+    ``sharding.plan.ShardingPlan.param_bytes``, which prices each parameter as the placement
+    splits it (a block array may stay whole where its float weight would be split, e.g. gate/up's
+    panels over ``model``). A step reads every byte a device holds of the matmul weights and the
+    norms, and the rows it looks up of a separate embedding table (``embed`` / V bytes each, the
+    share of a row a device holds on average).
+
+    Attributes:
+        attn: Q, K, V, O of all layers (wqkv, wo). mlp: gate, up, down (w_gate_up, w_down).
+        lm_head: the output projection (the embedding table when tied). embed: a separate input
+            embedding table (untied only; 0 when tied). norms: the RMSNorm weights.
+        label: how they are held, for the header ("blocks as stored (q4_1: ...; the rest float32)").
+    """
+
+    attn: int
+    mlp: int
+    lm_head: int
+    embed: int
+    norms: int
+    label: str = ""
+
+    @property
+    def matmul(self) -> int:
+        return self.attn + self.mlp + self.lm_head
+
+    @property
+    def total(self) -> int:
+        return self.matmul + self.embed + self.norms
+
+    def embed_rows(self, cfg: LlamaConfig, rows: int) -> float:
+        """Bytes of ``rows`` looked-up rows of the separate embedding table, per device."""
+        return min(rows, cfg.vocab_size) * self.embed / cfg.vocab_size
+
+
+def held_weights(cfg: LlamaConfig, plan: Any, itemsize: int, formats: dict[str, str], label: str = "") -> HeldWeights:
+    """``HeldWeights`` of one layout's devices from ``plan.param_bytes`` (a ``ShardingPlan``,
+    duck-typed so this module never imports JAX): ``formats`` the parameters held as blocks by
+    name ("wqkv": "q4_1", ...), the rest floats of ``itemsize`` bytes.
+
+    Raises:
+        ValueError: see ``ShardingPlan.param_bytes``.
+    """
+    b = plan.param_bytes(cfg, itemsize, formats)
+    tied = cfg.tie_word_embeddings
+    return HeldWeights(
+        attn=b["wqkv"] + b["wo"],
+        mlp=b["w_gate_up"] + b["w_down"],
+        lm_head=b["embed"] if tied else b["lm_head"],
+        embed=0 if tied else b["embed"],
+        norms=b["attn_norm"] + b["mlp_norm"] + b["final_norm"],
+        label=label,
+    )
 
 
 # Bytes per row of the step's packed host-bound results (``service.engine.pack_step``): the id, its
@@ -617,16 +678,27 @@ def _collectives(cfg: LlamaConfig, par: Parallelism, tokens: int, hw: Hardware, 
     return _Comm(count=count, sent=sent, inside_s=inside_s, across_s=across_s, across_bytes=across_bytes)
 
 
-def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> StepCost:
+def _held_step_bytes(cfg: LlamaConfig, held: HeldWeights, tokens: int) -> float:
+    """Weight bytes one device reads in a step over ``tokens`` tokens with ``held`` weights."""
+    return held.matmul + held.norms + held.embed_rows(cfg, tokens)
+
+
+def decode_step(
+    cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload, held: HeldWeights | None = None
+) -> StepCost:
     """One decode step of ``wl.batch`` sequences at context ``wl.context_len``, per device.
 
     bytes = (matmul weights + norms) · itemsize [+ B gathered embedding rows when untied]
           + B · S · kv_bytes_per_token / attn_split
     FLOPs = 2 · B · matmul weights + 4 · B · S · L · N · H / attn_split
+
+    ``held``: weights held as blocks; the weight bytes are then ``held``'s (the matmul weights'
+    and norms' bytes a device holds, plus B embedding rows), the FLOPs the same (the blocks'
+    dequantization is not counted).
     """
     e, w, B, S = _elements(cfg, par), wl.itemsize, wl.batch, wl.context_len
     embed_rows = min(B, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
-    weight_bytes = (e.matmul + e.norms + embed_rows) * w
+    weight_bytes = (e.matmul + e.norms + embed_rows) * w if held is None else _held_step_bytes(cfg, held, B)
     kv_bytes = B * S * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 4 * B * S * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * B * e.matmul + attn_flops
@@ -646,16 +718,20 @@ def decode_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) 
     )
 
 
-def prefill_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> StepCost:
+def prefill_step(
+    cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload, held: HeldWeights | None = None
+) -> StepCost:
     """Prefill of one prompt of T = ``wl.prompt_len`` tokens on an empty cache, per device.
 
     bytes = weights once + T embedding rows (untied) + T · kv_bytes_per_token written
     FLOPs = 2 · T · (attention + MLP weights) + 2 · V · D / tp (LM head, last position)
           + 2 · T(T+1) · L · N · H / attn_split (causal QKᵀ and PV: 4·N·H per pair, T(T+1)/2 pairs)
+
+    ``held``: weights held as blocks, as in :func:`decode_step`.
     """
     e, w, T = _elements(cfg, par), wl.itemsize, wl.prompt_len
     embed_rows = min(T, cfg.vocab_size) * cfg.hidden_size // par.tp if e.embed else 0
-    weight_bytes = (e.matmul + e.norms + embed_rows) * w
+    weight_bytes = (e.matmul + e.norms + embed_rows) * w if held is None else _held_step_bytes(cfg, held, T)
     kv_bytes = T * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split
     attn_flops = 2 * T * (T + 1) * cfg.num_layers * cfg.num_heads * cfg.head_dim / par.attn_split
     flops = 2 * T * (e.attn + e.mlp) + 2 * e.lm_head + attn_flops
@@ -675,13 +751,17 @@ def prefill_step(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload)
     )
 
 
-def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> Roofline:
+def roofline(
+    cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload, held: HeldWeights | None = None
+) -> Roofline:
     """Predict TTFT, TPOT, throughput and the regime.
 
     TTFT = prefill time of one prompt; TPOT = decode step time; throughput = dp · B / TPOT.
     On ``shared`` hardware (fake CPU devices) each of the layout's devices gets 1/n of the machine.
     With ``hw.devices_per_host`` set, collectives that cross hosts are priced as the module
-    docstring's "Several hosts" says.
+    docstring's "Several hosts" says. ``held``: weights held as blocks (``held_weights``), priced
+    by their bytes instead of ``wl.dtype``'s itemsize: the steps' weight bytes, the bytes stored,
+    and the critical batch (ridge · bytes per matmul weight / 2).
 
     Raises:
         HardwareError: ``hw`` has no peak for ``wl.dtype``.
@@ -689,16 +769,18 @@ def roofline(cfg: LlamaConfig, hw: Hardware, par: Parallelism, wl: Workload) -> 
     """
     hw = hw.per_device(par.num_devices)
     ridge = hw.ridge(wl.dtype)
+    per_weight = wl.itemsize if held is None else held.matmul / _elements(cfg, par).matmul
     return Roofline(
         hardware=hw,
         parallelism=par,
         workload=wl,
-        prefill=prefill_step(cfg, hw, par, wl),
-        decode=decode_step(cfg, hw, par, wl),
+        prefill=prefill_step(cfg, hw, par, wl, held),
+        decode=decode_step(cfg, hw, par, wl, held),
         ridge=ridge,
-        critical_batch=ridge * wl.itemsize / 2,
-        weights_stored_bytes=float(weight_bytes_per_device(cfg, par, wl.itemsize)),
+        critical_batch=ridge * per_weight / 2,
+        weights_stored_bytes=float(weight_bytes_per_device(cfg, par, wl.itemsize) if held is None else held.total),
         kv_stored_bytes=wl.batch * wl.context_len * cfg.kv_bytes_per_token(wl.kv_itemsize) / par.attn_split,
+        held=held,
     )
 
 
@@ -738,6 +820,7 @@ def decode_utilization(
     dtype: str,
     step_s: float,
     kv_dtype: str | None = None,
+    held: HeldWeights | None = None,
 ) -> Utilization:
     """Predicted TPOT, MBU and MFU of a measured decode step of ``step_s`` seconds.
 
@@ -746,13 +829,15 @@ def decode_utilization(
     (2·B·matmul weights + 4·B·S·L·N·H attention)
     are :func:`decode_step`'s, per device; on ``shared`` hardware each device gets 1/n of it, as
     in :func:`roofline`. MBU as in Pope et al. 2022 §2 / the scaling book's inference chapter
-    ("How to Scale Your Model"); MFU as in Chowdhery et al. 2022 (PaLM) §4.1.
+    ("How to Scale Your Model"); MFU as in Chowdhery et al. 2022 (PaLM) §4.1. ``held``: weights
+    held as blocks (:func:`held_weights`), whose bytes the MBU counts.
 
     Raises:
         HardwareError: ``hw`` has no peak for ``dtype``.
     """
     hw = hw.per_device(par.num_devices)
-    step = decode_step(cfg, hw, par, Workload(batch=batch, context_len=context_len, dtype=dtype, kv_dtype=kv_dtype))
+    wl = Workload(batch=batch, context_len=context_len, dtype=dtype, kv_dtype=kv_dtype)
+    step = decode_step(cfg, hw, par, wl, held)
     return _utilization(step, hw, dtype, step_s)
 
 
@@ -764,17 +849,19 @@ def prefill_utilization(
     dtype: str,
     step_s: float,
     kv_dtype: str | None = None,
+    held: HeldWeights | None = None,
 ) -> Utilization:
     """Predicted TTFT, MBU and MFU of a measured prefill of one ``prompt_len``-token prompt taking
     ``step_s`` seconds (bytes and FLOPs of :func:`prefill_step`, per device; the KV cache in
     ``kv_dtype``, None: ``dtype``). Prefill is
     compute-bound at any useful prompt length, so its MFU is the figure that matters (PaLM §4.1).
+    ``held``: weights held as blocks, as in :func:`decode_utilization`.
 
     Raises:
         HardwareError: ``hw`` has no peak for ``dtype``.
     """
     hw = hw.per_device(par.num_devices)
-    step = prefill_step(cfg, hw, par, Workload(prompt_len=prompt_len, dtype=dtype, kv_dtype=kv_dtype))
+    step = prefill_step(cfg, hw, par, Workload(prompt_len=prompt_len, dtype=dtype, kv_dtype=kv_dtype), held)
     return _utilization(step, hw, dtype, step_s)
 
 
@@ -829,6 +916,15 @@ def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
         "--hardware", nargs="+", default=["cpu-this-machine"], help="presets of configs/hardware.yaml (%(default)s)"
     )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16 where the chip has it")
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="auto",
+        help="how the weights are held, priced by their bytes: auto (default), stored: a GGUF's Q8_0/Q4_0/Q4_1 "
+        "matmul weights (or a converted checkpoint's blocks) as their blocks, the rest --dtype (a model without "
+        "blocks: all --dtype); int8: the float matmul weights as Q8_0 blocks too; float32, bfloat16: every "
+        "weight dequantized to that dtype (sets --dtype)",
+    )
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV-cache dtype (default: --dtype's)")
     p.add_argument("--batch", nargs="+", type=positive_int, default=[1], help="sequences per replica (%(default)s)")
     p.add_argument("--context", type=positive_int, default=2048, help="KV tokens per sequence in decode (%(default)s)")
@@ -880,15 +976,24 @@ def run_from_args(args: argparse.Namespace) -> int:
     """
     from benchmarks import check_writable_file
     from model.fetch import FetchError, resolve_model
-    from model.loader import read_model_config
-    from sharding.layouts import LayoutError, load_layout
+    from model.loader import held_formats, read_model_config
+    from sharding.layouts import Layout, LayoutError, load_layout
     from sharding.plan import make_plan
 
     if args.json:
         check_writable_file(args.json, "meshserve roofline")
+    floats = ("float32", "bfloat16")
+    if args.weights in floats and args.dtype not in (None, args.weights):
+        raise SystemExit(
+            f"meshserve roofline: --weights {args.weights} and --dtype {args.dtype} contradict each other "
+            f"(--weights {args.weights} holds every weight as that dtype); give one of them"
+        )
     try:
         path = resolve_model(args.model, args.cache_dir)
         cfg = read_model_config(path)
+        # The blocks the model is served with (``serve --weights``'s ``held_formats``); none: floats.
+        formats = {} if args.weights in floats else held_formats(path, True, "int8" if args.weights == "int8" else None)
+        quantized = args.weights == "int8" and formats != held_formats(path, True)
     except (OSError, ValueError, FetchError) as exc:  # missing file, not a GGUF / model directory
         raise SystemExit(f"meshserve roofline: {args.model or 'the default model'}: {exc}") from None
     if args.context > cfg.max_position_embeddings:
@@ -903,21 +1008,29 @@ def run_from_args(args: argparse.Namespace) -> int:
     for hw_name in args.hardware:
         try:
             hw = load_hardware(hw_name)
-            dtype = args.dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
+            dtype = args.dtype or (args.weights if args.weights in floats else None)
+            dtype = dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
             peak, itemsize = hw.peak(dtype), _itemsize(dtype)
         except HardwareError as exc:
             raise SystemExit(f"meshserve roofline: {exc}") from None
         ridge = peak / hw.hbm_bytes_per_s
+        weights, per_weight = dtype, float(itemsize)  # how the weights are held; bytes per matmul weight
+        if formats:
+            from service.server import describe_weights
+
+            weights = describe_weights("int8" if quantized else "stored", formats, dtype)
+            whole = held_weights(cfg, make_plan(Layout("1x1"), cfg), itemsize, formats)  # unsplit: the model's own
+            per_weight = whole.matmul / _elements(cfg, Parallelism()).matmul
         memory = f", {_si(hw.memory_bytes, 'B')}" if hw.memory_bytes else ""
         print(
             f"hardware {hw.name}: {hw.description}: {_si(hw.hbm_bytes_per_s, 'B/s')} memory, "
             f"{_si(peak, 'FLOP/s')} {dtype}, {_si(hw.interconnect_bytes_per_s, 'B/s')} interconnect{memory}"
             f"{' in all, shared by the mesh devices (each of n gets 1/n)' if hw.shared else ''}\n"
             f"  source: {hw.source}\n"
-            f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * itemsize / 2:.0f}\n"
+            f"  ridge {ridge:.0f} FLOP/byte: weight matmuls turn compute-bound at batch {ridge * per_weight / 2:.0f}\n"
             f"{_inter_host_line(hw) if by_hosts else ''}"
             f"model {path.name}: {cfg.param_count() / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
-            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {dtype} weights, {args.kv_dtype or dtype} KV; "
+            f"{cfg.num_heads}/{cfg.num_kv_heads} heads; {weights} weights, {args.kv_dtype or dtype} KV; "
             f"context {args.context}, "
             f"prompt {args.prompt} tokens"
         )
@@ -953,8 +1066,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                     act_itemsize=args.act_bytes,
                     hop_latency_s=args.hop_latency_us * 1e-6,
                 )
+                held = held_weights(cfg, plan, itemsize, formats, weights) if formats else None
                 try:
-                    r = roofline(cfg, on_hosts, Parallelism.from_plan(plan), workload)
+                    r = roofline(cfg, on_hosts, Parallelism.from_plan(plan), workload, held)
                 except TopologyError as exc:
                     print(f"  {name}: unusable: {exc}")
                     unusable.append(name)

@@ -36,6 +36,7 @@ __all__ = [
     "ShardingsFn",
     "abstract_llama",
     "checkpoint_blocks",
+    "held_formats",
     "load_gguf_model",
     "load_hf_model",
     "load_model",
@@ -274,6 +275,61 @@ def checkpoint_blocks(p: str | Path) -> dict[str, str]:
     from model.checkpoint import read_checkpoint_config  # imports orbax
 
     return read_checkpoint_config(p)[1].get("blocks", {})
+
+
+def held_formats(path: str | Path, stored: bool, quantize: str | None = None) -> dict[str, str]:
+    """The parameters ``load_model(path, stored=stored, quantize=quantize)`` holds as blocks, by
+    name -> format ({"wqkv": "q4_1", "embed": "q8_0", ...}, the names of
+    ``service.server.stored_formats``), told from the file's tensor types or the checkpoint's
+    ``config.json`` alone (reads no weights).
+
+    With ``stored``: a GGUF's matmul weights ``model.gguf_weights.stored_matmuls`` keeps, or a
+    checkpoint's blocks; a Hugging Face directory holds none. With ``quantize`` "int8" (which
+    implies ``stored``): also every other matmul weight whose widths are whole 32-blocks, as
+    Q8_0 (``block_params.quantize_params``).
+
+    Raises:
+        FileNotFoundError, ValueError: see ``model_format`` and ``read_model_config``.
+    """
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    kind = model_format(path)
+    cfg = read_model_config(path)
+    held: dict[str, str] = {}
+    if stored or quantize is not None:
+        if kind == "gguf":
+            from model.gguf_weights import stored_matmuls
+
+            held = stored_matmuls(path, cfg)
+        elif kind == "checkpoint":
+            held = {name.rsplit("/", 1)[-1]: fmt for name, fmt in checkpoint_blocks(path).items()}
+    if quantize == "int8":
+        _, state = abstract_llama(cfg)
+        shapes = {name: tuple(leaf.shape) for name, leaf in _flat_leaves(nnx.to_pure_dict(state)).items()}
+        for name, shape in shapes.items():
+            leaf = name.rsplit("/", 1)[-1]
+            if leaf in held or not _blockable(name, shape):
+                continue
+            held[leaf] = "q8_0"
+    return held
+
+
+def _flat_leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by "/"-joined path."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat_leaves(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _blockable(path: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``block_params.quantize_params`` makes parameter ``path`` of float ``shape`` Q8_0
+    blocks: a matmul weight whose inputs and outputs are whole 32-blocks."""
+    try:
+        block_params.abstract_panels(path, shape, "q8_0")
+    except ValueError:
+        return False
+    return True
 
 
 def _restore_to_host(p: Path, dtype: Any, stored: bool) -> tuple[LlamaConfig, dict[str, Any], str]:

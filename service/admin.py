@@ -37,10 +37,13 @@ log = logging.getLogger("meshserve.admin")
 
 def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = None) -> apb.LayoutInfo:
     """Predictions for ``layout`` on the served model (raises LayoutError if it cannot work):
-    the KV bytes of the served pool (paged; each device holds its replica's share) or of
-    slots x max_seq_len (the per-slot cache)."""
+    the weight bytes as the service holds them (its blocks, ``ModelInfo.weight_formats``, split
+    as ``sharding.rules`` splits them on ``layout``; the rest in the engine's dtype: a live
+    switch moves the blocks as they are), and the KV bytes of the served pool (paged; each
+    device holds its replica's share) or of slots x max_seq_len (the per-slot cache)."""
     cfg, ecfg = service.model_cfg, service.cfg.engine
-    assert cfg is not None, "admin calls are served only after the model is loaded"
+    assert cfg is not None and service.info is not None, "admin calls are served only after the model is loaded"
+    formats = dict(service.info.weight_formats)
     plan = make_plan(layout, cfg, ecfg.num_slots)
     itemsize, kv_itemsize = ITEMSIZE[ecfg.dtype], ITEMSIZE[resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)]
     if ecfg.paged:  # the pool's tokens as one row of that many positions
@@ -54,7 +57,7 @@ def layout_info(service: GenerationService, layout: Layout, pool: Pool | None = 
         data=layout.data,
         model=layout.model,
         attention=plan.attention,
-        weight_bytes_per_device=plan.weight_bytes_per_device(cfg, itemsize),
+        weight_bytes_per_device=plan.weight_bytes_per_device(cfg, itemsize, formats),
         kv_cache_bytes_per_device=kv_bytes,
         all_reduces_per_layer=plan.all_reduces_per_layer,
         description=layout.description,

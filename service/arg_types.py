@@ -7,6 +7,10 @@ import argparse
 import math
 from collections.abc import Callable
 
+# How a model's weights are held (``EngineConfig.weights``; the --weights choices of serve, layouts
+# and roofline): kept here, beside the flags' other types, so building the parser imports no JAX.
+WEIGHT_MODES = ("auto", "stored", "int8", "float32", "bfloat16")
+
 
 def at_least(minimum: float, kind: type[int] | type[float] = int, strict: bool = False) -> Callable[[str], float]:
     """A parser of ``kind`` (int or float) values >= ``minimum`` (> it when ``strict``).

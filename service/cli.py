@@ -11,9 +11,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.arg_types import byte_size, nonnegative_float, port_number, positive_float, positive_int
+from service.arg_types import WEIGHT_MODES, byte_size, nonnegative_float, port_number, positive_float, positive_int
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+# The --weights flag of serve and layouts (EngineConfig.weights).
+WEIGHTS_HELP = (
+    "stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and "
+    "multiplied at exactly their dequantized values (about 6x fewer bytes than float32); int8: float matmul "
+    "weights quantized at load to Q8_0 blocks (int8, a float16 scale per 32 weights; 0.27x float32's bytes; "
+    "not exact); float32, bfloat16: every weight dequantized (sets --dtype); auto: stored for a GGUF "
+    "or checkpoint with blocks served on one CPU device with the native kernels, else --dtype"
+)
 
 
 def _serve_config(args: argparse.Namespace) -> Any:
@@ -321,42 +329,106 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_layouts(args: argparse.Namespace) -> int:
-    """Print every preset with its resolved attention mode and predicted bytes per device."""
+    """Print every preset with its resolved attention mode and predicted bytes per device, the
+    weights priced as ``--weights`` holds them (``auto``: as serve would for that layout alone)."""
     import jax
 
     from model.config import ITEMSIZE
     from model.fetch import resolve_model
-    from model.loader import read_model_config
+    from model.loader import model_format, read_model_config
     from service.engine import resolve_kv_dtype
     from sharding.layouts import LayoutError, load_layout, preset_names
     from sharding.plan import make_plan
 
-    cfg = read_model_config(resolve_model(args.model, args.cache_dir))
-    kv_dtype = resolve_kv_dtype(args.kv_dtype, args.dtype)
-    itemsize, kv_itemsize = ITEMSIZE[args.dtype], ITEMSIZE[kv_dtype]
-    present = len(jax.devices())
+    path = resolve_model(args.model, args.cache_dir)
+    cfg = read_model_config(path)
+    dtype = args.weights if args.weights in ("float32", "bfloat16") else args.dtype  # as serve: it sets the dtype
+    kv_dtype = resolve_kv_dtype(args.kv_dtype, dtype)
+    itemsize, kv_itemsize = ITEMSIZE[dtype], ITEMSIZE[kv_dtype]
+    devices = jax.devices()
+    held = _HeldWeights(path, model_format(path), args.weights, dtype, devices[0].platform)
+    layouts = {name: load_layout(name) for name in preset_names()}
     print(
         f"model: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads; "
-        f"{args.num_slots} slots x {args.max_seq_len} tokens, {args.dtype} weights, {kv_dtype} KV; "
-        f"{present} device(s) present"
+        f"{args.num_slots} slots x {args.max_seq_len} tokens, {kv_dtype} KV; {len(devices)} device(s) present\n"
+        f"weights (--weights {args.weights}): {held.describe(list(layouts.values()))}"
     )
-    print(f"{'layout':12s} {'mesh':>9s} {'attention':>10s} {'weights/dev':>12s} {'KV/dev':>10s} {'AR/layer':>8s}  fits")
-    for name in preset_names():
-        layout = load_layout(name)
+    print(
+        f"{'layout':12s} {'mesh':>9s} {'attention':>10s} {'weights/dev':>12s} {'held as':>8s} {'KV/dev':>10s} "
+        f"{'AR/layer':>8s}  fits"
+    )
+    for name, layout in layouts.items():
         mesh = f"{layout.data}x{layout.model}"
         try:
             plan = make_plan(layout, cfg, args.num_slots)
         except LayoutError as exc:
             print(f"{name:12s} {mesh:>9s}  unusable: {exc}")
             continue
-        weights = plan.weight_bytes_per_device(cfg, itemsize) / 1e6
+        label, formats = held.for_layout(layout)
+        weights = plan.weight_bytes_per_device(cfg, itemsize, formats) / 1e6
         kv = plan.kv_bytes_per_device(cfg, args.num_slots, args.max_seq_len, kv_itemsize) / 1e6
-        fits = "yes" if layout.num_devices <= present else f"no (needs {layout.num_devices} devices)"
+        fits = "yes" if layout.num_devices <= len(devices) else f"no (needs {layout.num_devices} devices)"
         print(
-            f"{name:12s} {mesh:>9s} {plan.attention:>10s} {weights:>9.1f} MB {kv:>7.1f} MB {plan.all_reduces_per_layer:>8d}  {fits}"
+            f"{name:12s} {mesh:>9s} {plan.attention:>10s} {weights:>9.1f} MB {label:>8s} {kv:>7.1f} MB "
+            f"{plan.all_reduces_per_layer:>8d}  {fits}"
         )
         print(f"{'':12s} {layout.description}")
     return 0
+
+
+class _HeldWeights:
+    """How serve would hold a model's weights on each layout, for ``meshserve layouts``: the
+    decision of ``service.server.stored_weights`` for that layout as the one pool, and the formats
+    ``model.loader.held_formats`` reads from the file (no weights read).
+
+    Args:
+        path: the model file or directory; kind: its ``model_format``.
+        mode: the --weights value ("auto", "stored", "int8", "float32", "bfloat16").
+        dtype: the float weights' dtype. platform: the devices' ("cpu", "gpu", ...).
+    """
+
+    def __init__(self, path: Path, kind: str, mode: str, dtype: str, platform: str):
+        self.path, self.kind, self.mode, self.dtype, self.platform = path, kind, mode, dtype, platform
+        self._formats: dict[bool, dict[str, str]] = {}
+
+    def formats(self, stored: bool) -> dict[str, str]:
+        """``held_formats`` of the model, cached: the blocks held with ``stored`` (and --weights int8)."""
+        from model.loader import held_formats
+
+        if stored not in self._formats:
+            self._formats[stored] = held_formats(self.path, stored, "int8" if self.mode == "int8" else None)
+        return self._formats[stored]
+
+    def for_layout(self, layout: Any) -> tuple[str, dict[str, str]]:
+        """(what ``ModelInfo.weights`` would say: "stored", "int8" or the dtype; the formats held)
+        when serve holds the model on ``layout``."""
+        from model.loader import held_formats
+        from service.server import stored_weights
+
+        stored = stored_weights(self.mode, self.kind, [layout], self.platform)
+        formats = self.formats(stored)
+        if not formats:
+            return self.dtype, formats
+        # As the server names them: "int8" when the load quantized some weights, else "stored".
+        quantized = self.mode == "int8" and formats != held_formats(self.path, stored)
+        return ("int8" if quantized else "stored"), formats
+
+    def describe(self, layouts: list[Any]) -> str:
+        """One phrase per way the layouts hold the weights, e.g. "blocks as stored (q4_1: w_down,
+        ...; the rest float32)", or with auto on a CPU "float32 for hybrid, latency, ...; blocks as
+        stored (...) for single (serve's auto keeps ...)"."""
+        from service.server import describe_weights
+
+        ways: dict[str, list[str]] = {}
+        described: dict[str, str] = {}
+        for layout in layouts:
+            label, formats = self.for_layout(layout)
+            ways.setdefault(label, []).append(layout.name)
+            described[label] = describe_weights(label, formats, self.dtype)
+        if len(ways) == 1:
+            return next(iter(described.values()))
+        parts = [f"{described[label]} for {', '.join(names)}" for label, names in ways.items()]
+        return "; ".join(parts) + " (serve's auto keeps blocks only on one CPU device with the native kernels)"
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:
@@ -425,15 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV-cache dtype; auto (default): the parameter dtype. bfloat16 halves the bytes every decode step's "
         "attention reads (float32 weights keep float32 matmuls)",
     )
-    s.add_argument(
-        "--weights",
-        choices=["auto", "stored", "int8", "float32", "bfloat16"],
-        help="stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and "
-        "multiplied at exactly their dequantized values (about 6x fewer bytes than float32); int8: float matmul "
-        "weights quantized at load to Q8_0 blocks (int8, a float16 scale per 32 weights; 0.27x float32's bytes; "
-        "not exact); float32, bfloat16: every weight dequantized (sets --dtype); auto (default): stored for a GGUF "
-        "or checkpoint with blocks served on one CPU device with the native kernels, else --dtype",
-    )
+    s.add_argument("--weights", choices=WEIGHT_MODES, help=WEIGHTS_HELP + " (default auto)")
     s.add_argument(
         "--kv-cache",
         choices=["auto", "slots", "paged"],
@@ -582,8 +646,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode slots to size the KV cache for (%(default)s, as serve's default)",
     )
     ly.add_argument("--max-seq-len", type=positive_int, default=2048, help="tokens per slot (%(default)s)")
-    ly.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype (%(default)s)")
+    ly.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="float parameters' dtype (%(default)s)"
+    )
     ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
+    ly.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="auto",
+        help="price the weights as serve --weights holds them: " + WEIGHTS_HELP + " (%(default)s)",
+    )
     ly.set_defaults(func=cmd_layouts)
 
     # The measurement tools (benchmarks/) bring their own flags; their modules import no JAX.

@@ -57,6 +57,7 @@ from model.sampling import (
     sample,
     seed_to_key,
 )
+from service.arg_types import WEIGHT_MODES
 from service.request import SamplingOptions
 from sharding.layouts import Layout
 from sharding.mesh import make_mesh
@@ -156,7 +157,6 @@ LAYER_MODES = ("auto", "unrolled", "scan")
 NATIVE_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla", "bf16x3")
 DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
-WEIGHT_MODES = ("auto", "stored", "int8", *DTYPES)  # how a model's weights are held (EngineConfig.weights)
 KV_CACHE_MODES = ("auto", "slots", "paged")
 
 

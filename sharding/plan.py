@@ -16,16 +16,32 @@ are handled here, once, at startup:
 
 An explicit ``heads`` request that cannot work fails here with the head counts and the valid
 sizes, never on the first request.
+
+Weight bytes per device (``param_bytes_per_device``) are priced by the placement code itself:
+the parameter's shardings from ``sharding.rules`` on an abstract mesh of the layout's shape, so a
+prediction is what ``service.engine.bytes_per_device`` measures once the weights are placed,
+for float weights and for weights held as GGUF blocks (``model.quant_panels.QuantPanels``,
+whose arrays split differently from the float weight's: ``sharding.rules.quant_shardings``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Mapping
 
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+from model import block_params
+from model.build import abstract_llama
 from model.config import LlamaConfig
 from model.kv_cache import KVCache
 from sharding.layouts import Layout, LayoutError
+from sharding.mesh import MESH_AXES
+from sharding.rules import Rules, quant_shardings, spec_for
 
 
 def head_split_sizes(cfg: LlamaConfig, limit: int = 64) -> list[int]:
@@ -54,17 +70,40 @@ class ShardingPlan:
             return 0
         return 2 if self.attention == "heads" else 1
 
-    def weight_bytes_per_device(self, cfg: LlamaConfig, itemsize: int) -> int:
-        """Predicted parameter bytes on each device: split weights count 1/model, the rest whole."""
-        L, D, N, K, H, F, V = cfg.dims
-        tp = self.layout.model
-        attn = L * D * H * (2 * N + 2 * K)
-        if self.attention == "heads":
-            attn //= tp
-        mlp = L * 3 * D * F // tp
-        vocab = V * D * (1 if cfg.tie_word_embeddings else 2) // tp
-        norms = (2 * L + 1) * D
-        return (attn + mlp + vocab + norms) * itemsize
+    def weight_bytes_per_device(self, cfg: LlamaConfig, itemsize: int, formats: Mapping[str, str] | None = None) -> int:
+        """Predicted parameter bytes on each device (the sum of ``param_bytes``): float weights
+        split over ``model`` count 1/model, the rest whole; weights held as blocks as
+        ``quant_shardings`` splits them."""
+        return sum(self.param_bytes(cfg, itemsize, formats).values())
+
+    def param_bytes(self, cfg: LlamaConfig, itemsize: int, formats: Mapping[str, str] | None = None) -> dict[str, int]:
+        """Predicted bytes of each parameter on each device of this layout's mesh.
+
+        Args:
+            cfg: the model.
+            itemsize: bytes per element of the float parameters (4 float32, 2 bfloat16).
+            formats: the parameters held as GGUF blocks, by name -> format ({"wqkv": "q4_1",
+                "embed": "q8_0", ...}, as ``service.server.stored_formats`` and
+                ``ModelInfo.weight_formats`` name them); None or {}: every weight float.
+
+        Returns:
+            {parameter name ("wqkv", "attn_norm", "embed", ...): bytes on each device}. Every
+            device of a mesh holds the same bytes: nothing is split over ``data``.
+
+        Raises:
+            ValueError: a format is unknown, names a parameter that is not a matmul weight, or
+                one whose widths are not whole 32-blocks.
+        """
+        mesh = AbstractMesh((self.layout.data, self.layout.model), MESH_AXES)
+        formats = formats or {}
+        unknown = set(formats) - {path.rsplit("/", 1)[-1] for path, _, _ in model_params(cfg)}
+        if unknown:
+            raise ValueError(f"formats name parameters the model does not have: {sorted(unknown)}")
+        out = {}
+        for path, axes, shape in model_params(cfg):
+            name = path.rsplit("/", 1)[-1]
+            out[name] = param_bytes_per_device(path, axes, shape, formats.get(name, itemsize), mesh, self.rules)
+        return out
 
     def kv_bytes_per_device(self, cfg: LlamaConfig, num_slots: int, max_len: int, itemsize: int) -> int:
         """Predicted KV-cache bytes on each device: slots split over ``data``, KV heads over
@@ -116,3 +155,69 @@ def make_plan(layout: Layout, cfg: LlamaConfig, num_slots: int | None = None) ->
         "pages": "data",  # the paged pool: each data replica its own pages (service/paged_engine.py)
     }
     return ShardingPlan(layout=layout, attention=attention, rules=rules)
+
+
+@functools.cache
+def model_params(cfg: LlamaConfig) -> tuple[tuple[str, tuple[str, ...], tuple[int, ...]], ...]:
+    """(path, logical axes, float shape) of every parameter of ``model.llama.Llama(cfg)`` in its
+    stacked form ("layers/wqkv": ("layers", "embed", "kv_heads", "qkv", "head_dim"),
+    [L, D, K, G + 2, H]; "embed": ("vocab", "embed"), [V, D]; ...), read from the module's
+    abstract state (allocates nothing)."""
+    _, state = abstract_llama(cfg)
+    leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return tuple(
+        (
+            "/".join(str(getattr(k, "key", k)) for k in path),
+            tuple(var.get_metadata()["logical_axes"]),
+            tuple(int(d) for d in var.get_value().shape),
+        )
+        for path, var in leaves
+    )
+
+
+def param_bytes_per_device(
+    path: str,
+    axes: tuple[str, ...],
+    shape: tuple[int, ...],
+    storage: int | str,
+    mesh: Mesh | AbstractMesh,
+    rules: Rules,
+) -> int:
+    """Bytes one parameter takes on each device of ``mesh`` when placed with ``rules``.
+
+    Args:
+        path: the parameter's path in the state ("layers/wqkv", "embed", "final_norm", ...).
+        axes: its logical axes (``model.llama``'s ``logical_axes``).
+        shape: its float shape ([L, D, K, G + 2, H] for "layers/wqkv").
+        storage: an int: a float array of that itemsize (bytes per element); or a block format
+            ("q8_0", "q4_0", "q4_1"): the parameter held as ``QuantPanels`` of that format
+            (``model.block_params.abstract_panels``: int8/uint8 codes and float16 scales, plus
+            float16 minimums for Q4_1; 34, 18 and 20 bytes per 32 weights), split as
+            ``sharding.rules.quant_shardings`` splits them (panels over the outputs' first axis,
+            blocks over the inputs' first axis, where it is the only split one and divides; else
+            replicated).
+        mesh: a ``Mesh``, or an ``AbstractMesh`` of the same axis sizes (only the sizes matter).
+        rules: logical axis -> mesh axis (``ShardingPlan.rules``).
+
+    Returns:
+        Bytes on each device (every device holds the same: JAX splits only evenly).
+
+    Raises:
+        ValueError: an unknown block format, or a parameter that cannot be held as blocks
+            (``block_params.abstract_panels``).
+        LayoutError: a float parameter's split axis does not divide (``spec_for``).
+    """
+    if isinstance(storage, str):
+        panels = block_params.abstract_panels(path, shape, storage)
+        shardings = quant_shardings(axes, panels, mesh, rules)
+        arrays = [(panels.codes, shardings.codes), (panels.scales, shardings.scales)]
+        if panels.mins is not None:  # Q4_1's minimums, split as the scales
+            arrays.append((panels.mins, shardings.mins))
+        return sum((_shard_bytes(tuple(a.shape), a.dtype.itemsize, s) for a, s in arrays), 0)
+    sharding = NamedSharding(mesh, spec_for(axes, shape, rules, mesh, f"parameter {path}"))
+    return _shard_bytes(shape, storage, sharding)
+
+
+def _shard_bytes(shape: tuple[int, ...], itemsize: int, sharding: NamedSharding) -> int:
+    """Bytes of one device's shard of a [shape] array of ``itemsize``-byte elements."""
+    return math.prod(sharding.shard_shape(shape)) * itemsize

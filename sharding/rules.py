@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.kv_cache import BLOCK_K_AXES, BLOCK_V_AXES, CACHE_AXES, BlockedKVCache, KVCache
@@ -25,8 +25,9 @@ from sharding.layouts import LayoutError
 Rules = Mapping[str, str | None]
 
 
-def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh, what: str) -> P:
-    """PartitionSpec for an array with logical ``axes`` and ``shape``.
+def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh | AbstractMesh, what: str) -> P:
+    """PartitionSpec for an array with logical ``axes`` and ``shape`` on ``mesh`` (a ``Mesh``, or
+    an ``AbstractMesh`` of its axis sizes, as ``sharding.plan`` prices a layout with).
 
     Raises:
         LayoutError: a sharded dimension is not divisible by its mesh axis (JAX rejects uneven
@@ -46,7 +47,7 @@ def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: 
     return P(*spec)
 
 
-def block_axis(axes: tuple[str, ...], size: int, rules: Rules, mesh: Mesh) -> str | None:
+def block_axis(axes: tuple[str, ...], size: int, rules: Rules, mesh: Mesh | AbstractMesh) -> str | None:
     """The mesh axis for a ``QuantPanels`` axis of ``size`` panels or blocks that flattens the
     weight's logical ``axes`` (its outputs, or its inputs) in units of 32: the mesh axis of the
     first of ``axes`` when it is the only one split and it divides ``size`` (a contiguous split
@@ -60,7 +61,7 @@ def block_axis(axes: tuple[str, ...], size: int, rules: Rules, mesh: Mesh) -> st
     return mesh_axis if size % mesh.shape[mesh_axis] == 0 else None
 
 
-def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh, rules: Rules) -> QuantPanels:
+def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh | AbstractMesh, rules: Rules) -> QuantPanels:
     """NamedShardings for the arrays of a ``QuantPanels`` parameter with logical ``axes`` (the
     float weight's: ("layers", *inputs, *outputs), or the embedding's ("vocab", "embed"), which
     the panels hold transposed): the panel axis follows the outputs, the block axis the inputs

@@ -225,8 +225,9 @@ def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: in
 
 
 # ---- the roofline overlay ----------------------------------------------------------------------
-# (cfg, plan, batch, prompt_len, context_len, dtype, KV dtype, measured TPOT s, measured prefill s) -> fields
-Predictor = Callable[[Any, Any, int, int, int, str, str, float, float], dict[str, Any]]
+# (cfg, plan, batch, prompt_len, context_len, dtype, KV dtype, measured TPOT s, measured prefill s,
+#  the weights held as blocks by name -> format) -> fields
+Predictor = Callable[[Any, Any, int, int, int, str, str, float, float, dict[str, str]], dict[str, Any]]
 
 # Accelerator device kinds (``jax.devices()[0].device_kind``, lower case) -> hardware presets.
 DEVICE_KIND_PRESETS = (("h200", "h200"), ("h100", "h100-sxm"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
@@ -267,7 +268,9 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
 
     The predictor returns the roofline's TPOT, TTFT, throughput and regime, the measured decode
     step's ``mbu`` and ``mfu`` and the measured prefill's ``prefill_mfu``
-    (``benchmarks.roofline.decode_utilization`` / ``prefill_utilization``)."""
+    (``benchmarks.roofline.decode_utilization`` / ``prefill_utilization``), the weights priced as
+    held: its last argument names those held as blocks (``--weights int8``, a GGUF's blocks), the
+    rest are floats of the sweep's dtype."""
     hw, line = pick_hardware(hardware, platform_name, device_kind)
     if hw is None:
         return None, line
@@ -283,13 +286,15 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
         kv_dtype: str,
         tpot_s: float,
         prefill_s: float,
+        formats: dict[str, str],
     ) -> dict[str, Any]:
         par = rl.Parallelism.from_plan(plan)
         B = batch // par.dp
         wl = rl.Workload(batch=B, context_len=context_len, prompt_len=prompt_len, dtype=dtype, kv_dtype=kv_dtype)
-        r = rl.roofline(cfg, hw, par, wl)
-        decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s, kv_dtype=kv_dtype)
-        prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s, kv_dtype=kv_dtype)
+        held = rl.held_weights(cfg, plan, wl.itemsize, formats) if formats else None
+        r = rl.roofline(cfg, hw, par, wl, held)
+        decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s, kv_dtype=kv_dtype, held=held)
+        prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s, kv_dtype=kv_dtype, held=held)
         return {
             "predicted_tpot_ms": _ms(r.tpot_s),
             "predicted_ttft_ms": _ms(r.ttft_s),
@@ -367,10 +372,15 @@ def run_sweep(
     """Every (layout, prompt length, batch) point, in that nesting order, as one row each (keys:
     ``FIELDS``). Points that cannot be built (too few devices, an axis that does not divide)
     are rows with ``status`` "skipped: <why>"; failures are "error: <what>"."""
+    from flax import nnx
+
+    from model.block_params import block_formats
     from service.engine import Engine, EngineConfig
     from sharding.layouts import LayoutError, load_layout
     from sharding.plan import make_plan
 
+    # The weights held as blocks (every layout's engine keeps them so), for the roofline's bytes.
+    formats = {path.rsplit("/", 1)[-1]: fmt for path, fmt in block_formats(nnx.to_pure_dict(params)).items()}
     rows = []
     for name in scfg.layouts:
         for P in scfg.prompt_lens:
@@ -411,7 +421,7 @@ def run_sweep(
                     try:
                         tpot_s, prefill_s = row["tpot_ms"] / 1e3, row["prefill_ms"] / 1e3
                         kv, window = row["kv_dtype"], row["decode_window"]
-                        row.update(predictor(cfg, plan, B, P, window, scfg.dtype, kv, tpot_s, prefill_s))
+                        row.update(predictor(cfg, plan, B, P, window, scfg.dtype, kv, tpot_s, prefill_s, formats))
                         row["roofline_fraction"] = row["predicted_tpot_ms"] / row["tpot_ms"]
                     except Exception as exc:  # a prediction must never lose a measurement
                         log.warning("roofline prediction failed for %s B=%d P=%d: %s", name, B, P, exc)

@@ -164,3 +164,28 @@ def test_the_model_to_time_loads_through_load_model(tmp_path: Path) -> None:
     assert cfg_r == cfg and source_r == f"random weights at the shapes of {path}"
     assert not np.array_equal(np.asarray(nnx.to_pure_dict(random_params)["embed"]), expected["embed"])
     assert model_to_time(None, None, random=False, tiny=True)[0] == LlamaConfig.tiny()
+
+
+def test_int8_weights_are_priced_as_their_blocks(tmp_path: Path) -> None:
+    """``--weights int8``: the MBU counts the Q8_0 blocks' bytes (``roofline.held_weights``), not
+    float32's: the measured step's bytes over its time are the held ones'."""
+    from benchmarks import roofline as rl
+    from model.config import LlamaConfig
+    from sharding.layouts import Layout
+    from sharding.plan import make_plan
+
+    argv = ["sweep", "--tiny", "--weights", "int8", "--layouts", "1x1", "--batches", "1", "--prompt-lens", "8"]
+    assert (
+        main([*argv, "--steps", "2", "--warmup-steps", "1", "--hardware", "cpu-peers-md", "--out", str(tmp_path)]) == 0
+    )
+    (r,) = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    cfg, hw = LlamaConfig.tiny(), rl.load_hardware("cpu-peers-md")
+    plan = make_plan(Layout("1x1", data=1, model=1), cfg)
+    par = rl.Parallelism(dp=1, tp=1, attention=r["attention"])
+    wl = rl.Workload(batch=1, context_len=r["decode_window"], dtype="float32")
+    # tiny's int8 (random_block_llama): every matmul weight and the tied embedding as Q8_0 blocks
+    held = rl.held_weights(cfg, plan, 4, {name: "q8_0" for name in ("wqkv", "wo", "w_gate_up", "w_down", "embed")})
+    step = rl.decode_step(cfg, hw, par, wl, held)
+    floats = rl.decode_step(cfg, hw, par, wl)
+    assert step.weight_bytes < 0.5 * floats.weight_bytes  # Q8_0: 34 bytes per 32 weights against 128
+    assert r["mbu"] == pytest.approx(step.memory_bytes / (r["tpot_ms"] / 1e3) / hw.hbm_bytes_per_s)

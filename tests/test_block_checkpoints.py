@@ -156,6 +156,18 @@ def test_convert_quantizes_dequantizes_and_refuses_both(files: dict[str, Path], 
     assert done.returncode != 0 and "contradict" in done.stderr and not (tmp_path / "both").exists()
 
 
+def test_held_formats_of_a_checkpoint_are_what_it_restores(q41_checkpoint: Path, files: dict[str, Path]) -> None:
+    """``model.loader.held_formats`` (what ``meshserve layouts`` and the Admin service price) reads
+    a converted checkpoint's blocks from its config alone: the formats the restored state holds."""
+    from model.loader import held_formats
+    from service.server import stored_formats
+
+    restored = stored_formats(load_model(q41_checkpoint, stored=True).state)
+    assert held_formats(q41_checkpoint, True) == restored == held_formats(files["Q4_1"], True)
+    assert set(restored) == set(MATMULS) and set(restored.values()) == {"q4_1"}
+    assert held_formats(q41_checkpoint, False) == {}
+
+
 def test_a_block_checkpoint_on_every_mesh_gives_one_devices_ids(q41_checkpoint: Path, files: dict[str, Path]) -> None:
     """Blocks restored straight into a layout's shardings (panels split over the model axis)
     give the GGUF's stored ids; one device's blocks get the native kernel where it is built."""

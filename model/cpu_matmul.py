@@ -37,14 +37,18 @@ TARGETS = {"f32": native_kernels.PANEL_MATMUL, "bf16x3": native_kernels.AMX_MATM
 @dataclasses.dataclass(frozen=True)
 class Panels:
     """A weight matrix W [K, N] packed for a kernel. ``format`` (static) "f32": ``data``
-    [N/32, K, 32] float32, panel p holding columns 32p .. 32p + 31 of every row; "bf16x3":
-    ``data`` [N/32, K/32, 2, 2, 16, 32] bfloat16, the hi and lo halves of each 32 x 32 block
-    in AMX's pair-interleaved layout (``pack_bf16x3``). ``out_shape`` (static) is the shape the
-    N outputs take in the model (e.g. (K, G + 2, H) for the fused QKV projection)."""
+    [N/32, K, 32] float32, panel p holding columns 32p .. 32p + 31 of every row, or a stack of
+    L such matrices [L, N/32, K, 32] (``pack_stacked``); "bf16x3": ``data`` [N/32, K/32, 2, 2,
+    16, 32] bfloat16, the hi and lo halves of each 32 x 32 block in AMX's pair-interleaved
+    layout (``pack_bf16x3``). ``out_shape`` (static) is the shape the N outputs take in the
+    model (e.g. (K, G + 2, H) for the fused QKV projection). ``layer``: None, or for a stack an
+    int32 scalar (may be traced) naming the matrix ``matmul`` multiplies by, read in place (as
+    ``QuantPanels.layer``: a scanned layer loop passes the whole stack and its index)."""
 
     data: jax.Array
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     format: str = dataclasses.field(default="f32", metadata={"static": True})
+    layer: jax.Array | None = None
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -86,6 +90,20 @@ def pack(w: jax.Array, in_dims: int) -> Panels:
     return Panels(data=w2.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2), out_shape=out_shape)
 
 
+def pack_stacked(w: jax.Array, in_dims: int) -> Panels:
+    """A stack of L weights, w [L, *in_shape, *out_shape] float32, packed as "f32" panels
+    [L, N/32, K, 32] (``in_dims`` counts the contracted axes after L); ``matmul`` multiplies by
+    one of them at a time (``Panels.layer``).
+
+    Raises:
+        ValueError: as ``pack``.
+    """
+    first, out_shape = _as_matrix(w[0], in_dims, "f32")  # checks the shapes and dtype once
+    k, n = first.shape
+    data = jnp.asarray(w).reshape(w.shape[0], k, n // PANEL, PANEL).transpose(0, 2, 1, 3)
+    return Panels(data=data, out_shape=out_shape)
+
+
 def split_bf16(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     """float32 w -> (hi, lo) bfloat16 with hi = RNE(w), lo = RNE(w - hi): w ~ hi + lo to about
     16 mantissa bits (the split of bf16x3; Henry et al. 2019, section III)."""
@@ -117,17 +135,25 @@ def pack_bf16x3(w: jax.Array, in_dims: int) -> Panels:
 
 def matmul(x: jax.Array, w: Panels) -> jax.Array:
     """x @ W by the native kernel of ``w.format`` (call ``available()``, and for "bf16x3"
-    ``amx_available()``, first).
+    ``amx_available()``, first); for stacked "f32" panels, W is matrix ``w.layer`` of the stack.
 
     Shapes: x [M, K] (cast to float32); returns [M, *w.out_shape] float32.
 
     Raises:
-        XlaRuntimeError (at run time): x's K differs from the panels'.
+        ValueError (at trace time): stacked panels without a ``layer``, or one matrix with one.
+        XlaRuntimeError (at run time): x's K differs from the panels', or ``layer`` is outside
+            [0, L).
     """
     m = x.shape[0]
-    n = w.data.shape[0] * PANEL
+    stacked = w.format == "f32" and w.data.ndim == 4
+    if stacked != (w.layer is not None):
+        raise ValueError("stacked panels [L, N/32, K, 32] need a layer index, one matrix none")
+    n = w.data.shape[-3 if w.format == "f32" else 0] * PANEL
     call = jax.ffi.ffi_call(TARGETS[w.format], jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.astype(jnp.float32), w.data).reshape(m, *w.out_shape)
+    if w.format == "bf16x3":
+        return call(x.astype(jnp.float32), w.data).reshape(m, *w.out_shape)
+    data, layer = (w.data, w.layer) if stacked else (w.data[None], 0)  # one matrix: L = 1, a reshape
+    return call(x.astype(jnp.float32), data, jnp.asarray(layer, jnp.int32)).reshape(m, *w.out_shape)
 
 
 def faster_than_xla(rows: int) -> bool:

@@ -287,6 +287,7 @@ class Llama(nnx.Module):
         cache: PagedKVCache,
         slots: jax.Array,
         attend: PagedAttend,
+        panels: dict[str, Any] | None = None,
     ) -> tuple[jax.Array, PagedKVCache]:
         """All decoder blocks over a flat batch of N tokens and a paged cache, as one
         ``lax.scan`` over the stacked weights that carries (x, key pages, value pages): block l
@@ -304,6 +305,8 @@ class Llama(nnx.Module):
             attend: (q [N, K, G, H] f32 scaled, key pages, value pages [L, P, K, page_size, H]
                 with this block's keys written, layer int32 scalar) -> attention [N, K, G, H]
                 f32, e.g. ``ragged_paged_attention(..., layer=layer)``.
+            panels: layer matmul weights packed as stacks for the native kernel
+                (``stacked_panel_weights``), used instead of the module's by the same name.
 
         Returns:
             hidden [N, D] float32 after the last block, and the cache with every token whose
@@ -328,7 +331,9 @@ class Llama(nnx.Module):
             return (out_and_mlp(cfg, x, p, attn[None]), k, v), None
 
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        sliced, stacked = split_stacked(self.layers.weights())
+        weights = self.layers.weights()
+        weights.update({name: w for name, w in (panels or {}).items() if name in weights})
+        sliced, stacked = split_stacked(weights)
         (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (sliced, layers))
         return x[0], PagedKVCache(k=k, v=v)
 
@@ -386,17 +391,21 @@ class Llama(nnx.Module):
 
 
 # ---- the math of one block ------------------------------------------------------------------
-def split_stacked(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, QuantPanels]]:
-    """A scanned layer loop's weights as (the arrays ``lax.scan`` slices per layer, the stored
-    blocks it must not slice): XLA:CPU copies each iteration's slice of a stacked operand before
-    a custom call reads it, so the blocks go in whole, with the layer index (``with_stacked``)."""
-    stacked = {k: v for k, v in weights.items() if isinstance(v, QuantPanels)}
+Packed = QuantPanels | cpu_matmul.Panels  # weights a native kernel reads in place at a layer index
+
+
+def split_stacked(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Packed]]:
+    """A scanned layer loop's weights as (the arrays ``lax.scan`` slices per layer, the packed
+    stacks it must not slice: stored blocks, float32 panels): XLA:CPU copies each iteration's
+    slice of a stacked operand before a custom call reads it, so those go in whole, with the
+    layer index (``with_stacked``)."""
+    stacked = {k: v for k, v in weights.items() if isinstance(v, Packed)}
     return {k: v for k, v in weights.items() if k not in stacked}, stacked
 
 
-def with_stacked(p: dict[str, Any], stacked: dict[str, QuantPanels], layer: jax.Array) -> dict[str, Any]:
-    """One layer's weights: ``p`` (sliced) and the stored blocks standing for ``layer``."""
-    return {**p, **{k: quant_panels.at_layer(v, layer) for k, v in stacked.items()}}
+def with_stacked(p: dict[str, Any], stacked: dict[str, Packed], layer: jax.Array) -> dict[str, Any]:
+    """One layer's weights: ``p`` (sliced) and the packed stacks standing for ``layer``."""
+    return {**p, **{k: dataclasses.replace(v, layer=layer) for k, v in stacked.items()}}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -704,6 +713,35 @@ def panel_weights(model: Llama, lm_head: bool = True, format: str = "f32") -> di
     return out
 
 
+def stacked_panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
+    """The stacked layer weights (and the LM head) packed for the native float32 kernel, for
+    ``ragged_step(panels=...)``: {"wqkv", "wo", "w_gate_up", "w_down": ``Panels`` of the L
+    matrices [L, N/32, K, 32] (``cpu_matmul.pack_stacked``), "lm_head": ``Panels`` of the LM
+    head [D, V], if asked}. A second copy of those weights. Left out (multiplied as before):
+    weights held as stored blocks (they have a kernel of their own) and ones the kernel does not
+    take (``cpu_matmul.supports``: not float32, or outputs not whole 32-column panels).
+    """
+    assert not model.layers.per_layer(), "stacked_panel_weights packs the stacked form"
+    weights = model.layers.weights()
+
+    def packable(w: Any, in_dims: int, lead: int = 0) -> bool:  # lead: a stack's leading L axis
+        if isinstance(w, QuantPanels):
+            return False
+        shape = w.shape[lead:]
+        return cpu_matmul.supports(math.prod(shape[in_dims:]), w.dtype, math.prod(shape[:in_dims]))
+
+    out: dict[str, Any] = {
+        name: cpu_matmul.pack_stacked(weights[name], in_dims)
+        for name, in_dims in PANEL_IN_DIMS.items()
+        if packable(weights[name], in_dims, lead=1)
+    }
+    head = (model.embed if model.cfg.tie_word_embeddings else model.lm_head).get_value()
+    head = head.T if model.cfg.tie_word_embeddings and not isinstance(head, QuantPanels) else head
+    if lm_head and packable(head, 1):
+        out["lm_head"] = cpu_matmul.pack(head, 1)
+    return out
+
+
 def has_stored_blocks(state: nnx.State) -> bool:
     """Whether any parameter of ``state`` is GGUF blocks kept as stored (``QuantPanels``)."""
     return any(isinstance(v, QuantPanels) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantPanels)))
@@ -934,6 +972,7 @@ def ragged_step(
     prefill_from: int | None = None,
     seq_block: int = SEQ_BLOCK,
     native_decode: bool = False,
+    panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """One step of the paged engine over a flat batch of N tokens mixing decode tokens and
     prefill chunks of several sequences: every real token's key and value is written into its
@@ -969,6 +1008,10 @@ def ragged_step(
             None) attend through the CPU kernel of ``model.cpu_paged_attention`` (registered
             first by its ``available()``; one CPU device) instead of gathering windows for
             XLA's dots; it reads each token's pages in place, up to its own position.
+        panels: the matmul weights packed for the native float32 kernel
+            (``stacked_panel_weights``; registered first by ``cpu_matmul.available()``): the
+            layers' projections, and the LM head when it is packed, run through
+            ``model.cpu_matmul`` instead of XLA's dots.
 
     Returns:
         logits [B, V] float32 (row b: token ``last_index[b]``'s), and the cache with every real
@@ -1015,5 +1058,5 @@ def ragged_step(
             )  # fmt: skip
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    h, cache = model.run_layers_paged(tokens, positions, cache, slots, attend)
-    return model.logits(h[last_index]), cache
+    h, cache = model.run_layers_paged(tokens, positions, cache, slots, attend, panels)
+    return model.logits(h[last_index], panels.get("lm_head") if panels else None), cache

@@ -56,9 +56,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import cpu_argmax, cpu_paged_attention
+from model import cpu_argmax, cpu_matmul, cpu_paged_attention
 from model.config import LlamaConfig
-from model.llama import SEQ_BLOCK, ragged_step
+from model.llama import SEQ_BLOCK, ragged_step, stacked_panel_weights
 from model.paged_kv import PagedKVCache
 from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
 from service import kv_pool
@@ -231,7 +231,19 @@ class PagedEngine:
             and cpu_paged_attention.available()
         )
         log.info("paged decode attention: %s", "native CPU kernel" if self.native_attention else "XLA dots")
-        self.panels = None
+        # Float32 layer matmuls (and the LM head) through the native panel kernel where it runs
+        # (one CPU device): a packed second copy of those weights, read in place at the scan's
+        # layer index, where XLA's dots first copy each layer's slice of the stacked weights.
+        # Weights held as stored blocks have a kernel of their own and are not packed.
+        self.panels: dict[str, Any] | None = None
+        if one_cpu and engine_cfg.matmul == "auto" and self.dtype == jnp.float32 and cpu_matmul.available():
+            self.panels = stacked_panel_weights(nnx.merge(graphdef, self.params)) or None
+        log.info(
+            "paged matmuls: %s",
+            f"native CPU kernel, float32 panels ({self.panel_bytes() / 1e6:.0f} MB packed: {', '.join(self.panels)})"
+            if self.panels
+            else "XLA dots (or the stored blocks' kernel)",
+        )
 
         # Blocks of the prefill region: a chunk pads to a whole block, so no bigger than a chunk.
         self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)
@@ -264,6 +276,7 @@ class PagedEngine:
 
             def run(
                 params,
+                panels,
                 cache,
                 history,
                 sp,
@@ -287,7 +300,7 @@ class PagedEngine:
                 model = nnx.merge(graphdef, params)
                 step = partial(
                     ragged_step, model, window_pages=window_pages, prefill_from=decode_tokens,
-                    seq_block=seq_block, native_decode=native,
+                    seq_block=seq_block, native_decode=native, panels=panels,
                 )  # fmt: skip
                 if d == 1:
                     logits, cache = step(cache, tokens, positions, rows, page_tables, last_index)
@@ -300,10 +313,10 @@ class PagedEngine:
             r, by = self.repl, self.by_replica
             self._fns[key] = jax.jit(
                 run,
-                in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, r),
+                in_shardings=(self.param_sharding, r, self._cache_sh, r, r, by, by, r, by, by, by, by, by, r),
                 # Logits stay with their replica's devices (read by tests, not by the loop).
                 out_shardings=(r, by, self._cache_sh, r),
-                donate_argnums=(1, 2),
+                donate_argnums=(2, 3),
             )
         return self._fns[key]
 
@@ -380,6 +393,7 @@ class PagedEngine:
         tokens, source, positions, rows, generated, page_tables, last_index = split
         packed, logits, self.cache, self.history = fn(
             self.params,
+            self.panels or {},
             self.cache,
             self.history,
             self._sampling(),
@@ -525,8 +539,8 @@ class PagedEngine:
 
     # ---- facts -------------------------------------------------------------------------------
     def panel_bytes(self) -> int:
-        """Bytes of packed weight copies: none here (XLA's matmuls)."""
-        return 0
+        """Bytes of the packed copies of the float32 weights (``panels``; 0 without them)."""
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self.panels or {}))
 
     def weight_bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters held by each device, keyed by device id string."""

@@ -83,6 +83,30 @@ def test_pack_rejects_what_the_kernel_does_not_take() -> None:
     assert not cpu_matmul.supports(960, jnp.bfloat16)
 
 
+def test_stacked_panels_multiply_by_the_layer_they_are_given_inside_a_scan() -> None:
+    """``pack_stacked``: L matrices in one array; inside ``lax.scan`` the traced layer index picks
+    the matrix, read in place, and each product equals numpy float64's of that matrix."""
+    rng = np.random.default_rng(0)
+    L, M, K, N = 3, 5, 96, 64
+    w = rng.standard_normal((L, K, 2, N // 2)).astype(np.float32)  # out_shape (2, N/2), as fused weights
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    stack = cpu_matmul.pack_stacked(jnp.asarray(w), 1)
+    assert stack.data.shape == (L, N // 32, K, 32) and stack.out_shape == (2, N // 2)
+
+    def body(_: None, layer: jax.Array) -> tuple[None, jax.Array]:
+        return None, cpu_matmul.matmul(jnp.asarray(x), dataclasses.replace(stack, layer=layer))
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(L, dtype=jnp.int32)))()
+    for i in range(L):
+        want = (x.astype(np.float64) @ w[i].reshape(K, N).astype(np.float64)).reshape(M, 2, N // 2)
+        np.testing.assert_allclose(np.asarray(ys[i]), want, rtol=1e-4, atol=1e-4 * np.sqrt(K))
+    with pytest.raises(ValueError, match="need a layer index"):
+        cpu_matmul.matmul(jnp.asarray(x), stack)
+    outside = dataclasses.replace(stack, layer=jnp.int32(L))
+    with pytest.raises(Exception, match="layer index outside"):
+        np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), outside))
+
+
 def test_mismatched_k_is_an_error_not_a_crash() -> None:
     packed = cpu_matmul.pack(jnp.zeros((8, 32), jnp.float32), 1)
     with pytest.raises(Exception, match="panels must be"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_engine_penalties import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, T, make, reference, run
 
-from model import cpu_paged_attention
+from model import cpu_matmul, cpu_paged_attention
 from service.engine import EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import PagedEngineLoop, engine_loop
@@ -27,9 +27,10 @@ N = 12
 
 
 def paged(page_size: int = 4, slots: int = 4, pool_tokens: int = 0, budget: int = 32, layout: str = "1x1",
-          devices: list | None = None, decode_attention: str = "auto") -> PagedEngineLoop:  # fmt: skip
+          devices: list | None = None, decode_attention: str = "auto", matmul: str = "auto") -> PagedEngineLoop:  # fmt: skip
     ecfg = EngineConfig(
         decode_attention=decode_attention,
+        matmul=matmul,
         num_slots=slots,
         max_seq_len=T,
         chunk_size=CHUNK,
@@ -125,6 +126,34 @@ def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: P
         assert run(xla, [make(PROMPT_A, N), make(PROMPT_C, N)]) == [refs["A"], refs["C"]]
     finally:
         xla.stop()
+
+
+def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
+    """On one CPU device with the kernels built, the float32 layer matmuls and the LM head run
+    through the native panel kernel over stacked panels read at the scan's layer index
+    (``PagedEngine.panels``); ``matmul="xla"`` keeps XLA's dots: both give the reference's ids,
+    and one prefill step's logits agree to float32 rounding."""
+    native = cpu_matmul.available() and jax.devices()[0].platform == "cpu"
+    panels = loop.engine.panels or {}
+    assert set(panels) == ({"wqkv", "wo", "w_gate_up", "w_down", "lm_head"} if native else set())
+    if native:
+        assert panels["wqkv"].data.shape[:2] == (
+            CFG.num_layers,
+            CFG.num_kv_heads * (CFG.q_per_kv + 2) * CFG.head_dim // 32,
+        )
+        assert loop.engine.panel_bytes() == sum(int(p.data.nbytes) for p in panels.values()) > 0
+    xla = paged(matmul="xla")
+    assert xla.engine.panels is None and xla.engine.panel_bytes() == 0
+    xla.start()
+    try:
+        assert xla.ready.wait(600)
+        assert run(xla, [make(PROMPT_A, N), make(PROMPT_C, N)]) == [refs["A"], refs["C"]]
+    finally:
+        xla.stop()
+    # One prompt's step on fresh engines of each kind (the module's loop owns its engine).
+    fresh = [paged(matmul=m).engine for m in ("xla", "auto")]
+    logits = [np.asarray(e.step(e.prompt_batch(PROMPT_A[:8])).logits)[0] for e in fresh]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

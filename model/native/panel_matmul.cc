@@ -12,8 +12,11 @@
 // call, so a step of k reads one short contiguous run of x). A panel is read from memory once,
 // by the first tile; later tiles of a larger M read it from the core's L2.
 //
-// Operands: x [M, K] f32; panels [P, K, 32] f32. Result: y [M, 32 P] f32. Work items are runs
-// of panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py;
+// Operands: x [M, K] f32; panels [L, P, K, 32] f32 (L = 1 for one matrix); layer, an int32
+// scalar in [0, L): the matrix of the stack multiplied, read in place (the scanned paged
+// engine's layer loop passes the whole stack and its index, as quant_matmul.cc's callers do, so
+// XLA materialises no slice of it per layer). Result: y [M, 32 P] f32. Work items are runs of
+// panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py;
 // docs/cpu-kernels.md has the measurements behind the tile and prefetch choices.
 #include <algorithm>
 #include <cstdint>
@@ -74,16 +77,19 @@ void panel_run(const float* xp, const float* panels, float* y, int64_t M, int64_
 }
 
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                       ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
-  if (pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
-    return ffi::Error::InvalidArgument("panels must be [N/32, K, 32] with x's K");
+  if (pd.size() != 4 || pd[3] != kPanel || pd[2] != xd[1])
+    return ffi::Error::InvalidArgument("panels must be [L, N/32, K, 32] with x's K");
+  if (layer.dimensions().size() != 0) return ffi::Error::InvalidArgument("layer must be a scalar");
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer index outside [0, L)");
   auto yd = y->dimensions();
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[0] * kPanel)
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != pd[1] * kPanel)
     return ffi::Error::InvalidArgument("y must be [M, 32 * panels]");
-  const int64_t M = xd[0], K = xd[1], P = pd[0];
+  const int64_t M = xd[0], K = xd[1], P = pd[1];
   if (M == 0 || P == 0) return ffi::Error::Success();
   // x packed tile by tile (pack_rows), the tiles shared by the pool's threads (packing is a
   // small fraction of the matmul's time, even for a prefill chunk's x).
@@ -97,7 +103,7 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   // thread that finishes early takes the next run.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
-  const float* w = panels.typed_data();
+  const float* w = panels.typed_data() + l * P * K * kPanel;  // matrix `layer` of the stack
   float* out = y->typed_data();
   meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
     panel_run(xp.get(), w, out, M, K, P, i * per_item, std::min(P, (i + 1) * per_item));
@@ -111,5 +117,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePanelMatmul, PanelMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // panels [N/32, K, 32]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // panels [L, N/32, K, 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer, a scalar in [0, L)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -56,7 +56,7 @@ class QuantPanels:
     the engine (``model.llama.choose_quant_kernel``). ``layer``: None, or an int32 scalar (may
     be traced) selecting matrix ``layer`` of stacked panels (lead (L,)) without slicing them:
     the scanned model's layer loop passes the whole stack and its index, and the native kernel
-    reads that matrix in place (``at_layer``)."""
+    reads that matrix in place (``model.llama.with_stacked`` sets it)."""
 
     codes: Any  # jax.Array, or host numpy before placement (likewise below)
     scales: Any
@@ -176,11 +176,6 @@ def layer(w: QuantPanels, i: jax.Array | int) -> QuantPanels:
     """Matrix ``i`` of stacked panels (a slice of each array)."""
     mins = None if w.mins is None else w.mins[i]
     return dataclasses.replace(w, codes=w.codes[i], scales=w.scales[i], mins=mins, layer=None)
-
-
-def at_layer(w: QuantPanels, i: jax.Array) -> QuantPanels:
-    """Stacked panels that stand for their matrix ``i`` (``QuantPanels.layer``), not sliced."""
-    return dataclasses.replace(w, layer=i)
 
 
 def codes_as_float(codes: jax.Array, fmt: str) -> jax.Array:

@@ -113,6 +113,16 @@ def test_pages_go_back_when_requests_end_or_are_cancelled(loop: PagedEngineLoop)
     assert blocks.num_used == 0 and loop.scheduler.active_slots == 0 and r.finish_reason is FinishReason.CANCELLED
 
 
+def ids_of_a_and_c(loop: PagedEngineLoop) -> list:
+    """Start ``loop``, run prompts A and C to N ids each on it, stop it: their (ids, finish)."""
+    loop.start()
+    try:
+        assert loop.ready.wait(600)
+        return run(loop, [make(PROMPT_A, N), make(PROMPT_C, N)])
+    finally:
+        loop.stop()
+
+
 def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
     """The module's loop attends decode tokens through the native CPU kernel where it is built
     (``model.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
@@ -120,12 +130,7 @@ def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: P
     assert loop.engine.native_attention is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
     xla = paged(decode_attention="xla")
     assert not xla.engine.native_attention
-    xla.start()
-    try:
-        assert xla.ready.wait(600)
-        assert run(xla, [make(PROMPT_A, N), make(PROMPT_C, N)]) == [refs["A"], refs["C"]]
-    finally:
-        xla.stop()
+    assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
 
 
 def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
@@ -144,12 +149,7 @@ def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: Pag
         assert loop.engine.panel_bytes() == sum(int(p.data.nbytes) for p in panels.values()) > 0
     xla = paged(matmul="xla")
     assert xla.engine.panels is None and xla.engine.panel_bytes() == 0
-    xla.start()
-    try:
-        assert xla.ready.wait(600)
-        assert run(xla, [make(PROMPT_A, N), make(PROMPT_C, N)]) == [refs["A"], refs["C"]]
-    finally:
-        xla.stop()
+    assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
     # One prompt's step on fresh engines of each kind (the module's loop owns its engine).
     fresh = [paged(matmul=m).engine for m in ("xla", "auto")]
     logits = [np.asarray(e.step(e.prompt_batch(PROMPT_A[:8])).logits)[0] for e in fresh]

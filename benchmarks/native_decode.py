@@ -43,9 +43,11 @@ from flax import nnx  # noqa: E402
 
 from model import native_kernels  # noqa: E402
 from model.fetch import default_model_path  # noqa: E402
+from model.kernels import NATIVE_CPU, XLA  # noqa: E402
 from model.kv_cache import BLOCK_LEN, BlockedKVCache  # noqa: E402
-from model.llama import decode_step, panel_weights, unstack_layers  # noqa: E402
+from model.llama import decode_step, unstack_layers  # noqa: E402
 from model.loader import random_llama, read_model_config  # noqa: E402
+from model.packed_weights import panel_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(p, w, c, t, pos):  # type: ignore[no-untyped-def]
             model = nnx.merge(graphdef, p)
-            return decode_step(model, c, t, pos, kv_len=window, native_attention=native, panels=w)
+            return decode_step(model, c, t, pos, kv_len=window, kernels=NATIVE_CPU if native else XLA, panels=w)
 
         fn = jax.jit(step, donate_argnums=2).lower(params, packed, cache, tokens, positions).compile()
         return lambda c, t, pos: fn(params, packed, c, t, pos)

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from model import cpu_paged_attention
     from model.build import random_llama
+    from model.kernels import NATIVE_CPU, XLA
     from model.kv_cache import KVCache
     from model.llama import decode_step, prefill, ragged_step
     from model.paged_kv import PagedKVCache
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model = nnx.merge(graphdef, params)
             return ragged_step(
                 model, cache, *meta, window_pages=window, prefill_from=prefill_from, seq_block=seq_block,
-                native_decode=native,
+                kernels=NATIVE_CPU if native else XLA,
             )  # fmt: skip
 
         return jax.jit(step, donate_argnums=1)

@@ -19,7 +19,7 @@ kept in L1, the softmax of each row over its own causal range, values accumulate
 
 The library (``model.native_kernels``) is compiled on first use with the machine's C++
 compiler; where it cannot be built, ``available()`` is False and the engine keeps the XLA path
-(``model.llama.attention_over_blocks``).
+(``model.attention.attention_over_blocks``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal self-attention of one chunk with nothing cached, by the native kernel (call
     ``available()`` first): query t attends keys 0 .. t (softmax attention, Vaswani et al.
     2017, §3.2.1, grouped KV heads). Padding past the prompt's end only ever attends, never is
-    attended to by a real token, as with the causal mask of ``model.llama.attention``.
+    attended to by a real token, as with the causal mask of ``model.attention.attention``.
 
     Shapes: q [1, T, K, G, H] float32, already scaled by 1/sqrt(H); k, v [1, T, K, H] (float32
     or bfloat16, widened exactly to float32). head_dim a multiple of 16 (``supports``).

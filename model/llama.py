@@ -1,5 +1,5 @@
-"""A Llama decoder in Flax NNX, with the pure entry points the engine jits: prefill and decode, and
-the paged engine's ragged step (issue 19; not yet used by the engine).
+"""A Llama decoder in Flax NNX, with the pure entry points the engines jit: prefill and decode
+(the per-slot engine) and the ragged step (the paged engine).
 
 Architecture (Touvron et al. 2023, "LLaMA", §2.2): pre-norm RMSNorm (Zhang & Sennrich 2019),
 rotary position embeddings (Su et al. 2021, "RoFormer", §3.4.2, in Hugging Face's rotate-half
@@ -18,11 +18,14 @@ per-layer form (``unstack_layers``) runs them as an unrolled loop over a ``Block
 the faster steps on XLA:CPU. ``ragged_step`` runs the stacked form over a ``PagedKVCache``
 [L, P, K, page_size, H] (``Llama.run_layers_paged``). Every parameter carries ``logical_axes``
 metadata; ``sharding/rules.py`` maps those names to mesh axes. The model never imports sharding.
+
+Kernels: every matmul, embedding lookup and attention call goes through ``model.kernels``, the
+one seam where an engine's choice of XLA's or the native CPU kernels is made; this file has no
+platform branches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,36 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_attention, cpu_matmul, cpu_paged_attention, quant_matmul, quant_panels
+from model.attention import Blocks, attention
 from model.config import LlamaConfig, RopeScaling
-from model.kv_cache import BlockedKVCache, KVCache, block_starts, index_in_block
-from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
+from model.kernels import XLA, AttentionKernels, Packed, embedding_rows, matmul, split_stacked, with_stacked
+from model.kv_cache import BlockedKVCache, KVCache, block_starts
 from model.paged_kv import PagedKVCache, slot_mapping, write_kv
-from model.quant_panels import QuantPanels
 
-Blocks = tuple[jax.Array, ...]  # one layer's cache blocks (BlockedKVCache)
 # (q, new k, new v, key blocks, value blocks) -> (attention, written key blocks, value blocks)
 WriteAndAttend = Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], tuple[jax.Array, Blocks, Blocks]]
 # (q [N, K, G, H], stacked key pages, value pages [L, P, K, page_size, H], layer index) -> attention [N, K, G, H]
 PagedAttend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def write_then_attend(
-    write: Callable[[Blocks, Blocks, jax.Array, jax.Array], tuple[Blocks, Blocks]],
-    attend: Callable[[jax.Array, jax.Array, jax.Array, Blocks, Blocks], jax.Array],
-) -> WriteAndAttend:
-    """One layer's cache update then attention as ``Llama.run_layers_in_place`` takes them:
-    ``write`` (key blocks, value blocks, new k, new v) -> written blocks, then ``attend``
-    (q, new k, new v, written blocks) -> attention output, reading what ``write`` wrote."""
-
-    def step(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple[jax.Array, Blocks, Blocks]:
-        kb, vb = write(kb, vb, k, v)
-        return attend(q, k, v, kb, vb), kb, vb
-
-    return step
-
-
-NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
 
 def _param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -79,7 +62,7 @@ class DecoderLayers(nnx.Module):
         embed).
     Weights are stored input-major (x @ W), the faster layout for XLA on CPU. A matmul weight
     (wqkv, wo, w_gate_up, w_down; also ``Llama.embed`` and ``lm_head``) may instead hold a GGUF's
-    blocks as stored (``model.quant_panels.QuantPanels``, same logical axes), which ``dense``
+    blocks as stored (``model.quant_panels.QuantPanels``, same logical axes), which ``matmul``
     multiplies by at exactly their dequantized values.
 
     The Q, K and V projections are one array, grouped by KV head: ``wqkv[:, :, k, :G]`` are the
@@ -214,26 +197,17 @@ class Llama(nnx.Module):
         """The embedding rows of ``tokens`` [...] int32: [..., D] float32. A table kept as
         stored GGUF blocks (``QuantPanels`` of the transposed table [D, V]) is dequantized row
         by row, to exactly the float values."""
-        table = self.embed.get_value()
-        if isinstance(table, QuantPanels):
-            return quant_panels.dequantize_rows(table, tokens)
-        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        return embedding_rows(self.embed.get_value(), tokens)
 
-    def logits(self, h: jax.Array, head: cpu_matmul.Panels | None = None) -> jax.Array:
+    def logits(self, h: jax.Array, head: Packed | None = None) -> jax.Array:
         """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32; ``head``: the LM head
-        packed for the native kernel (``panel_weights``), used instead of the module's (h [S, D])."""
+        packed for a native kernel (``model.packed_weights``), used instead of the module's."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
-        if head is not None:
-            return cpu_matmul.matmul(h, head)
-        if self.cfg.tie_word_embeddings:
-            emb = self.embed.get_value()
-            if isinstance(emb, QuantPanels):  # the table as stored is already [D, V]
-                return dense(h, emb, "")
-            return jnp.einsum("...D,VD->...V", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32)
-        w = self.lm_head.get_value()
-        if isinstance(w, QuantPanels):
-            return dense(h, w, "")
-        return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        tied = self.cfg.tie_word_embeddings
+        w = head if head is not None else (self.embed if tied else self.lm_head).get_value()
+        # A tied table is [V, D] as floats; packed (stored blocks, panels) it is [D, V] like an
+        # untied head, and ``matmul`` ignores the equation.
+        return matmul(h.astype(w.dtype), w, "...D,VD->...V" if tied else "...D,DV->...V")
 
     def run_layers(
         self,
@@ -306,7 +280,8 @@ class Llama(nnx.Module):
                 with this block's keys written, layer int32 scalar) -> attention [N, K, G, H]
                 f32, e.g. ``ragged_paged_attention(..., layer=layer)``.
             panels: layer matmul weights packed as stacks for the native kernel
-                (``stacked_panel_weights``), used instead of the module's by the same name.
+                (``model.packed_weights.stacked_panel_weights``), used instead of the module's by
+                the same name.
 
         Returns:
             hidden [N, D] float32 after the last block, and the cache with every token whose
@@ -358,9 +333,8 @@ class Llama(nnx.Module):
             cache: the blocked KV cache (``BlockedKVCache``).
             write_and_attend: (q [B, T, K, G, H], new k, new v [B, T, K, H], the layer's key
                 blocks, value blocks) -> (attention output [B, T, K, G, H] float32, the blocks
-                with the new entries written): XLA's scatters and dots composed by
-                ``write_then_attend``, or the native decode kernel (``model.cpu_attention``).
-            panels: matmul weights packed for the native kernel (``panel_weights``): the
+                with the new entries written), built from an ``AttentionKernels``' methods.
+            panels: matmul weights packed for the native kernel (``model.packed_weights``): the
                 layers' ones are used instead of the module's input-major ones.
             attend_dtype: the dtype of the new k, v handed to ``write_and_attend`` (the writes
                 round them to the cache's dtype); None = the cache's, so attention reads exactly
@@ -391,23 +365,6 @@ class Llama(nnx.Module):
 
 
 # ---- the math of one block ------------------------------------------------------------------
-Packed = QuantPanels | cpu_matmul.Panels  # weights a native kernel reads in place at a layer index
-
-
-def split_stacked(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Packed]]:
-    """A scanned layer loop's weights as (the arrays ``lax.scan`` slices per layer, the packed
-    stacks it must not slice: stored blocks, float32 panels): XLA:CPU copies each iteration's
-    slice of a stacked operand before a custom call reads it, so those go in whole, with the
-    layer index (``with_stacked``)."""
-    stacked = {k: v for k, v in weights.items() if isinstance(v, Packed)}
-    return {k: v for k, v in weights.items() if k not in stacked}, stacked
-
-
-def with_stacked(p: dict[str, Any], stacked: dict[str, Packed], layer: jax.Array) -> dict[str, Any]:
-    """One layer's weights: ``p`` (sliced) and the packed stacks standing for ``layer``."""
-    return {**p, **{k: dataclasses.replace(v, layer=layer) for k, v in stacked.items()}}
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019, eq. 4), computed in float32: x [..., D] -> [..., D] f32."""
     x = x.astype(jnp.float32)
@@ -469,25 +426,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-def dense(x: jax.Array, w: jax.Array | cpu_matmul.Panels | QuantPanels, equation: str) -> jax.Array:
-    """x [..., in] times a weight, float32 out: ``jnp.einsum(equation, x, w)`` for an
-    input-major weight; for a packed one, whose outputs take its ``out_shape`` ([..., *out_shape];
-    x's last axis is the weight's K), the native kernel of ``model.cpu_matmul``
-    (``Panels``) or the GGUF blocks as stored (``QuantPanels``: its ``kernel``, the native one of
-    ``model.quant_matmul`` or XLA's dequantize-then-dot)."""
-    if isinstance(w, cpu_matmul.Panels | QuantPanels):
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if isinstance(w, cpu_matmul.Panels):
-            y = cpu_matmul.matmul(x2, w)
-        elif w.kernel == "native":  # the engine checked quant_matmul.available()
-            y = quant_matmul.matmul(x2, w)
-        else:
-            y = quant_panels.xla_matmul(x2, w)
-        return y.reshape(*lead, *w.out_shape)
-    return jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
-
-
 def project_qkv(
     cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, cdt: jnp.dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -500,139 +438,11 @@ def project_qkv(
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
     wdt = p["wqkv"].dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
-    qkv = dense(h, p["wqkv"], "BTD,DKCH->BTKCH")  # [B, T, K, G + 2, H]
+    qkv = matmul(h, p["wqkv"], "BTD,DKCH->BTKCH")  # [B, T, K, G + 2, H]
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
     k = apply_rope(k, cos, sin)
     return q, k.astype(cdt), v.astype(cdt)
-
-
-def attention(
-    cfg: LlamaConfig,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cache_k: jax.Array | None,
-    cache_v: jax.Array | None,
-    cache_mask: jax.Array | None,
-    new_mask: jax.Array | None,
-) -> jax.Array:
-    """Attention over a cache window and/or the new keys (scaled dot-product, Vaswani et al.
-    2017, §3.2.1, with grouped KV heads).
-
-    Shapes: q [B, T, K, G, H] f32; k, v [B, T, K, H]; cache_k/v [B, K, S, H]; cache_mask
-    [B, T, S] and new_mask [B, T, U] bool (True = may attend). ``new_mask`` None means the
-    cache window already holds the new keys; no cache (a first chunk, T > 1) means causal
-    self-attention with ``new_mask`` causal (``causal_attention_by_blocks``).
-    Returns [B, T, K, G, H] float32.
-    """
-    B, T = q.shape[:2]
-    K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
-    f32 = jnp.float32
-    cdt = k.dtype
-
-    if T == 1:  # decode: tiny per-(slot, head) products; broadcast-multiply-sum is faster on CPU
-        scores = []
-        if cache_k is not None:
-            assert cache_v is not None and cache_mask is not None
-            scores_cache = jnp.sum(q[:, 0, :, :, None, :] * cache_k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
-            scores.append(jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF))
-        if new_mask is not None:
-            scores_new = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-            scores.append(jnp.where(new_mask[:, None, None], scores_new, NEG_INF))
-        probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
-        attn = jnp.zeros((B, T, K, G, H), f32)
-        if cache_k is not None and cache_v is not None:
-            p_cache = probs[..., : cache_k.shape[2]]
-            attn = jnp.sum(p_cache[:, :, :, 0, :, None] * cache_v[:, :, None, :, :], axis=-2)[:, None]
-        if new_mask is not None:
-            p_new = probs[..., probs.shape[-1] - T :]
-            attn = attn + jnp.einsum("BKGTU,BUKH->BTKGH", p_new.astype(cdt), v, preferred_element_type=f32)
-        return attn
-
-    if cache_k is None:  # a first chunk: only its own keys, causally
-        assert new_mask is not None
-        return causal_attention_by_blocks(q, k, v, new_mask)
-
-    # A later chunk (a cache window, and the new keys unless the window holds them): heads-major
-    # operands ([B, K, G, T, H] queries, [B, K, U, H] keys and values), so both products are
-    # plain batched matmuls and only the small q/k/v and output are transposed, never the
-    # [T, U] scores (the token-major einsums' score transposes XLA:CPU copies; docs/cpu-kernels.md).
-    assert cache_v is not None and cache_mask is not None
-    qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    scores_cache = jnp.einsum("BKGTH,BKSH->BKGTS", qt, cache_k, preferred_element_type=f32)
-    scores = [jnp.where(cache_mask[:, None, None], scores_cache, NEG_INF)]
-    if new_mask is not None:
-        scores_new = jnp.einsum("BKGTH,BKUH->BKGTU", qt, k.transpose(0, 2, 1, 3), preferred_element_type=f32)
-        scores.append(jnp.where(new_mask[:, None, None], scores_new, NEG_INF))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1)
-    p_cache = probs[..., : cache_k.shape[2]].astype(cdt)
-    out = jnp.einsum("BKGTS,BKSH->BKGTH", p_cache, cache_v, preferred_element_type=f32)
-    if new_mask is not None:
-        p_new = probs[..., probs.shape[-1] - T :].astype(cdt)
-        out = out + jnp.einsum("BKGTU,BKUH->BKGTH", p_new, v.transpose(0, 2, 1, 3), preferred_element_type=f32)
-    return out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
-
-
-QUERY_BLOCK = 128  # queries per block of causal_attention_by_blocks
-
-
-def causal_attention_by_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Causal self-attention of a chunk with nothing cached, skipping the masked upper triangle
-    by query blocks: the queries of block i (``QUERY_BLOCK`` rows, the last block possibly
-    shorter) attend only to keys [0, end of block i), the later keys being masked for all of
-    them. For a 512-token chunk that is 10 of the 16 (query block, key block) tiles a full
-    product computes; a chunk of up to ``QUERY_BLOCK`` tokens is one block. Heads-major
-    operands as in ``attention``'s later-chunk path. (The blocking of FlashAttention, Dao et
-    al. 2022, §3.1, without its online softmax: each query block's scores fit in memory whole.)
-
-    Shapes: q [B, T, K, G, H] f32 (scaled); k, v [B, T, K, H]; mask [B, T, T] bool, causal
-    (False above the diagonal: query t never attends key u > t), any T >= 1.
-    Returns [B, T, K, G, H] float32, equal to full softmax attention with the same mask.
-    """
-    T = q.shape[1]
-    f32 = jnp.float32
-    cdt = v.dtype
-    qt = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, U, H]
-    outs = []
-    for start in range(0, T, QUERY_BLOCK):
-        n = min(start + QUERY_BLOCK, T)  # keys [0, n) cover every row of the block
-        rows = slice(start, n)
-        s = jnp.einsum("BKGTH,BKUH->BKGTU", qt[:, :, :, rows], kt[:, :, :n], preferred_element_type=f32)
-        probs = jax.nn.softmax(jnp.where(mask[:, None, None, rows, :n], s, NEG_INF), axis=-1).astype(cdt)
-        outs.append(jnp.einsum("BKGTU,BKUH->BKGTH", probs, vt[:, :, :n], preferred_element_type=f32))
-    return jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
-
-
-def attention_over_blocks(q: jax.Array, k_blocks: Blocks, v_blocks: Blocks, mask: jax.Array) -> jax.Array:
-    """Attention over cache blocks (``BlockedKVCache``) that already hold the new keys.
-
-    Each block enters its own two dots as a whole buffer, which XLA:CPU runs at memory speed
-    (see ``BlockedKVCache``); the scores of all blocks share one softmax.
-
-    Shapes: q [B, T, K, G, H] f32 (scaled); key blocks [B, K, H, n_j]; value blocks
-    [B, K, n_j, H]; mask [B, T, W] bool with W = sum of n_j (True = may attend).
-    Returns [B, T, K, G, H] float32.
-    """
-    f32 = jnp.float32
-    cdt = v_blocks[0].dtype
-    if q.shape[1] == 1:  # decode: without the unit T axis XLA:CPU keeps both dots in one orientation (faster)
-        qx, mask = q[:, 0], mask[:, :, None]  # q [B, K, G, H]; mask [B, 1, 1, W]
-        score_eq, value_eq = "BKGH,BKHW->BKGW", "BKGW,BKWH->BKGH"
-    else:
-        qx, mask = q.transpose(0, 2, 3, 1, 4), mask[:, None, None]  # [B, K, G, T, H], heads-major
-        score_eq, value_eq = "BKGTH,BKHW->BKGTW", "BKGTW,BKWH->BKGTH"
-    scores = [jnp.einsum(score_eq, qx, kb, preferred_element_type=f32) for kb in k_blocks]
-    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    probs = jax.nn.softmax(jnp.where(mask, s, NEG_INF), axis=-1).astype(cdt)
-    parts, start = [], 0
-    for vb in v_blocks:
-        n = vb.shape[2]
-        parts.append(jnp.einsum(value_eq, probs[..., start : start + n], vb, preferred_element_type=f32))
-        start += n
-    out = sum(parts[1:], parts[0])
-    return out[:, None] if q.shape[1] == 1 else out.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
 
 
 def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: jax.Array) -> jax.Array:
@@ -644,13 +454,12 @@ def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: j
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
     wo = p["wo"]
     attn = attn.reshape(B, T, -1).astype(wdt)
-    packed = isinstance(wo, cpu_matmul.Panels | QuantPanels)
-    x = x + dense(attn, wo if packed else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
+    x = x + matmul(attn, wo if isinstance(wo, Packed) else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
-    gate_up = dense(h, p["w_gate_up"], "BTD,DCF->BTCF")  # [B, T, 2, F]
+    gate_up = matmul(h, p["w_gate_up"], "BTD,DCF->BTCF")  # [B, T, 2, F]
     act = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(wdt)
-    return x + dense(act, p["w_down"], "BTF,FD->BTD")
+    return x + matmul(act, p["w_down"], "BTF,FD->BTD")
 
 
 def decoder_block(
@@ -676,88 +485,6 @@ def decoder_block(
     return out_and_mlp(cfg, x, p, attn), k, v
 
 
-# ---- weights packed for the native matmuls ---------------------------------------------------
-PANEL_IN_DIMS = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # leading axes contracted
-
-
-def panel_weights(model: Llama, lm_head: bool = True, format: str = "f32") -> dict[str, Any]:
-    """The layer and LM-head matmul weights packed for a native kernel (``model.cpu_matmul``).
-
-    Args:
-        model: a Llama in the per-layer form (``unstack_layers``) with float32 weights.
-        lm_head: pack the LM head too (only ``decode_step`` reads it).
-        format: "f32" (float32 panels, ``cpu_matmul.pack``) or "bf16x3" (AMX bf16x3,
-            ``cpu_matmul.pack_bf16x3``).
-
-    Returns:
-        {"wqkv", "wo", "w_gate_up", "w_down": tuples of L ``Panels``, "lm_head": one ``Panels``
-        of the LM head [D, V] (the tied embedding transposed, or ``lm_head``), if asked}: a second copy
-        of those weights, for ``prefill(panels=...)`` (which uses the layers') and
-        ``decode_step(panels=...)``.
-
-    Raises:
-        ValueError: a weight's output width (for bf16x3, or its input width) is not a multiple
-            of 32, or it is not float32.
-    """
-    assert model.layers.per_layer(), "panel_weights needs unstack_layers' per-layer form"
-    pack = {"f32": cpu_matmul.pack, "bf16x3": cpu_matmul.pack_bf16x3}[format]
-    weights = model.layers.weights()
-    out: dict[str, Any] = {
-        name: tuple(pack(w, in_dims) for w in weights[name])
-        for name, in_dims in PANEL_IN_DIMS.items()
-        if not isinstance(weights[name][0], QuantPanels)  # stored blocks have a kernel of their own
-    }
-    head = (model.embed if model.cfg.tie_word_embeddings else model.lm_head).get_value()
-    if lm_head and not isinstance(head, QuantPanels):
-        out["lm_head"] = pack(head.T if model.cfg.tie_word_embeddings else head, 1)
-    return out
-
-
-def stacked_panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
-    """The stacked layer weights (and the LM head) packed for the native float32 kernel, for
-    ``ragged_step(panels=...)``: {"wqkv", "wo", "w_gate_up", "w_down": ``Panels`` of the L
-    matrices [L, N/32, K, 32] (``cpu_matmul.pack_stacked``), "lm_head": ``Panels`` of the LM
-    head [D, V], if asked}. A second copy of those weights. Left out (multiplied as before):
-    weights held as stored blocks (they have a kernel of their own) and ones the kernel does not
-    take (``cpu_matmul.supports``: not float32, or outputs not whole 32-column panels).
-    """
-    assert not model.layers.per_layer(), "stacked_panel_weights packs the stacked form"
-    weights = model.layers.weights()
-
-    def packable(w: Any, in_dims: int, lead: int = 0) -> bool:  # lead: a stack's leading L axis
-        if isinstance(w, QuantPanels):
-            return False
-        shape = w.shape[lead:]
-        return cpu_matmul.supports(math.prod(shape[in_dims:]), w.dtype, math.prod(shape[:in_dims]))
-
-    out: dict[str, Any] = {
-        name: cpu_matmul.pack_stacked(weights[name], in_dims)
-        for name, in_dims in PANEL_IN_DIMS.items()
-        if packable(weights[name], in_dims, lead=1)
-    }
-    head = (model.embed if model.cfg.tie_word_embeddings else model.lm_head).get_value()
-    head = head.T if model.cfg.tie_word_embeddings and not isinstance(head, QuantPanels) else head
-    if lm_head and packable(head, 1):
-        out["lm_head"] = cpu_matmul.pack(head, 1)
-    return out
-
-
-def has_stored_blocks(state: nnx.State) -> bool:
-    """Whether any parameter of ``state`` is GGUF blocks kept as stored (``QuantPanels``)."""
-    return any(isinstance(v, QuantPanels) for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantPanels)))
-
-
-def choose_quant_kernel(state: nnx.State, kernel: str) -> nnx.State:
-    """``state`` with every ``QuantPanels`` parameter multiplied by ``kernel``: "native" (the
-    CPU kernel of ``model.quant_matmul``; one CPU device, ``quant_matmul.available()`` first) or
-    "xla" (dequantize then dot, any backend). Other parameters are returned as they are."""
-    return jax.tree.map(
-        lambda v: dataclasses.replace(v, kernel=kernel) if isinstance(v, QuantPanels) else v,
-        state,
-        is_leaf=lambda x: isinstance(x, QuantPanels),
-    )
-
-
 # ---- the entry points ------------------------------------------------------------------------
 def prefill(
     model: Llama,
@@ -768,7 +495,7 @@ def prefill(
     slot: jax.Array,
     *,
     kv_len: int,
-    native_attention: bool = False,
+    kernels: AttentionKernels = XLA,
     panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """Run one prompt chunk through the model and write its KV into one slot of the cache.
@@ -785,15 +512,14 @@ def prefill(
         kv_len: static; how many cached positions to attend to (>= start_pos, <= T_max); 0 when
             start_pos is 0, which skips reading the cache. (The per-layer form attends to the
             slot's whole cache, masked, when kv_len > 0.)
-        native_attention: with per-layer weights, a first chunk (kv_len 0) attends causally
-            through the CPU kernel of ``model.cpu_attention`` (``causal``; registered first by
-            ``cpu_attention.available()``, one device) instead of XLA's dots by query blocks,
-            and every chunk writes its keys and values through ``cpu_attention.write_chunk``
-            instead of XLA's scatters.
+        kernels: with per-layer weights, how chunks write their keys and attend
+            (``model.kernels``: ``write_chunk``, then ``first_chunk`` for a first chunk or
+            ``attend_chunk`` over the slot's blocks); the stacked form runs XLA's.
         panels: with per-layer weights, the matmul weights packed for the native kernel
-            (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
-            projections then run through ``model.cpu_matmul`` (the LM head of the one last
-            position stays XLA's matrix-vector product).
+            (``model.packed_weights.panel_weights``; registered first by
+            ``cpu_matmul.available()``): the layers' projections then run through
+            ``model.cpu_matmul`` (the LM head of the one last position stays XLA's
+            matrix-vector product).
 
     Returns:
         logits [V] float32 at the last real position (start_pos + true_len - 1), and the cache
@@ -805,41 +531,18 @@ def prefill(
     new_mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None]  # [1, T, U] causal
     if model.layers.per_layer():
         assert isinstance(cache, BlockedKVCache), "per-layer weights run on a BlockedKVCache"
-        pos = positions[0]
-        blocks = block_starts(cache.max_len)
+        spans = block_starts(cache.max_len)
         if kv_len == 0:  # a first chunk (start_pos 0) writes only the blocks its bucket reaches
-            blocks = [(b0, n) for b0, n in blocks if b0 < T]
+            spans = [(b0, n) for b0, n in spans if b0 < T]
+        # Over the slot's whole cache, new tokens included: [1, T, T_max].
+        mask = (jnp.arange(cache.max_len)[None, :] <= positions[0][:, None])[None]
 
-        def write(kb: Blocks, vb: Blocks, k: jax.Array, v: jax.Array) -> tuple[Blocks, Blocks]:
-            if native_attention:  # in place, in the cache's dtype (XLA:CPU has no bfloat16 scatter)
-                return cpu_attention.write_chunk(slot, start_pos, k[0], v[0], kb, vb)
-            out_k, out_v = list(kb), list(vb)
-            for j, (b0, n) in enumerate(blocks):
-                idx = index_in_block(pos, b0, n)
-                # kb[j][slot, :, :, idx] and vb[j][slot, :, idx, :] have shape [T, K, H].
-                out_k[j] = kb[j].at[slot, :, :, idx].set(k[0].astype(kb[j].dtype), mode="drop")
-                out_v[j] = vb[j].at[slot, :, idx, :].set(v[0].astype(vb[j].dtype), mode="drop")
-            return tuple(out_k), tuple(out_v)
+        def step(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple[jax.Array, Blocks, Blocks]:
+            kb, vb = kernels.write_chunk(kb, vb, k[0], v[0], slot, start_pos, spans)
+            if kv_len > 0:
+                return kernels.attend_chunk(q, kb, vb, slot, mask), kb, vb
+            return kernels.first_chunk(q, k, v, new_mask), kb, vb
 
-        if kv_len > 0:
-            mask = (jnp.arange(cache.max_len)[None, :] <= pos[:, None])[None]  # [1, T, T_max], new tokens included
-
-            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
-                rows_k = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in kb]  # [1, K, H, n]
-                rows_v = [jax.lax.dynamic_index_in_dim(b, slot, axis=0) for b in vb]
-                return attention_over_blocks(q, tuple(rows_k), tuple(rows_v), mask)
-
-        elif native_attention:
-
-            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
-                return cpu_attention.causal(q, k, v)
-
-        else:
-
-            def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
-                return attention(model.cfg, q, k, v, None, None, None, new_mask)
-
-        step = write_then_attend(write, attend)
         first = jnp.float32 if kv_len == 0 else None  # a first chunk attends to unrounded k, v
         h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, step, panels, first)
         last = jax.lax.dynamic_index_in_dim(h[0], true_len - 1, axis=0, keepdims=False)
@@ -874,7 +577,7 @@ def decode_step(
     positions: jax.Array,
     *,
     kv_len: int,
-    native_attention: bool = False,
+    kernels: AttentionKernels = XLA,
     panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, KVCache | BlockedKVCache]:
     """One new token for every slot.
@@ -889,13 +592,12 @@ def decode_step(
         kv_len: static window of cached positions attended to; must exceed every active
             position (the engine picks a power-of-two bucket, so reads scale with the
             longest live sequence, not with T_max).
-        native_attention: with a ``BlockedKVCache``, write the new keys and values and attend
-            through the CPU kernel of ``model.cpu_attention`` (registered first by
-            ``cpu_attention.available()``; one device, float32 or bfloat16 cache) instead of
-            XLA's scatters and dots.
+        kernels: with a ``BlockedKVCache``, how each layer writes the new keys and values and
+            attends (``model.kernels``: ``decode_blocks``); the stacked form runs XLA's.
         panels: with per-layer weights, the matmul weights packed for the native kernel
-            (``panel_weights``; registered first by ``cpu_matmul.available()``): the layers'
-            projections, and the LM head when it is packed, then run through ``model.cpu_matmul``.
+            (``model.packed_weights.panel_weights``; registered first by
+            ``cpu_matmul.available()``): the layers' projections, and the LM head when it is
+            packed, then run through ``model.cpu_matmul``.
 
     Returns:
         logits [S, V] float32 and the cache with each active slot's new K/V at its position.
@@ -904,37 +606,12 @@ def decode_step(
     pos2d = positions[:, None]  # [S, 1]
     if model.layers.per_layer():
         assert isinstance(cache, BlockedKVCache), "per-layer weights run on a BlockedKVCache"
-        slots = jnp.arange(S)[:, None]
-        heads = jnp.arange(cache.v_blocks[0][0].shape[1])[None, :]
         # The window: the blocks that hold positions below kv_len (every active position is).
-        blocks = [(b0, n) for b0, n in block_starts(cache.max_len) if b0 < kv_len]
-        width = sum(n for _, n in blocks)
+        spans = [(b0, n) for b0, n in block_starts(cache.max_len) if b0 < kv_len]
 
-        def write(kb: Blocks, vb: Blocks, k: jax.Array, v: jax.Array) -> tuple[Blocks, Blocks]:
-            # One index per (slot, KV head): XLA turns a scatter with a single index (one slot)
-            # into a dynamic-update-slice, then fuses that into the read that follows, which
-            # keeps the old block alive and costs a copy of it per layer.
-            out_k, out_v = list(kb), list(vb)
-            for j, (b0, n) in enumerate(blocks):
-                idx = index_in_block(positions, b0, n)[:, None]  # idle slots (T_max) are dropped
-                # kb[j][slots, heads, :, idx] and vb[j][slots, heads, idx, :] have shape [S, K, H].
-                out_k[j] = kb[j].at[slots, heads, :, idx].set(k[:, 0].astype(kb[j].dtype), mode="drop")
-                out_v[j] = vb[j].at[slots, heads, idx, :].set(v[:, 0].astype(vb[j].dtype), mode="drop")
-            return tuple(out_k), tuple(out_v)
+        def step(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple[jax.Array, Blocks, Blocks]:
+            return kernels.decode_blocks(q, k, v, positions, kb, vb, spans)
 
-        mask = (jnp.arange(width)[None, :] <= positions[:, None])[:, None, :]  # [S, 1, width]
-
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> jax.Array:
-            return attention_over_blocks(q, kb[: len(blocks)], vb[: len(blocks)], mask)
-
-        def native(
-            q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks
-        ) -> tuple[jax.Array, Blocks, Blocks]:
-            n = len(blocks)  # q [S, 1, K, G, H]; k, v [S, 1, K, H]
-            out, kw, vw = cpu_attention.write_and_attend(q[:, 0], k[:, 0], v[:, 0], positions, kb[:n], vb[:n])
-            return out[:, None], kw + kb[n:], vw + vb[n:]
-
-        step = native if native_attention else write_then_attend(write, attend)
         h, cache = model.run_layers_in_place(tokens[:, None], pos2d, cache, step, panels)
         return model.logits(h[:, 0], panels.get("lm_head") if panels else None), cache
 
@@ -971,7 +648,7 @@ def ragged_step(
     window_pages: int,
     prefill_from: int | None = None,
     seq_block: int = SEQ_BLOCK,
-    native_decode: bool = False,
+    kernels: AttentionKernels = XLA,
     panels: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """One step of the paged engine over a flat batch of N tokens mixing decode tokens and
@@ -1004,12 +681,13 @@ def ragged_step(
             attended as padding (zero attention output): a broken promise gives that token
             wrong hidden states and keys, never another sequence's keys or NaN.
         seq_block: static, >= 1: tokens per block of the prefill region.
-        native_decode: static: tokens [0, prefill_from) (every token, with ``prefill_from``
-            None) attend through the CPU kernel of ``model.cpu_paged_attention`` (registered
-            first by its ``available()``; one CPU device) instead of gathering windows for
-            XLA's dots; it reads each token's pages in place, up to its own position.
+        kernels: static: how tokens [0, prefill_from) (every token, with ``prefill_from``
+            None) attend (``model.kernels``: ``paged_decode``; the native CPU kernel reads each
+            token's pages in place up to its own position), and how the prefill region does
+            (``paged_prefill``).
         panels: the matmul weights packed for the native float32 kernel
-            (``stacked_panel_weights``; registered first by ``cpu_matmul.available()``): the
+            (``model.packed_weights.stacked_panel_weights``; registered first by
+            ``cpu_matmul.available()``): the
             layers' projections, and the LM head when it is packed, run through
             ``model.cpu_matmul`` instead of XLA's dots.
 
@@ -1036,24 +714,17 @@ def ragged_step(
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: jax.Array) -> jax.Array:
         parts = []
-        if split > 0 and native_decode:
+        if split > 0:
             parts.append(
-                cpu_paged_attention.paged_attention(
-                    q[:split], k, v, page_tables, seq_of_token[:split], positions[:split], layer
+                kernels.paged_decode(
+                    q[:split], k, v, page_tables, seq_of_token[:split], positions[:split], layer, window_pages
                 )
             )
-        elif split > 0:
-            parts.append(
-                ragged_paged_attention(
-                    q[:split], k, v, page_tables, seq_of_token[:split], positions[:split],
-                    window_pages=window_pages, layer=layer,
-                )
-            )  # fmt: skip
         if split < N:
             parts.append(
-                ragged_paged_attention_blocks(
-                    q[split:], k, v, page_tables, seq_of_token[split:], positions[split:],
-                    window_pages=window_pages, block=seq_block, layer=layer,
+                kernels.paged_prefill(
+                    q[split:], k, v, page_tables, seq_of_token[split:], positions[split:], layer, window_pages,
+                    seq_block,
                 )
             )  # fmt: skip
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -305,21 +305,14 @@ def held_formats(path: str | Path, stored: bool, quantize: str | None = None) ->
             held = {name.rsplit("/", 1)[-1]: fmt for name, fmt in checkpoint_blocks(path).items()}
     if quantize == "int8":
         _, state = abstract_llama(cfg)
-        shapes = {name: tuple(leaf.shape) for name, leaf in _flat_leaves(nnx.to_pure_dict(state)).items()}
-        for name, shape in shapes.items():
-            leaf = name.rsplit("/", 1)[-1]
-            if leaf in held or not _blockable(name, shape):
-                continue
-            held[leaf] = "q8_0"
+
+        def hold(name: str, leaf: Any) -> None:
+            key = name.rsplit("/", 1)[-1]
+            if key not in held and _blockable(name, tuple(leaf.shape)):
+                held[key] = "q8_0"
+
+        block_params.walk_params(nnx.to_pure_dict(state), hold)
     return held
-
-
-def _flat_leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested dict's leaves by "/"-joined path."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat_leaves(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def _blockable(path: str, shape: tuple[int, ...]) -> bool:

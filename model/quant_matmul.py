@@ -36,7 +36,7 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
             [L, P, Kb, B, 32] (stacked, ``layer`` given), scales (and Q4_1's mins) float16.
         layer: None for one matrix; for stacked panels an int32 scalar in [0, L), which may be
             traced (under jit or in a ``lax.scan`` body): matrix ``layer`` of the stack, read in
-            place. None takes ``w.layer`` (``model.llama.with_stacked`` sets it).
+            place. None takes ``w.layer`` (``model.kernels.with_stacked`` sets it).
         path: "auto" (the kernel picks by M), or "direct" / "dequantized" to force one of its
             two ways through a panel (tests and benchmarks; both give the same values up to
             float32 rounding).

@@ -53,10 +53,10 @@ class QuantPanels:
     ``out_shape`` (the shape the N outputs take in the model, e.g. (K, G + 2, H) for the fused
     QKV projection) and ``kernel`` are static. ``kernel`` is who multiplies by it: "xla"
     (``xla_matmul``, any backend) or "native" (``model.quant_matmul``, one CPU device), set by
-    the engine (``model.llama.choose_quant_kernel``). ``layer``: None, or an int32 scalar (may
+    the engine (``model.kernels.choose_quant_kernel``). ``layer``: None, or an int32 scalar (may
     be traced) selecting matrix ``layer`` of stacked panels (lead (L,)) without slicing them:
     the scanned model's layer loop passes the whole stack and its index, and the native kernel
-    reads that matrix in place (``model.llama.with_stacked`` sets it)."""
+    reads that matrix in place (``model.kernels.with_stacked`` sets it)."""
 
     codes: Any  # jax.Array, or host numpy before placement (likewise below)
     scales: Any

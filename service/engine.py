@@ -35,18 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import cpu_argmax, cpu_attention, cpu_matmul, quant_matmul
+from model import cpu_argmax, cpu_matmul
 from model.config import LlamaConfig
+from model.kernels import choose_attention, choose_quant_kernel, has_stored_blocks
 from model.kv_cache import BlockedKVCache, KVCache
-from model.llama import (
-    choose_quant_kernel,
-    decode_step,
-    has_stored_blocks,
-    panel_weights,
-    prefill,
-    stack_layers,
-    unstack_layers,
-)
+from model.llama import decode_step, prefill, stack_layers, unstack_layers
+from model.packed_weights import panel_weights
 from model.quant_panels import QuantPanels
 from model.sampling import (
     SamplingParams,
@@ -397,7 +391,7 @@ def place_params(params: Any, dtype: jnp.dtype, layers: str, mesh: jax.sharding.
     ``layers`` ("unrolled": per-layer tuples, else stacked), placed by ``param_shardings``. GGUF
     blocks kept as stored (``QuantPanels``) keep their dtypes and are multiplied by the native
     CPU kernel (``model.quant_matmul``) on one CPU device where it is built, else by XLA
-    (``model.llama.choose_quant_kernel``: the one place the choice is made).
+    (``model.kernels.choose_quant_kernel``: the one place the choice is made).
 
     Returns:
         (the placed state, its tree of shardings).
@@ -412,11 +406,10 @@ def place_params(params: Any, dtype: jnp.dtype, layers: str, mesh: jax.sharding.
     )
     params = unstack_layers(params) if layers == "unrolled" else stack_layers(params)
     if has_stored_blocks(params):
-        one_cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
-        native = one_cpu and quant_matmul.available()
-        params = choose_quant_kernel(params, "native" if native else "xla")
+        params, kernel = choose_quant_kernel(params, list(mesh.devices.flat))
         log.info(
-            "weights held as blocks: multiplied by %s", "the native CPU kernel" if native else "XLA (dequantize, dot)"
+            "weights held as blocks: multiplied by %s",
+            "the native CPU kernel" if kernel == "native" else "XLA (dequantize, dot)",
         )
     sharding = param_shardings(params, mesh, rules)
     if mesh.is_multi_process:
@@ -486,13 +479,12 @@ class Engine:
         # penalties act on whole rows of the logits, which the steps return replicated too).
         self.history = jax.jit(partial(TokenHistory.zeros, S, cfg.vocab_size), out_shardings=self.repl)()
         one_cpu = engine_cfg.layers == "unrolled" and self.mesh.devices.size == 1 and platform == "cpu"
-        self.native_attention = (
-            one_cpu
-            and engine_cfg.decode_attention == "auto"
-            and cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, self.kv_dtype)
-            and cpu_attention.available()
+        # Unrolled layers on one CPU device attend through the native kernels where they are built.
+        cache_form = "blocked" if engine_cfg.layers == "unrolled" else "dense"
+        self.kernels = choose_attention(
+            cache_form, list(self.mesh.devices.flat), engine_cfg.decode_attention, cfg, self.kv_dtype
         )
-        if self.kv_dtype == jnp.bfloat16 and not self.native_attention and platform == "cpu":
+        if self.kv_dtype == jnp.bfloat16 and not self.kernels.native and platform == "cpu":
             log.warning(
                 "a bfloat16 KV cache on XLA:CPU without the native kernels (they need layers='unrolled' on one "
                 "CPU device): XLA emulates bfloat16 there, so decode steps are several times slower than "
@@ -531,7 +523,7 @@ class Engine:
             kernel = "AMX bf16x3" if engine_cfg.matmul == "bf16x3" else "float32"
             log.info(
                 "decode attention: %s; matmuls: %s",
-                "native CPU kernel" if self.native_attention else "XLA dots",
+                self.kernels.name,
                 f"native CPU kernel, {kernel} ({self.panel_bytes() / 1e6:.0f} MB of packed weights), for "
                 + " and ".join(
                     step for step, w in (("prefill", self._prefill_panels), ("decode", self._decode_panels)) if w
@@ -565,7 +557,7 @@ class Engine:
             # Locals, not ``self``: a jitted function closing over the engine that holds it is a
             # reference cycle, which kept each engine (weights, KV cache) alive until a full
             # garbage collection, e.g. the old one after a live layout switch.
-            graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
+            graphdef, kernels, argmax = self.graphdef, self.kernels, self.argmax
 
             def run(params, panels, cache, history, tokens, start, true_len, slot, sp):  # type: ignore[no-untyped-def]
                 history = record_prompt(history, slot, tokens, true_len, start == 0)
@@ -578,7 +570,7 @@ class Engine:
                     true_len,
                     slot,
                     kv_len=kv_len,
-                    native_attention=native_attention,
+                    kernels=kernels,
                     panels=panels,
                 )
                 token = sample(logits[None], sp, (start + true_len)[None], argmax, history.row(slot))
@@ -598,7 +590,7 @@ class Engine:
             # Locals, not ``self``: a jitted function closing over the engine that holds it is a
             # reference cycle, which kept each engine (weights, KV cache) alive until a full
             # garbage collection, e.g. the old one after a live layout switch.
-            graphdef, native_attention, argmax = self.graphdef, self.native_attention, self.argmax
+            graphdef, kernels, argmax = self.graphdef, self.kernels, self.argmax
             idle = self.ecfg.max_seq_len  # the position of an idle slot
 
             def run(params, panels, cache, history, host_tokens, source, prev_decode, prev_prefill, positions, sp, ban):  # type: ignore[no-untyped-def]
@@ -617,7 +609,7 @@ class Engine:
                     tokens,
                     positions,
                     kv_len=kv_len,
-                    native_attention=native_attention,
+                    kernels=kernels,
                     panels=panels,
                 )
                 sp = SamplingParams(**sp, ban_eos=ban)  # the device parameters and this step's bans
@@ -792,6 +784,12 @@ class Engine:
         """The packed weights decode steps read (a jit argument of every decode call), or None
         when decode multiplies by the module's weights (XLA's dots)."""
         return self._decode_panels
+
+    @property
+    def native_attention(self) -> bool:
+        """Whether decode attends through the native CPU kernels (``kernels``, chosen by
+        ``model.kernels.choose_attention``)."""
+        return self.kernels.native
 
     def panel_bytes(self) -> int:
         """Bytes of the panel-packed weight copy the native matmuls read (0 without it)."""

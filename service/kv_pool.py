@@ -59,19 +59,29 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def device_free_bytes(devices: list[jax.Device]) -> int | None:
-    """The least, over ``devices``, of ``ACCELERATOR_FRACTION`` x the memory limit less the bytes
-    in use; None when a device reports no limit (CPU devices). Only this process's devices count
-    (another process's cannot report their memory here: ``memory_stats`` raises)."""
-    free = []
-    for d in devices:
-        if getattr(d, "process_index", jax.process_index()) != jax.process_index():
-            continue
+def _local(devices: list[jax.Device]) -> list[jax.Device]:
+    """This process's devices among ``devices`` (another process's cannot report their memory
+    here: ``memory_stats`` raises)."""
+    return [d for d in devices if getattr(d, "process_index", jax.process_index()) == jax.process_index()]
+
+
+def _memory(devices: list[jax.Device]) -> list[tuple[int, int]] | None:
+    """(memory limit, bytes in use) of each of this process's ``devices``, or None where one
+    reports no limit (CPU devices) or none is local."""
+    out = []
+    for d in _local(devices):
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None
-        free.append(int(ACCELERATOR_FRACTION * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
-    return min(free) if free else None
+        out.append((int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))))
+    return out or None
+
+
+def device_free_bytes(devices: list[jax.Device]) -> int | None:
+    """The least, over this process's ``devices``, of ``ACCELERATOR_FRACTION`` x the memory limit
+    less the bytes in use; None when a device reports no limit (CPU devices)."""
+    memory = _memory(devices)
+    return None if memory is None else min(int(ACCELERATOR_FRACTION * limit) - used for limit, used in memory)
 
 
 def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | None:
@@ -87,11 +97,10 @@ def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | Non
     so a switch on the same devices fits only where ``--kv-cache-memory`` or
     ``--kv-cache-tokens`` left room for the new engine.
     """
-    local = [d for d in devices if getattr(d, "process_index", jax.process_index()) == jax.process_index()]
-    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in local]
     gib = 2**30
-    if local and all(s and "bytes_limit" in s for s in stats):
-        free = min(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
+    memory = _memory(devices)
+    if memory is not None:
+        free = min(limit - used for limit, used in memory)
         if need_per_device > free:
             return (
                 f"the new layout needs {need_per_device / gib:.2f} GiB per device (weights and KV pool) beside "
@@ -100,10 +109,11 @@ def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | Non
             )
         return None
     available = host_available_bytes()
-    need = need_per_device * len(local)
+    local = len(_local(devices))
+    need = need_per_device * local
     if available is not None and need > available:
         return (
-            f"the new layout needs {need / gib:.2f} GiB of host memory ({len(local)} CPU device(s), weights "
+            f"the new layout needs {need / gib:.2f} GiB of host memory ({local} CPU device(s), weights "
             f"and KV pool) beside the engine serving now, and the host has {available / gib:.2f} GiB "
             "available; serve with a smaller --kv-cache-tokens (or --kv-cache-memory) to leave room for a switch"
         )

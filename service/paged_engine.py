@@ -56,9 +56,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import cpu_argmax, cpu_matmul, cpu_paged_attention
+from model import cpu_argmax, cpu_matmul
 from model.config import LlamaConfig
-from model.llama import SEQ_BLOCK, ragged_step, stacked_panel_weights
+from model.kernels import choose_attention
+from model.llama import SEQ_BLOCK, ragged_step
+from model.packed_weights import stacked_panel_weights
 from model.paged_kv import PagedKVCache
 from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
 from service import kv_pool
@@ -140,8 +142,8 @@ class PagedEngine:
     Not thread-safe: one engine-loop thread calls every method after construction. The weights
     always take the stacked (scan) form (``ecfg.layers`` says "scan"); decode tokens attend
     through the native CPU kernel of ``model.cpu_paged_attention`` on one CPU device where it
-    is built and ``ecfg.decode_attention`` is "auto" (``native_attention``), else, like the
-    prefill region, through XLA's path.
+    is built and ``ecfg.decode_attention`` is "auto" (``kernels``, chosen by
+    ``model.kernels.choose_attention``), else, like the prefill region, through XLA's path.
 
     Args: as ``service.engine.Engine``; ``engine_cfg.paged`` holds.
 
@@ -224,13 +226,8 @@ class PagedEngine:
         self.argmax = cpu_argmax.first_argmax if one_cpu and cpu_argmax.available() else first_argmax
         # Decode tokens attend through the native kernel where it runs (one CPU device): XLA's
         # per-token windows and tiny dots cost ~10x more there (model/cpu_paged_attention.py).
-        self.native_attention = (
-            one_cpu
-            and engine_cfg.decode_attention == "auto"
-            and cpu_paged_attention.supports(cfg.q_per_kv, cfg.head_dim, self.kv_dtype)
-            and cpu_paged_attention.available()
-        )
-        log.info("paged decode attention: %s", "native CPU kernel" if self.native_attention else "XLA dots")
+        self.kernels = choose_attention("paged", devices_of_mesh, engine_cfg.decode_attention, cfg, self.kv_dtype)
+        log.info("paged decode attention: %s", self.kernels.name)
         # Float32 layer matmuls (and the LM head) through the native panel kernel where it runs
         # (one CPU device): a packed second copy of those weights, read in place at the scan's
         # layer index, where XLA's dots first copy each layer's slice of the stacked weights.
@@ -271,7 +268,7 @@ class PagedEngine:
         if key not in self._fns:
             # Locals, not ``self``: a jitted function closing over its engine is a reference
             # cycle that kept old engines alive until a full garbage collection.
-            graphdef, argmax, seq_block, native = self.graphdef, self.argmax, self.seq_block, self.native_attention
+            graphdef, argmax, seq_block, kernels = self.graphdef, self.argmax, self.seq_block, self.kernels
             d = self.replicas
 
             def run(
@@ -300,7 +297,7 @@ class PagedEngine:
                 model = nnx.merge(graphdef, params)
                 step = partial(
                     ragged_step, model, window_pages=window_pages, prefill_from=decode_tokens,
-                    seq_block=seq_block, native_decode=native, panels=panels,
+                    seq_block=seq_block, kernels=kernels, panels=panels,
                 )  # fmt: skip
                 if d == 1:
                     logits, cache = step(cache, tokens, positions, rows, page_tables, last_index)
@@ -538,6 +535,12 @@ class PagedEngine:
         self._sp_device = None
 
     # ---- facts -------------------------------------------------------------------------------
+    @property
+    def native_attention(self) -> bool:
+        """Whether decode attends through the native CPU kernels (``kernels``, chosen by
+        ``model.kernels.choose_attention``)."""
+        return self.kernels.native
+
     def panel_bytes(self) -> int:
         """Bytes of the packed copies of the float32 weights (``panels``; 0 without them)."""
         return sum(int(a.nbytes) for a in jax.tree.leaves(self.panels or {}))

@@ -14,6 +14,7 @@ from flax import nnx
 
 from model import cpu_argmax, cpu_attention
 from model.config import LlamaConfig
+from model.kernels import NATIVE_CPU, XLA
 from model.kv_cache import BlockedKVCache
 from model.llama import prefill, unstack_layers
 from model.loader import random_llama
@@ -220,7 +221,7 @@ def test_first_prefill_chunk_with_the_causal_kernel_matches_xla() -> None:
         step = jax.jit(
             lambda p, c: prefill(
                 nnx.merge(graphdef, p), c, tokens, jnp.int32(0), jnp.int32(50), jnp.int32(1),
-                kv_len=0, native_attention=native,
+                kv_len=0, kernels=NATIVE_CPU if native else XLA,
             )
         )  # fmt: skip
         return step(params, cache)

@@ -16,8 +16,9 @@ from flax import nnx
 from model import cpu_matmul, native_kernels
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
-from model.llama import decode_step, panel_weights, prefill, unstack_layers
+from model.llama import decode_step, prefill, unstack_layers
 from model.loader import random_llama
+from model.packed_weights import panel_weights
 from service.engine import Engine, EngineConfig
 from service.request import SamplingOptions
 from sharding.layouts import Layout

@@ -11,6 +11,7 @@ from flax import nnx
 
 from model import cpu_attention
 from model.config import LlamaConfig
+from model.kernels import NATIVE_CPU, XLA
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, unstack_layers
 from model.loader import random_llama
@@ -180,7 +181,9 @@ def test_blocked_cache_across_block_boundaries() -> None:
         positions = np.array([max_len, 250, 40], np.int32)  # slot 0 idle
         for _ in range(10):
             window = 256 if positions[1] < 256 else max_len
-            step, cache = decode_step(model, cache, tokens, positions, kv_len=window, native_attention=form == "native")
+            step, cache = decode_step(
+                model, cache, tokens, positions, kv_len=window, kernels=NATIVE_CPU if form == "native" else XLA
+            )
             logits.append(np.asarray(step[1:]))
             tokens = np.argmax(np.asarray(step), axis=-1).astype(np.int32)
             positions[1:] += 1
@@ -224,7 +227,7 @@ def test_causal_attention_by_blocks_equals_softmax_attention(T: int) -> None:
     """The query-blocked causal attention of a long first chunk (``QUERY_BLOCK`` rows per block,
     each attending only to the keys up to its last row) against causal softmax attention
     written out in numpy (float64) on random inputs with grouped KV heads."""
-    from model.llama import QUERY_BLOCK, causal_attention_by_blocks
+    from model.attention import QUERY_BLOCK, causal_attention_by_blocks
 
     assert T > QUERY_BLOCK and T % QUERY_BLOCK == 0
     B, K, G, H = 2, 3, 2, 8

@@ -218,7 +218,7 @@ def test_the_stored_row_serves_the_gguf_blocks_and_the_float_rows_ids(tmp_path: 
     float32 row on the same file (the same weights' values)."""
     from tiny_gguf import write_tiny_llama_gguf
 
-    from model.llama import has_stored_blocks
+    from model.kernels import has_stored_blocks
 
     path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
     wl = {"model": str(path), "threads": 2, "layers": "scan"}

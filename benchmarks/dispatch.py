@@ -245,7 +245,7 @@ def measure(
         "slots": slots,
         "position": position,
         "status": "ok",
-        "native_attention": engine.native_attention,
+        "native_attention": engine.kernels.native,
         "native_matmul": getattr(engine, "decode_panels", None) is not None,
         "leaves": leaves,
         "cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(engine.cache))),

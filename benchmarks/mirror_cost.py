@@ -274,7 +274,7 @@ def worker_smollm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {
         "model": path.name,
         "weights": "blocks as stored" if stored else "float32",
-        "native_decode_attention": engine.native_attention,
+        "native_decode_attention": engine.kernels.native,
         "devices": engine.mesh.devices.size,
         "max_seq_len": engine.ecfg.max_seq_len,
         "page_size": engine.ecfg.page_size,

@@ -2,7 +2,7 @@
 dot-product attention (Vaswani et al. 2017, §3.2.1) with grouped KV heads (Ainslie et al. 2023).
 
 Every backend runs these; they are the reference the native CPU kernels (``model.cpu_attention``)
-are tested against, and what ``model.kernels.XlaKernels`` calls. Einsum letters as in
+are tested against, and what ``model.kernels.XLA`` calls. Einsum letters as in
 ``model.llama``.
 """
 

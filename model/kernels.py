@@ -11,7 +11,7 @@ float32 (or AMX bf16x3) panel kernel; ``QuantPanels``, GGUF blocks as stored, mu
 Attention: an ``AttentionKernels`` object, with one method per place the model writes keys and
 attends (the backend protocol of mini-sglang's ``attention/base.py``):
 
-- ``XlaKernels`` (``XLA``): XLA's scatters and dots (``model.attention``,
+- ``AttentionKernels`` itself (``XLA``): XLA's scatters and dots (``model.attention``,
   ``model.paged_attention``), on every backend; the reference.
 - ``NativeCpuKernels`` (``NATIVE_CPU``): the CPU custom calls of ``model.cpu_attention`` (the
   per-slot blocked cache) and ``model.cpu_paged_attention`` (decode tokens over pages), one CPU
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -110,44 +110,12 @@ def choose_quant_kernel(state: nnx.State, devices: Sequence[jax.Device]) -> tupl
 
 
 # ---- attention -------------------------------------------------------------------------------
-class AttentionKernels(Protocol):
-    """Where the model writes new keys and values and attends, one method per place. ``native``:
-    whether any method runs a native kernel; ``name``: for the engines' logs."""
-
-    native: ClassVar[bool]
-    name: ClassVar[str]
-
-    def write_chunk(
-        self, k_blocks: Blocks, v_blocks: Blocks, k: jax.Array, v: jax.Array, slot: jax.Array, start: jax.Array,
-        spans: Sequence[BlockSpan],
-    ) -> tuple[Blocks, Blocks]: ...  # fmt: skip
-
-    def first_chunk(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array: ...
-
-    def attend_chunk(
-        self, q: jax.Array, k_blocks: Blocks, v_blocks: Blocks, slot: jax.Array, mask: jax.Array
-    ) -> jax.Array: ...
-
-    def decode_blocks(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, k_blocks: Blocks, v_blocks: Blocks,
-        spans: Sequence[BlockSpan],
-    ) -> tuple[jax.Array, Blocks, Blocks]: ...  # fmt: skip
-
-    def paged_decode(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array, rows: jax.Array,
-        positions: jax.Array, layer: jax.Array, window_pages: int,
-    ) -> jax.Array: ...  # fmt: skip
-
-    def paged_prefill(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array, rows: jax.Array,
-        positions: jax.Array, layer: jax.Array, window_pages: int, block: int,
-    ) -> jax.Array: ...  # fmt: skip
-
-
 @dataclasses.dataclass(frozen=True)
-class XlaKernels:
-    """XLA's scatters and dots: every backend and mesh; the reference the native kernels are
-    tested against."""
+class AttentionKernels:
+    """Where the model writes new keys and values and attends, one method per place, as XLA's
+    scatters and dots: every backend and mesh, and the reference the native kernels are tested
+    against (``XLA``). A subclass overrides what it runs natively (``NativeCpuKernels``).
+    ``native``: whether any method runs a native kernel; ``name``: for the engines' logs."""
 
     native: ClassVar[bool] = False
     name: ClassVar[str] = "XLA dots"
@@ -233,7 +201,7 @@ class XlaKernels:
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeCpuKernels(XlaKernels):
+class NativeCpuKernels(AttentionKernels):
     """The native CPU custom calls where they exist (one CPU device; registered first by
     ``choose_attention``): the blocked cache's chunk writes, first-chunk causal attention and
     decode (``model.cpu_attention``), and decode tokens over pages (``model.cpu_paged_attention``,
@@ -247,19 +215,19 @@ class NativeCpuKernels(XlaKernels):
         self, k_blocks: Blocks, v_blocks: Blocks, k: jax.Array, v: jax.Array, slot: jax.Array, start: jax.Array,
         spans: Sequence[BlockSpan],
     ) -> tuple[Blocks, Blocks]:  # fmt: skip
-        """As ``XlaKernels.write_chunk``, in place and in the cache's dtype (XLA:CPU has no
+        """As ``AttentionKernels.write_chunk``, in place and in the cache's dtype (XLA:CPU has no
         bfloat16 scatter); every block it reaches, whatever ``spans``."""
         return cpu_attention.write_chunk(slot, start, k, v, k_blocks, v_blocks)
 
     def first_chunk(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        """As ``XlaKernels.first_chunk``; the kernel applies the causal mask itself."""
+        """As ``AttentionKernels.first_chunk``; the kernel applies the causal mask itself."""
         return cpu_attention.causal(q, k, v)
 
     def decode_blocks(
         self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, k_blocks: Blocks, v_blocks: Blocks,
         spans: Sequence[BlockSpan],
     ) -> tuple[jax.Array, Blocks, Blocks]:  # fmt: skip
-        """As ``XlaKernels.decode_blocks``, one custom call writing and attending in place."""
+        """As ``AttentionKernels.decode_blocks``, one custom call writing and attending in place."""
         n = len(spans)
         out, kw, vw = cpu_attention.write_and_attend(
             q[:, 0], k[:, 0], v[:, 0], positions, k_blocks[:n], v_blocks[:n]
@@ -270,12 +238,12 @@ class NativeCpuKernels(XlaKernels):
         self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array, rows: jax.Array,
         positions: jax.Array, layer: jax.Array, window_pages: int,
     ) -> jax.Array:  # fmt: skip
-        """As ``XlaKernels.paged_decode``, each token reading its pages in place up to its own
+        """As ``AttentionKernels.paged_decode``, each token reading its pages in place up to its own
         position (``window_pages`` unused)."""
         return cpu_paged_attention.paged_attention(q, k_pages, v_pages, page_tables, rows, positions, layer)
 
 
-XLA = XlaKernels()
+XLA = AttentionKernels()
 NATIVE_CPU = NativeCpuKernels()
 
 

@@ -534,14 +534,14 @@ def prefill(
         spans = block_starts(cache.max_len)
         if kv_len == 0:  # a first chunk (start_pos 0) writes only the blocks its bucket reaches
             spans = [(b0, n) for b0, n in spans if b0 < T]
-        # Over the slot's whole cache, new tokens included: [1, T, T_max].
-        mask = (jnp.arange(cache.max_len)[None, :] <= positions[0][:, None])[None]
+        # A later chunk attends over the slot's whole cache, new tokens included: [1, T, T_max].
+        mask = (jnp.arange(cache.max_len)[None, :] <= positions[0][:, None])[None] if kv_len > 0 else None
 
         def step(q: jax.Array, k: jax.Array, v: jax.Array, kb: Blocks, vb: Blocks) -> tuple[jax.Array, Blocks, Blocks]:
             kb, vb = kernels.write_chunk(kb, vb, k[0], v[0], slot, start_pos, spans)
-            if kv_len > 0:
-                return kernels.attend_chunk(q, kb, vb, slot, mask), kb, vb
-            return kernels.first_chunk(q, k, v, new_mask), kb, vb
+            if mask is None:
+                return kernels.first_chunk(q, k, v, new_mask), kb, vb
+            return kernels.attend_chunk(q, kb, vb, slot, mask), kb, vb
 
         first = jnp.float32 if kv_len == 0 else None  # a first chunk attends to unrounded k, v
         h, cache = model.run_layers_in_place(tokens[None, :], positions, cache, step, panels, first)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from model import block_params
 from model.build import abstract_llama, llama_from_params, random_llama
@@ -305,13 +305,10 @@ def held_formats(path: str | Path, stored: bool, quantize: str | None = None) ->
             held = {name.rsplit("/", 1)[-1]: fmt for name, fmt in checkpoint_blocks(path).items()}
     if quantize == "int8":
         _, state = abstract_llama(cfg)
-
-        def hold(name: str, leaf: Any) -> None:
+        for name, leaf in traverse_util.flatten_dict(nnx.to_pure_dict(state), sep="/").items():
             key = name.rsplit("/", 1)[-1]
             if key not in held and _blockable(name, tuple(leaf.shape)):
                 held[key] = "q8_0"
-
-        block_params.walk_params(nnx.to_pure_dict(state), hold)
     return held
 
 

@@ -785,12 +785,6 @@ class Engine:
         when decode multiplies by the module's weights (XLA's dots)."""
         return self._decode_panels
 
-    @property
-    def native_attention(self) -> bool:
-        """Whether decode attends through the native CPU kernels (``kernels``, chosen by
-        ``model.kernels.choose_attention``)."""
-        return self.kernels.native
-
     def panel_bytes(self) -> int:
         """Bytes of the panel-packed weight copy the native matmuls read (0 without it)."""
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self.panels))

@@ -375,7 +375,7 @@ class PagedEngine:
             raise ValueError(f"{len(batch.tokens)} tokens do not split into {self.replicas} equal regions")
         # The window covers the tokens that gather one: all of them on XLA's path, only the
         # prefill region's where decode tokens attend natively (the kernel reads any position).
-        reach = batch.prefill_max_position if self.native_attention else batch.max_position
+        reach = batch.prefill_max_position if self.kernels.native else batch.max_position
         window = pick_bucket(max(reach, 0) // self.ecfg.page_size + 1, self.window_buckets)
         if decode not in self.decode_buckets or prefill not in self.prefill_buckets:
             raise ValueError(
@@ -469,19 +469,19 @@ class PagedEngine:
     def warm_programs(self, full: bool = False) -> list[tuple[int, int, int]]:
         """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
         decode and prefill bucket at the smallest window (new prompts while sequences are short),
-        and, unless decode tokens attend natively (``native_attention``: then a step's window
+        and, unless decode tokens attend natively (``kernels.native``: then a step's window
         covers its prefill region only, and decode-only steps are one program per decode
         bucket), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
         growing); with ``full``, every prefill bucket and window with all rows decoding, and
         decode-only steps of every decode bucket and window."""
         ps = self.ecfg.page_size
         D, P, W = self.decode_buckets, self.prefill_buckets, self.window_buckets
-        if full and self.native_attention:
+        if full and self.kernels.native:
             return [(d, p, W[0]) for d in D for p in P] + [(D[-1], p, w) for p in P[1:] for w in W[1:]]
         if full:
             return [(D[-1], p, w) for p in P for w in W] + [(d, 0, w) for d in D[:-1] for w in W]
         # Decode tokens attending natively need no window: decode-only steps are one program each.
-        warm = [] if self.native_attention else [w for w in W[1:] if w * ps <= WARM_WINDOW]
+        warm = [] if self.kernels.native else [w for w in W[1:] if w * ps <= WARM_WINDOW]
         return [(d, p, W[0]) for d in D for p in P] + [(d, 0, w) for d in D for w in warm]
 
     def warmup(self, full: bool = False, also: Collection[tuple[int, int, int]] = ()) -> float:
@@ -535,12 +535,6 @@ class PagedEngine:
         self._sp_device = None
 
     # ---- facts -------------------------------------------------------------------------------
-    @property
-    def native_attention(self) -> bool:
-        """Whether decode attends through the native CPU kernels (``kernels``, chosen by
-        ``model.kernels.choose_attention``)."""
-        return self.kernels.native
-
     def panel_bytes(self) -> int:
         """Bytes of the packed copies of the float32 weights (``panels``; 0 without them)."""
         return sum(int(a.nbytes) for a in jax.tree.leaves(self.panels or {}))

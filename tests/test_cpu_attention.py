@@ -251,10 +251,10 @@ def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:
     xla = Engine(
         cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, decode_attention="xla"), devices=one
     )
-    assert native.native_attention and not xla.native_attention
+    assert native.kernels.native and not xla.kernels.native
     scan = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan"))
     two = Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2])
-    assert not scan.native_attention and not two.native_attention
+    assert not scan.kernels.native and not two.kernels.native
     # The greedy argmax's kernel goes with them (model.cpu_argmax; tested in test_sampling).
     assert native.argmax is cpu_argmax.first_argmax
     assert scan.argmax is first_argmax and two.argmax is first_argmax

@@ -54,7 +54,7 @@ def test_the_cache_is_bfloat16_and_the_weights_stay_float32(engine: Engine) -> N
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(engine.params))
     assert engine.ecfg.kv_dtype == "bfloat16" and engine.ecfg.dtype == "float32"
     if engine.ecfg.layers == "unrolled":  # the native decode kernel takes bfloat16 blocks
-        assert isinstance(engine.cache, BlockedKVCache) and engine.native_attention
+        assert isinstance(engine.cache, BlockedKVCache) and engine.kernels.native
 
 
 @pytest.mark.slow

@@ -127,9 +127,9 @@ def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: P
     """The module's loop attends decode tokens through the native CPU kernel where it is built
     (``model.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
     reference's ids."""
-    assert loop.engine.native_attention is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
+    assert loop.engine.kernels.native is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
     xla = paged(decode_attention="xla")
-    assert not xla.engine.native_attention
+    assert not xla.engine.kernels.native
     assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
 
 
@@ -240,7 +240,7 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
     # Decode tokens attending natively: a window covers the prefill region only, so decode-only
     # steps are one program, whatever their positions.
     native = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
-    if native.native_attention:
+    if native.kernels.native:
         assert native.warm_programs() == [(4, p, 8) for p in (0, 64, 128, 256, 512)]
         assert len(native.warm_programs(full=True)) == 5 + 4 * 4
         long_decode = native.idle_batch(4, 0, 2047)

@@ -46,6 +46,10 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   ``PagedEngine`` (paged KV cache, ragged steps, scanned layers) through its engine loop and
   scheduler (no gRPC), float32 weights; the other meshserve rows drive the per-slot ``Engine``'s
   steps directly. Its TTFT includes the loop's scheduling; its host share is not measured.
+* ``meshserve-paged-stored`` and ``meshserve-paged-int8`` (only when named in ``--peers``): the
+  served default on the GGUF's blocks as stored (what ``serve`` holds for the default model) and
+  on int8 blocks of the float32 weights (``serve --weights int8`` on a float checkpoint); issue
+  "Weights as stored"'s targets for the server, beside ``meshserve-paged``.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -115,11 +119,12 @@ if str(ROOT) not in sys.path:
 from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
 PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored",
-         "meshserve-int8", "meshserve-paged")  # fmt: skip
+         "meshserve-int8", "meshserve-paged", "meshserve-paged-stored", "meshserve-paged-int8")  # fmt: skip
 DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
             "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"],
-            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"], "meshserve-paged": ["jax", "flax"]}  # fmt: skip
+            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"], "meshserve-paged": ["jax", "flax"],
+            "meshserve-paged-stored": ["jax", "flax"], "meshserve-paged-int8": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
@@ -128,6 +133,8 @@ VARIANTS = {
     "meshserve-stored": [("meshserve-stored", "meshserve GGUF blocks as stored")],
     "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
     "meshserve-paged": [("meshserve-paged", "meshserve fp32, paged")],
+    "meshserve-paged-stored": [("meshserve-paged-stored", "meshserve stored, paged")],
+    "meshserve-paged-int8": [("meshserve-paged-int8", "meshserve int8, paged")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -141,6 +148,8 @@ QUANTIZED = {
     "llama.cpp F16",
     "meshserve GGUF blocks as stored",
     "meshserve int8 (Q8_0 of fp32)",
+    "meshserve stored, paged",
+    "meshserve int8, paged",
 }  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
 KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
@@ -339,15 +348,20 @@ class PagedRunner(Runner):
     or the GGUF's blocks as stored. Each row is a request of ``n`` ids (EOS ignored) with the
     prefix cache off, so repeated rounds prefill every prompt again."""
 
-    def __init__(self, model: Path, threads: int, stored: bool = False) -> None:
+    def __init__(self, model: Path, threads: int, stored: bool = False, int8: bool = False) -> None:
         import jax
+        from flax import nnx
 
+        from model.block_params import quantize_params
+        from model.build import llama_from_params
         from model.loader import load_model
 
         loaded = load_model(model, "float32", stored=stored)
         self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
+        if int8:  # from the float32 weights, as a float checkpoint would hold them
+            self.graphdef, self.params = llama_from_params(self.cfg, quantize_params(nnx.to_pure_dict(loaded.state)))
         self.loop: Any = None
-        held = "GGUF blocks as stored" if stored else "float32"
+        held = "int8 blocks (Q8_0 of fp32)" if int8 else "GGUF blocks as stored" if stored else "float32"
         self.notes = (
             f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, paged KV cache (the served "
             f"default), scanned layers, weights {held}, through the engine loop"
@@ -621,6 +635,10 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), stored=True)
     if variant == "meshserve-paged":  # the served default: paged KV cache through the engine loop
         return PagedRunner(model, threads)
+    if variant == "meshserve-paged-stored":  # the served default on the GGUF's blocks (serve's default weights)
+        return PagedRunner(model, threads, stored=True)
+    if variant == "meshserve-paged-int8":  # the served default on int8 blocks of the float32 weights
+        return PagedRunner(model, threads, int8=True)
     if variant == "meshserve-int8":  # the float32 weights quantized to Q8_0 blocks (serve --weights int8)
         return MeshserveRunner(model, threads, wl.get("layers", "scan"), int8=True)
     if variant == "hf":
@@ -965,7 +983,8 @@ def main(argv: list[str] | None = None) -> int:
         default=list(DEFAULT_PEERS),
         help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
         "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored; meshserve-int8: float32 quantized "
-        "to int8 blocks; meshserve-paged: the served default, paged KV cache through the engine loop)",
+        "to int8 blocks; meshserve-paged: the served default, paged KV cache through the engine loop; meshserve-paged-stored, "
+        "meshserve-paged-int8: the same on stored or int8 blocks)",
     )
     p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")

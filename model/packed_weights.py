@@ -61,21 +61,45 @@ def stacked_panel_weights(model: Llama, lm_head: bool = True) -> dict[str, Any]:
     take (``cpu_matmul.supports``: not float32, or outputs not whole 32-column panels).
     """
     assert not model.layers.per_layer(), "stacked_panel_weights packs the stacked form"
-    weights = model.layers.weights()
+    out: dict[str, Any] = {
+        name: cpu_matmul.pack(w, in_dims) if name == "lm_head" else cpu_matmul.pack_stacked(w, in_dims)
+        for name, (w, in_dims) in _packable(model, lm_head).items()
+    }
+    return out
 
-    def packable(w: Any, in_dims: int, lead: int = 0) -> bool:  # lead: a stack's leading L axis
+
+def packed_bytes(model: Llama, lm_head: bool = True) -> int:
+    """Bytes a float32 packed copy of ``model``'s matmul weights takes (what
+    ``stacked_panel_weights`` or ``panel_weights`` would add), without packing: the weights the
+    float32 kernel takes, 4 bytes each (panels hold every weight once, no padding: their output
+    widths are whole panels). For predicting an engine's memory before it is built (a live
+    layout switch). Either form, stacked or per layer."""
+    total = 0
+    for w, _ in _packable(model, lm_head).values():
+        total += sum(4 * math.prod(x.shape) for x in (w if isinstance(w, tuple) else (w,)))
+    return total
+
+
+def _packable(model: Llama, lm_head: bool) -> dict[str, tuple[Any, int]]:
+    """{name: (weight, contracted leading axes)} of the matmul weights the float32 kernel takes:
+    the layer weights (stacked [L, ...] or a tuple per layer) and the LM head [D, V] (the tied
+    embedding transposed), if asked. Stored blocks and what ``cpu_matmul.supports`` refuses are
+    left out."""
+
+    def packable(w: Any, in_dims: int, lead: int) -> bool:  # lead: a stack's leading L axis
         if isinstance(w, QuantPanels):
             return False
         shape = w.shape[lead:]
         return cpu_matmul.supports(math.prod(shape[in_dims:]), w.dtype, math.prod(shape[:in_dims]))
 
-    out: dict[str, Any] = {
-        name: cpu_matmul.pack_stacked(weights[name], in_dims)
-        for name, in_dims in PANEL_IN_DIMS.items()
-        if packable(weights[name], in_dims, lead=1)
-    }
+    out: dict[str, tuple[Any, int]] = {}
+    for name, w in model.layers.weights().items():
+        in_dims = PANEL_IN_DIMS.get(name)
+        per_layer = isinstance(w, tuple)
+        if in_dims is not None and packable(w[0] if per_layer else w, in_dims, lead=0 if per_layer else 1):
+            out[name] = (w, in_dims)
     head = (model.embed if model.cfg.tie_word_embeddings else model.lm_head).get_value()
     head = head.T if model.cfg.tie_word_embeddings and not isinstance(head, QuantPanels) else head
-    if lm_head and packable(head, 1):
-        out["lm_head"] = cpu_matmul.pack(head, 1)
+    if lm_head and packable(head, 1, lead=0):
+        out["lm_head"] = (head, 1)
     return out

@@ -145,8 +145,11 @@ class AdminService(apb_grpc.AdminServicer):
                 )
         # The new engine is built beside the serving one: refuse what cannot fit before building.
         predicted = layout_info(self.service, layout)
-        need = predicted.weight_bytes_per_device + predicted.kv_cache_bytes_per_device
-        if (problem := kv_pool.switch_problem(pool.devices[: layout.num_devices], need)) is not None:
+        devices = pool.devices[: layout.num_devices]
+        # A single-CPU-device engine also packs a float32 copy of its matmul weights.
+        packed = pool.loop.engine.packed_bytes_on(devices)
+        need = predicted.weight_bytes_per_device + predicted.kv_cache_bytes_per_device + packed
+        if (problem := kv_pool.switch_problem(devices, need)) is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"layout {layout.name!r}: {problem}")
         async with self._switch_lock:
             t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from model.config import LlamaConfig
 from model.kernels import choose_attention, choose_quant_kernel, has_stored_blocks
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, stack_layers, unstack_layers
-from model.packed_weights import panel_weights
+from model.packed_weights import packed_bytes, panel_weights
 from model.quant_panels import QuantPanels
 from model.sampling import (
     SamplingParams,
@@ -784,6 +784,17 @@ class Engine:
         """The packed weights decode steps read (a jit argument of every decode call), or None
         when decode multiplies by the module's weights (XLA's dots)."""
         return self._decode_panels
+
+    def packed_bytes_on(self, devices: list[jax.Device]) -> int:
+        """Bytes of the packed weight copy a ``relayout`` onto ``devices`` (its mesh's devices)
+        may add beside the weights, without building it: where the new engine could pack (the
+        unrolled layers on one CPU device, ``matmul`` "bf16x3", or "auto" with the kernel built),
+        every weight the kernel takes, LM head included: an upper bound, since "auto" packs only
+        where ``cpu_matmul.faster_than_xla`` says so. bf16x3 panels take 4 bytes per weight too
+        (two bfloat16 halves)."""
+        one_cpu = self.ecfg.layers == "unrolled" and len(devices) == 1 and devices[0].platform == "cpu"
+        native = self.ecfg.matmul == "bf16x3" or (self.ecfg.matmul == "auto" and cpu_matmul.available())
+        return packed_bytes(nnx.merge(self.graphdef, self.params)) if one_cpu and native else 0
 
     def panel_bytes(self) -> int:
         """Bytes of the panel-packed weight copy the native matmuls read (0 without it)."""

@@ -103,8 +103,8 @@ def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | Non
         free = min(limit - used for limit, used in memory)
         if need_per_device > free:
             return (
-                f"the new layout needs {need_per_device / gib:.2f} GiB per device (weights and KV pool) beside "
-                f"the engine serving now, and a device has {max(free, 0) / gib:.2f} GiB free; "
+                f"the new layout needs {need_per_device / gib:.2f} GiB per device (weights, any packed copy "
+                f"of them, KV pool) beside the engine serving now, and a device has {max(free, 0) / gib:.2f} GiB free; "
                 "serve with a smaller --kv-cache-memory (or --kv-cache-tokens) to leave room for a switch"
             )
         return None
@@ -113,8 +113,8 @@ def switch_problem(devices: list[jax.Device], need_per_device: int) -> str | Non
     need = need_per_device * local
     if available is not None and need > available:
         return (
-            f"the new layout needs {need / gib:.2f} GiB of host memory ({local} CPU device(s), weights "
-            f"and KV pool) beside the engine serving now, and the host has {available / gib:.2f} GiB "
+            f"the new layout needs {need / gib:.2f} GiB of host memory ({local} CPU device(s): weights, "
+            f"any packed copy of them, KV pool) beside the engine serving now, and the host has {available / gib:.2f} GiB "
             "available; serve with a smaller --kv-cache-tokens (or --kv-cache-memory) to leave room for a switch"
         )
     return None

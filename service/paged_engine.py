@@ -60,7 +60,7 @@ from model import cpu_argmax, cpu_matmul
 from model.config import LlamaConfig
 from model.kernels import choose_attention
 from model.llama import SEQ_BLOCK, ragged_step
-from model.packed_weights import stacked_panel_weights
+from model.packed_weights import packed_bytes, stacked_panel_weights
 from model.paged_kv import PagedKVCache
 from model.sampling import SamplingParams, TokenHistory, first_argmax, sample
 from service import kv_pool
@@ -233,7 +233,7 @@ class PagedEngine:
         # layer index, where XLA's dots first copy each layer's slice of the stacked weights.
         # Weights held as stored blocks have a kernel of their own and are not packed.
         self.panels: dict[str, Any] | None = None
-        if one_cpu and engine_cfg.matmul == "auto" and self.dtype == jnp.float32 and cpu_matmul.available():
+        if packs_panels(self.mesh.devices.size, platform, engine_cfg, self.dtype):
             self.panels = stacked_panel_weights(nnx.merge(graphdef, self.params)) or None
         log.info(
             "paged matmuls: %s",
@@ -535,6 +535,15 @@ class PagedEngine:
         self._sp_device = None
 
     # ---- facts -------------------------------------------------------------------------------
+    def packed_bytes_on(self, devices: list[jax.Device]) -> int:
+        """Bytes of the packed weight copy a ``relayout`` onto ``devices`` (its mesh's devices)
+        would add beside the weights, without building it: the float32 panels where
+        ``packs_panels``, else 0. Same weights, so a same-device relayout's equals
+        ``panel_bytes()``."""
+        if not packs_panels(len(devices), devices[0].platform, self.ecfg, self.dtype):
+            return 0
+        return packed_bytes(nnx.merge(self.graphdef, self.params))
+
     def panel_bytes(self) -> int:
         """Bytes of the packed copies of the float32 weights (``panels``; 0 without them)."""
         return sum(int(a.nbytes) for a in jax.tree.leaves(self.panels or {}))
@@ -542,6 +551,14 @@ class PagedEngine:
     def weight_bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters held by each device, keyed by device id string."""
         return bytes_per_device(self.params)
+
+
+def packs_panels(num_devices: int, platform: str, engine_cfg: EngineConfig, dtype: Any) -> bool:
+    """Whether a paged engine on ``num_devices`` devices of ``platform`` packs its float32
+    matmul weights for the native panel kernel (``PagedEngine.panels``): one CPU device,
+    ``matmul="auto"``, float32 weights, the kernel built."""
+    one_cpu = num_devices == 1 and platform == "cpu"
+    return one_cpu and engine_cfg.matmul == "auto" and jnp.dtype(dtype) == jnp.float32 and cpu_matmul.available()
 
 
 def _set_history_row(history: TokenHistory, slot: jax.Array, counts: jax.Array, in_prompt: jax.Array) -> TokenHistory:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import free_port
 
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
@@ -25,7 +26,7 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 def small_pool(tiny_gguf: Path):  # type: ignore[no-untyped-def]
     """One pool on 1x2, 128 positions in all, requests of up to 128 tokens."""
     cfg = ServerConfig(
-        model=str(tiny_gguf), port=0, pools=["p=1x2"], admin_token=TOKEN, admin_port=0,
+        model=str(tiny_gguf), port=0, pools=["p=1x2"], admin_token=TOKEN, admin_port=0, metrics_port=free_port(),
         engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32, kv_cache_tokens=128),
     )  # fmt: skip
     srv = ServerThread(cfg).start()
@@ -63,6 +64,37 @@ def test_a_switch_that_would_not_fit_in_memory_is_refused(small_pool, monkeypatc
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "'1x1'" in err.value.details() and "of host memory (1 CPU device(s)" in err.value.details()
     assert srv.running.service.pools[0].loop.engine.layout.name == "1x2"  # nothing changed
+
+
+def test_the_memory_a_switch_needs_counts_the_packed_copy_of_one_cpu_device(
+    small_pool, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """On one CPU device a float32 engine packs a second copy of its matmul weights for the
+    native kernel (``PagedEngine.panels``): a switch to 1x1 must fit that copy too."""
+    from flax import nnx
+
+    from model.packed_weights import stacked_panel_weights
+    from service.paged_engine import packs_panels
+
+    srv, admin = small_pool
+    engine = srv.running.service.pools[0].loop.engine
+    one = engine.mesh.devices.flat[:1]
+    packed = engine.packed_bytes_on(list(one))
+    if packs_panels(1, "cpu", engine.ecfg, engine.dtype):  # the kernel is built on this machine
+        panels = stacked_panel_weights(nnx.merge(engine.graphdef, engine.params))
+        assert packed == sum(int(p.data.nbytes) for p in panels.values()) > 0
+    else:
+        assert packed == 0
+    assert engine.packed_bytes_on(list(engine.mesh.devices.flat)) == 0  # 2 devices: nothing packed
+    predicted = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
+    one_layout = next(p for p in predicted.presets if p.data == 1 and p.model == 1)
+    need = one_layout.weight_bytes_per_device + one_layout.kv_cache_bytes_per_device + packed
+    monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: need - 1)
+    with pytest.raises(grpc.RpcError) as err:
+        admin.SetLayout(apb.SetLayoutRequest(pool="p", layout="1x1"), metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"needs {need / 2**30:.2f} GiB of host memory" in err.value.details()
+    assert engine.layout.name == "1x2"  # nothing changed
 
 
 def test_a_failed_build_leaves_the_pool_serving(small_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -355,10 +355,15 @@ def test_c15_cancel_and_deadline_free_slots_and_skip_prefill(server, client: Cli
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server, timeout_s=5)
 
-    follow = gen(client, hello)
-    assert follow.token_ids == baseline.token_ids
-    assert follow.finish_reason == baseline.finish_reason == "FINISH_REASON_LENGTH"
-    assert follow.ttft_s < baseline.ttft_s + 1.0, (follow.ttft_s, baseline.ttft_s)
+    # The case's bound: the idle baseline + one decode step + 1 s. Both sides take the faster of
+    # two runs, as the baseline does, so one stall of this shared machine does not decide it.
+    follows = [gen(client, hello) for _ in range(2)]
+    follow = min(follows, key=lambda r: r.ttft_s)
+    for f in follows:
+        assert f.token_ids == baseline.token_ids
+        assert f.finish_reason == baseline.finish_reason == "FINISH_REASON_LENGTH"
+    decode_step_s = (baseline.total_s - baseline.ttft_s) / max(1, len(baseline.token_ids) - 1)
+    assert follow.ttft_s < baseline.ttft_s + decode_step_s + 1.0, (follow.ttft_s, baseline.ttft_s, decode_step_s)
     assert metric(server, "meshserve_active_slots", pool="default") == 0
     assert metric(server, "meshserve_queue_depth", pool="default") == 0
     assert metric(server, "meshserve_kv_cache_usage_ratio", pool="default") == 0

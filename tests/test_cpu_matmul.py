@@ -189,6 +189,17 @@ def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
     prefill_native = cpu_matmul.faster_than_xla(64)
     assert native.panels is not None and native.panel_bytes() > 0
     assert xla.panels is None and xla.panel_bytes() == 0
+    # A live switch's prediction of the packed copy, before building: the same weights, so
+    # native's exactly (every weight and the LM head packed); 0 where the new engine cannot pack.
+    assert native.packed_bytes_on(one) == native.panel_bytes()
+    assert xla.packed_bytes_on(one) == 0  # matmul="xla" never packs
+    assert native.packed_bytes_on(jax.devices()[:2]) == 0
+    assert (
+        Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan"), one).packed_bytes_on(
+            one
+        )
+        == 0
+    )
     assert native._decode_panels is native.panels and "lm_head" in native.panels
     assert native._prefill_panels is (native.panels if prefill_native else None)
     single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)

@@ -147,8 +147,12 @@ def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: Pag
             CFG.num_kv_heads * (CFG.q_per_kv + 2) * CFG.head_dim // 32,
         )
         assert loop.engine.panel_bytes() == sum(int(p.data.nbytes) for p in panels.values()) > 0
+    # A live switch's prediction of the packed copy before building it: the same weights.
+    one = list(loop.engine.mesh.devices.flat)
+    assert loop.engine.packed_bytes_on(one) == loop.engine.panel_bytes()
     xla = paged(matmul="xla")
     assert xla.engine.panels is None and xla.engine.panel_bytes() == 0
+    assert xla.engine.packed_bytes_on(one) == 0
     assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
     # One prompt's step on fresh engines of each kind (the module's loop owns its engine).
     fresh = [paged(matmul=m).engine for m in ("xla", "auto")]

@@ -279,3 +279,28 @@ def test_the_paged_row_serves_through_the_engine_loop(tmp_path: Path) -> None:
         assert runner.first_at is not None
     runner.setup(1, len(rows[0]), 6)  # a new B: the previous loop stopped, a new pool
     assert runner.generate(rows[:1], 6) == want
+
+
+def test_the_paged_stored_and_int8_rows_hold_blocks_and_give_the_per_slot_rows_ids(tmp_path: Path) -> None:
+    """``meshserve-paged-stored`` and ``meshserve-paged-int8`` run the served default over the
+    file's Q4_1 blocks and over Q8_0 blocks of its float32 values, and decode the ids of the
+    per-slot rows over the same blocks."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from model.quant_panels import QuantPanels
+
+    path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
+    wl = {"model": str(path), "threads": 2, "layers": "scan"}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
+    for paged, per_slot, fmt in (("meshserve-paged-stored", "meshserve-stored", "q4_1"),
+                                 ("meshserve-paged-int8", "meshserve-int8", "q8_0")):  # fmt: skip
+        ref = peers.make_runner(per_slot, wl)
+        ref.setup(2, len(rows[0]), 6)
+        want = ref.generate(rows, 6)
+        runner = peers.make_runner(paged, wl)
+        w_down = runner.params["layers"]["w_down"].get_value()
+        assert isinstance(w_down, QuantPanels) and w_down.format == fmt
+        runner.setup(2, len(rows[0]), 6)
+        assert len(want) == 6 and runner.generate(rows, 6) == want
+        runner.loop.stop()
+    assert {"meshserve stored, paged", "meshserve int8, paged"} <= peers.QUANTIZED

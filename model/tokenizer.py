@@ -36,6 +36,7 @@ written by :meth:`Tokenizer.save`, whatever the source was (:meth:`Tokenizer.fro
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import cache
@@ -446,6 +447,14 @@ class Tokenizer:
             OverflowError/TypeError: an id is negative or not an int (from ``tokenizers``).
         """
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (control tokens' own text included), at
+        least 1: a text of B UTF-8 bytes encodes to at least B / max_token_bytes tokens in a
+        vocabulary without a normalizer (each token covers a piece of the text). Walks the
+        vocabulary once (tens of milliseconds), then cached."""
+        return max(1, *(len(self.token_bytes(t)) for t in range(self._vocab_size)))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, as OpenAI's logprobs report them (``bytes``).

@@ -39,6 +39,7 @@ from service.validation import (
     ValidatedRequest,
     chat_prompt_ids,
     checked_token_ids,
+    refuse_text_beyond,
     validate_params,
 )
 
@@ -130,6 +131,12 @@ def _refuse(field: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{field}: {why}")
 
 
+def _encode_within(tokenizer: Tokenizer, text: str, max_seq_len: int) -> list[int]:
+    """``text``'s ids, refused untokenized where it is far beyond ``max_seq_len``."""
+    refuse_text_beyond(len(text.encode("utf-8")), tokenizer, max_seq_len, "prompt")
+    return tokenizer.encode(text)
+
+
 def _text(field: str, text: str) -> str:
     """``text``, refused when it holds a lone surrogate: JSON's ``"\\ud800"`` escape decodes to
     one, and the tokenizer raises TypeError on it (a 500)."""
@@ -217,7 +224,7 @@ def chat_request(
         if m.role in ("tool", "function"):
             raise _refuse(f"messages[{i}].role", f"{m.role!r} messages are not supported (no tool calling)")
         messages.append((ROLE_ALIASES.get(m.role, m.role), _message_text(i, m)))
-    ids = chat_prompt_ids(messages, tokenizer, "messages")
+    ids = chat_prompt_ids(messages, tokenizer, "messages", max_seq_len)
     if not ids:
         raise InvalidRequest("messages: the prompt is empty (0 tokens)")
     names = {}
@@ -262,7 +269,7 @@ def completion_request(
             raise _refuse("prompt", f"a list of {len(prompt)} prompts is not supported; send one request per prompt")
         prompt = prompt[0]
     ids = (
-        tokenizer.encode(_text("prompt", prompt))
+        _encode_within(tokenizer, _text("prompt", prompt), max_seq_len)
         if isinstance(prompt, str)
         else checked_token_ids(prompt, tokenizer, "prompt")
     )

@@ -150,6 +150,13 @@ class ServerConfig:
     http_port: int = 0
     process_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        # Checked at start-up: 0 or less would refuse every request later (a queue of 0 counts the
+        # requests on their way to a free slot) or blame the client for the server's default.
+        for name in ("max_queue", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
 
 class ConfigError(ValueError):
     """A serve config file is missing, unreadable or not YAML, or a key or value does not fit

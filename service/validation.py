@@ -112,15 +112,39 @@ def checked_token_ids(ids: Sequence[int], tokenizer: Tokenizer, field: str) -> l
     return ids
 
 
-def chat_prompt_ids(messages: Sequence[tuple[str, str]], tokenizer: Tokenizer, field: str) -> list[int]:
+def refuse_text_beyond(text_bytes: int, tokenizer: Tokenizer, max_seq_len: int, field: str) -> None:
+    """Refuse, before tokenizing, a text of ``text_bytes`` UTF-8 bytes that cannot fit
+    ``max_seq_len``: tokenizing megabytes blocks the server's event loop for seconds, only to
+    refuse the prompt afterwards. The bound takes half of ``Tokenizer.max_token_bytes``'s token
+    count, a margin for a normalizer that shortens text (NFC composes at most 3 bytes into 2).
+
+    Raises:
+        InvalidRequest: the text is at least 2 x max_token_bytes x max_seq_len bytes.
+    """
+    at_least = text_bytes // (2 * tokenizer.max_token_bytes)
+    if at_least >= max_seq_len:
+        raise InvalidRequest(
+            f"{field}: {text_bytes} bytes of text are at least {at_least} tokens, which leaves no room to "
+            f"generate within the max sequence length of {max_seq_len} tokens"
+        )
+
+
+def chat_prompt_ids(
+    messages: Sequence[tuple[str, str]], tokenizer: Tokenizer, field: str, max_seq_len: int | None = None
+) -> list[int]:
     """The ids of chat ``messages`` ((role, content) pairs) rendered with the model's chat template,
     with an assistant turn opened for the answer.
 
     Raises:
         InvalidRequest: no message, a role that is not one of ``CHAT_ROLES`` (the message
-            names ``field``, e.g. ``chat.messages[1].role``), or the chat template raised on the
-            messages (or the model has none).
+            names ``field``, e.g. ``chat.messages[1].role``), the chat template raised on the
+            messages (or the model has none), or the contents alone are too long for
+            ``max_seq_len`` (``refuse_text_beyond``; None: not checked here).
     """
+    if max_seq_len is not None:
+        refuse_text_beyond(
+            sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages), tokenizer, max_seq_len, field
+        )
     if not messages:
         raise InvalidRequest(f"{field}: at least one message is required")
     for i, (role, _) in enumerate(messages):
@@ -141,16 +165,20 @@ def chat_prompt_ids(messages: Sequence[tuple[str, str]], tokenizer: Tokenizer, f
     return tokenizer.encode(rendered)
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, max_seq_len: int | None = None) -> list[int]:
     """The prompt's token ids: raw text tokenized as is, chat rendered with the model's template,
-    or token ids checked against the vocabulary."""
+    or token ids checked against the vocabulary. Text far beyond ``max_seq_len`` is refused
+    before it is tokenized (``refuse_text_beyond``)."""
     which = req.WhichOneof("input")
     if which is None:
         raise InvalidRequest("input: one of prompt, chat or token_ids is required")
     if which == "prompt":
+        if max_seq_len is not None:
+            refuse_text_beyond(len(req.prompt.encode("utf-8")), tokenizer, max_seq_len, "prompt")
         ids = tokenizer.encode(req.prompt)
     elif which == "chat":
-        ids = chat_prompt_ids([(m.role, m.content) for m in req.chat.messages], tokenizer, "chat.messages")
+        messages = [(m.role, m.content) for m in req.chat.messages]
+        ids = chat_prompt_ids(messages, tokenizer, "chat.messages", max_seq_len)
     else:
         ids = checked_token_ids(req.token_ids.ids, tokenizer, "token_ids")
     if not ids:
@@ -194,7 +222,8 @@ def validate(
     Raises:
         InvalidRequest: naming the field, with the numbers involved.
     """
-    return validate_params(prompt_ids(req, tokenizer), params_of(req), max_seq_len, default_max_tokens, max_queue)
+    ids = prompt_ids(req, tokenizer, max_seq_len)
+    return validate_params(ids, params_of(req), max_seq_len, default_max_tokens, max_queue)
 
 
 def _in_range(p: Params, field: str, value: float, lo: float, hi: float, what: str) -> float:

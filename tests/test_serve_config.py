@@ -125,6 +125,19 @@ def test_bad_flag_values_are_one_line_errors_too() -> None:
     )
 
 
+@pytest.mark.parametrize("flag, key", [("--max-queue", "max_queue"), ("--default-max-tokens", "default_max_tokens")])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_queue_or_default_max_tokens_below_one_is_refused_at_start_up(
+    tmp_path: Path, flag: str, key: str, value: str
+) -> None:
+    """Accepted, they made a server that refused every request (a queue of 0) or answered
+    requests without max_tokens with 1 token or an error blaming the client's min_tokens."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", flag, value])
+    assert exc.value.code == f"meshserve serve: error: flags: {key} must be >= 1, got {value}"
+    assert error_of(tmp_path, f"{key}: {value}\n").endswith(f"{key} must be >= 1, got {value}")
+
+
 def test_weights_naming_a_dtype_and_another_dtype(tmp_path: Path) -> None:
     """``--weights bfloat16`` holds every weight as bfloat16 (it sets the dtype): with another
     ``--dtype`` from the same place it is an error, not a silent choice; a flag wins over the file."""

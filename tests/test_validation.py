@@ -136,6 +136,32 @@ def test_long_text_prompt_reports_its_token_count(tokenizer: Tokenizer) -> None:
     assert msg.startswith("prompt:") and str(n) in msg and str(MAX_SEQ_LEN) in msg
 
 
+def test_text_far_beyond_the_limit_is_refused_before_it_is_tokenized(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenizing megabytes stalled the server's event loop for seconds (1 s per MB), only to
+    refuse the prompt afterwards: a text whose bytes alone are more tokens than the limit allows
+    is refused untokenized. The bound is sound: every text encodes to at least its bytes /
+    max_token_bytes tokens."""
+    for text in ("hello world, " * 50, "🙂 naïve café 你好 " * 40, "".join(chr(i) for i in range(32, 2000))):
+        assert len(tokenizer.encode(text)) * tokenizer.max_token_bytes >= len(text.encode("utf-8"))
+    bound = 2 * tokenizer.max_token_bytes * MAX_SEQ_LEN
+    far = "x" * bound
+
+    def no_encoding(text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(tokenizer, "encode", no_encoding)
+    msg = rejected(make_request(prompt=far), tokenizer)
+    assert msg.startswith("prompt:") and f"{bound} bytes of text" in msg and str(MAX_SEQ_LEN) in msg
+    chat = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=far)]))
+    assert rejected(chat, tokenizer).startswith("chat.messages:")
+    monkeypatch.undo()
+    near = "x" * (bound - 1)  # below the bound: tokenized, then refused by its exact count
+    msg = rejected(make_request(prompt=near), tokenizer)
+    assert str(len(tokenizer.encode(near))) in msg
+
+
 # ---- sampling ---------------------------------------------------------------------------------------
 
 

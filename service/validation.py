@@ -114,14 +114,13 @@ def checked_token_ids(ids: Sequence[int], tokenizer: Tokenizer, field: str) -> l
 
 def refuse_text_beyond(text_bytes: int, tokenizer: Tokenizer, max_seq_len: int, field: str) -> None:
     """Refuse, before tokenizing, a text of ``text_bytes`` UTF-8 bytes that cannot fit
-    ``max_seq_len``: tokenizing megabytes blocks the server's event loop for seconds, only to
-    refuse the prompt afterwards. The bound takes half of ``Tokenizer.max_token_bytes``'s token
-    count, a margin for a normalizer that shortens text (NFC composes at most 3 bytes into 2).
+    ``max_seq_len`` (``Tokenizer.tokens_at_least``): tokenizing megabytes blocks the server's
+    event loop for seconds, only to refuse the prompt afterwards.
 
     Raises:
-        InvalidRequest: the text is at least 2 x max_token_bytes x max_seq_len bytes.
+        InvalidRequest: the text is at least ``max_seq_len`` tokens whatever it says.
     """
-    at_least = text_bytes // (2 * tokenizer.max_token_bytes)
+    at_least = tokenizer.tokens_at_least(text_bytes)
     if at_least >= max_seq_len:
         raise InvalidRequest(
             f"{field}: {text_bytes} bytes of text are at least {at_least} tokens, which leaves no room to "

@@ -145,7 +145,8 @@ def test_text_far_beyond_the_limit_is_refused_before_it_is_tokenized(
     max_token_bytes tokens."""
     for text in ("hello world, " * 50, "🙂 naïve café 你好 " * 40, "".join(chr(i) for i in range(32, 2000))):
         assert len(tokenizer.encode(text)) * tokenizer.max_token_bytes >= len(text.encode("utf-8"))
-    bound = 2 * tokenizer.max_token_bytes * MAX_SEQ_LEN
+    assert tokenizer.tokens_at_least(tokenizer.max_token_bytes * 7) == 7  # no normalizer: the exact bound
+    bound = tokenizer.max_token_bytes * MAX_SEQ_LEN
     far = "x" * bound
 
     def no_encoding(text: str) -> list[int]:

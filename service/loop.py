@@ -111,10 +111,20 @@ class EngineLoop:
         """Why ``submit`` would raise QueueFull now (None when there is room): a cheap, advisory
         check before a request is tokenized; ``submit`` checks again under the lock. The bound
         counts new requests (``scheduler.waiting``), not preempted ones waiting to resume."""
-        waiting = len(self.scheduler.waiting) + self._pending
+        waiting = self._waiting_for_a_slot()
         if waiting >= self.scheduler.max_queue:
             return f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})"
         return None
+
+    def _waiting_for_a_slot(self) -> int:
+        """New requests (queued, or on their way from the inbox) less the slots free for them
+        now: those about to take a free slot do not wait (a burst into an idle server was
+        refused while slots were free). Preempted sequences resuming (``queue_depth`` beyond
+        ``waiting``) take free slots first. Read without the loop's lock: advisory, off by at
+        most the requests one step admits."""
+        s = self.scheduler
+        free = max(0, s.num_slots - s.active_slots - (s.queue_depth - len(s.waiting)))
+        return max(0, len(s.waiting) + self._pending - free)
 
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe).
@@ -126,7 +136,7 @@ class EngineLoop:
         if not self.alive or self._stop.is_set():
             raise EngineUnavailable("the engine loop is not running")
         with self._lock:
-            waiting = len(self.scheduler.waiting) + self._pending
+            waiting = self._waiting_for_a_slot()
             if waiting >= self.scheduler.max_queue:
                 raise QueueFull(f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})")
             self._pending += 1
@@ -236,7 +246,7 @@ class EngineLoop:
                 return
             with self._lock:
                 self._pending -= 1
-                self.scheduler.add(request)  # the bound was reserved in submit()
+                self.scheduler.add(request, reserved=True)  # the bound was checked in submit()
 
     def step(self, plan: StepPlan) -> None:
         """Run one plan to completion (dispatch, then postprocess), without pipelining."""

@@ -151,9 +151,11 @@ class PagedScheduler:
         return self.pools[self.replica_of(r)]
 
     # ---- admission ------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        """Queue a request. Raises QueueFull when ``max_queue`` requests already wait."""
-        if len(self.waiting) >= self.max_queue:
+    def add(self, request: Request, reserved: bool = False) -> None:
+        """Queue a request. Raises QueueFull when ``max_queue`` requests already wait, unless
+        ``reserved``: the caller counted it against the bound already (``EngineLoop.submit``,
+        which leaves out the requests the free slots will take)."""
+        if not reserved and len(self.waiting) >= self.max_queue:
             raise QueueFull(f"queue full: {len(self.waiting)} requests waiting (max {self.max_queue})")
         self.waiting.append(request)
 

@@ -68,7 +68,7 @@ def full_queue(loop, client) -> Iterator[None]:  # type: ignore[no-untyped-def]
     """An engine loop whose waiting queue is full while the block runs.
 
     The loop is held in its next step (``loop.step_hook``) with one gRPC request of ``client``
-    in it and ``loop.scheduler.max_queue`` more waiting. When the block ends the loop is let go
+    in it and ``loop.scheduler.max_queue`` more waiting beyond the free slots. When the block ends the loop is let go
     and the hook removed; after a block that did not raise, every one of those requests must have
     ended OK.
     """
@@ -78,7 +78,9 @@ def full_queue(loop, client) -> Iterator[None]:  # type: ignore[no-untyped-def]
         entered.set()
         release.wait(60)
 
-    waiting = loop.scheduler.max_queue
+    # The held step has the first request in a slot; the other free slots take requests too
+    # (those do not count as waiting), so as many more are sent.
+    waiting = loop.scheduler.max_queue + loop.scheduler.num_slots - 1
     loop.step_hook = hold
     try:
         with ThreadPoolExecutor(1 + waiting) as pool:

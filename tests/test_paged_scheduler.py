@@ -435,6 +435,29 @@ def test_the_queue_bound_counts_new_requests_not_ones_resuming() -> None:
     assert loop.queue_full() is None
 
 
+def test_requests_the_free_slots_will_take_do_not_count_as_waiting() -> None:
+    """A burst into an idle server: the first num_slots requests take the free slots at the
+    next step, so only the rest count against max_queue (a burst of 10 into 4 idle slots with a
+    queue of 8 had one refused; a queue of 0 refused everything)."""
+    from service.paged_loop import PagedEngineLoop
+
+    sched = PagedScheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # 4 slots, max_queue 2
+    loop = PagedEngineLoop(object(), sched)  # type: ignore[arg-type]
+    loop._pending = 5  # in the inbox: 4 take the free slots, 1 waits
+    assert loop.queue_full() is None
+    loop._pending = 6
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    loop._pending = 0
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(6)]
+    for r in reqs:  # what the loop moves from its inbox, counted in submit already
+        sched.add(r, reserved=True)
+    with pytest.raises(QueueFull):
+        sched.add(ids_request([1, 2, 3], max_tokens=4))  # unreserved: the scheduler's own bound
+    step(sched)
+    assert sched.active_slots == 4 and len(sched.waiting) == 2
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"  # the slots are taken now
+
+
 def test_the_step_observer_counts_across_a_repartition() -> None:
     """The server's per-step metrics add the scheduler's totals' differences: after a switch
     to new pools they keep counting (they once went negative and stopped)."""

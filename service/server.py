@@ -556,7 +556,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
             context_length=model_cfg.max_position_embeddings,
-            max_seq_len=ecfg.max_seq_len,
+            max_seq_len=self.max_request_tokens,  # the enforced limit: a smaller pool lowers --max-seq-len's
             num_slots=ecfg.num_slots,
             eos_token_ids=sorted(self.tokenizer.eos_ids),
             dtype=ecfg.dtype,

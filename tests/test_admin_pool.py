@@ -24,16 +24,28 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 
 @pytest.fixture(scope="module")
 def small_pool(tiny_gguf: Path):  # type: ignore[no-untyped-def]
-    """One pool on 1x2, 128 positions in all, requests of up to 128 tokens."""
+    """One pool on 1x2, 128 positions in all, so requests of up to 128 tokens (not --max-seq-len's 256)."""
     cfg = ServerConfig(
         model=str(tiny_gguf), port=0, pools=["p=1x2"], admin_token=TOKEN, admin_port=0, metrics_port=free_port(),
-        engine=EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32, kv_cache_tokens=128),
+        engine=EngineConfig(num_slots=2, max_seq_len=256, chunk_size=32, kv_cache_tokens=128),
     )  # fmt: skip
     srv = ServerThread(cfg).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.running.admin_port}")
     yield srv, apb_grpc.AdminStub(channel)
     channel.close()
     srv.stop()
+
+
+def test_model_info_reports_the_limit_requests_are_held_to(small_pool) -> None:  # type: ignore[no-untyped-def]
+    """A pool smaller than --max-seq-len lowers the limit: GetModelInfo says so, as /v1/models
+    does (it said 256 while a 200-token prompt was refused against 128)."""
+    srv, _ = small_pool
+    client = Client(srv.address)
+    info = client.model_info()
+    assert srv.running.service.cfg.engine.max_seq_len == 256
+    assert info.max_seq_len == srv.running.service.max_request_tokens == 128
+    assert info.kv_cache_tokens == 128
+    client.close()
 
 
 def test_layout_info_predicts_the_pool_each_device_holds(small_pool) -> None:  # type: ignore[no-untyped-def]

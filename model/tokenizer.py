@@ -435,7 +435,9 @@ class Tokenizer:
 
         A BOS id is prepended only when the file sets ``tokenizer.ggml.add_bos_token``.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL where encode holds it (tokenizers' bindings): a long
+        # text tokenized on a worker thread leaves the other threads running.
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self._add_bos and self._bos_id is not None:
             ids.insert(0, self._bos_id)
         return ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import os
 import sys
@@ -245,11 +246,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _wait_serving(client, args.wait)
     history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
     print("meshserve chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # Undecodable bytes arrive as lone surrogates, refused below line by line: a strict
+        # decoder raises for the whole chunk it read, and a pipe's next lines would go with it.
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("you> ")
+            line.encode("utf-8")
         except EOFError:
             break
+        except UnicodeEncodeError:
+            print("meshserve chat: that line is not valid UTF-8 (nothing was sent); type it again", file=sys.stderr)
+            continue
         if not line.strip():
             break
         history.append(("user", line))
@@ -461,7 +470,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
     p.add_argument("--stop", action="append", help="stop string (repeatable; at most 16, each up to 256 characters)")
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
-    p.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for the server to be SERVING")
+    p.add_argument(
+        "--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for the server to be SERVING"
+    )
     p.add_argument("--layout", default=None, help="engine pool (or its layout name) to serve the request")
 
 
@@ -508,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, help="with --kv-cache paged: token positions per page (default 16)")
     s.add_argument(
         "--kv-cache-tokens",
-        type=int,
+        type=positive_int,
         help="with --kv-cache paged: token positions in the pool (default: 90%% of each accelerator's memory "
         "left after the weights; on CPU slots x max-seq-len, at most half the host's available memory)",
     )
@@ -589,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="wait until a server reports SERVING (exit 0) or give up (exit 1)")
     h.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
-    h.add_argument("--wait", type=float, default=0, help="seconds to keep polling")
+    h.add_argument("--wait", type=nonnegative_float, default=0, help="seconds to keep polling")
     h.add_argument("--pid", type=int, help="give up at once if this process (the server) exits")
     h.set_defaults(func=cmd_health)
 

@@ -11,6 +11,8 @@ Errors are OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}
     400 invalid_request_error  a malformed, out-of-range or refused field (``param`` names it),
                                or a body that is not JSON of the right types
     404 invalid_request_error  an unknown model id (code ``model_not_found``) or path
+    413 invalid_request_error  a body over ``max_body_bytes`` (code ``request_too_large``), refused
+                               before it is read whole (``BodyLimit``)
     429 rate_limit_error       the waiting queue is full (code ``queue_full``)
     503 server_error           loading, shutting down, or the pool's engine loop died or stalled;
                                a stream that fails after it started ends with this body as a
@@ -79,6 +81,7 @@ HTTP_STATUS = {
 _ERROR_KIND = {  # status -> (OpenAI's error type, code)
     400: ("invalid_request_error", "invalid_value"),
     404: ("invalid_request_error", "model_not_found"),
+    413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "queue_full"),
     500: ("server_error", "internal_error"),
     503: ("server_error", "unavailable"),
@@ -105,6 +108,69 @@ class OpenAIError(Exception):
         self.status = status
         self.message = message
         self.code = code
+
+
+# The largest body a request may send: 1 MiB plus 1 KiB per token of the length limit. A prompt
+# the limit admits is a few bytes of text per token (at most the longest token's bytes, 81 for
+# SmolLM2, and 6 bytes of JSON per byte when every character is escaped), so no request that
+# could be served is refused, while a body of gigabytes is never buffered and parsed.
+BODY_BASE_BYTES = 2**20
+BODY_BYTES_PER_TOKEN = 1024
+
+
+def max_body_bytes(max_request_tokens: int) -> int:
+    """The most bytes a request body may hold on a server whose requests are held to
+    ``max_request_tokens`` tokens (``BODY_BASE_BYTES`` + ``BODY_BYTES_PER_TOKEN`` per token)."""
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_request_tokens
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``most`` bytes is answered 413 in OpenAI's error shape
+    without being read whole: at once when its Content-Length says so, else as soon as the bytes
+    received pass ``most`` (the app's handler answers the ``HTTPException`` raised from
+    ``receive``: FastAPI passes an ``HTTPException`` from reading a body on, where it turns any
+    other error into a 400).
+
+    Args:
+        app: the ASGI app.
+        most: bytes.
+        rejected: called once per refused body (the rejection counter).
+    """
+
+    def __init__(self, app: Any, most: int, rejected: Callable[[], None]):
+        self.app = app
+        self.most = most
+        self.rejected = rejected
+
+    def message(self, size: int, whole: bool) -> str:
+        return (
+            f"body: {'' if whole else 'at least '}{size} bytes, more than the {self.most} this server takes "
+            f"({BODY_BASE_BYTES} plus {BODY_BYTES_PER_TOKEN} per token of its length limit)"
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.most:
+            self.rejected()
+            response = JSONResponse(error_body(413, self.message(int(declared), True), param="body"), status_code=413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.most:
+                    self.rejected()
+                    raise StarletteHTTPException(413, self.message(received, False))
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _client_gone(request: Request) -> None:
@@ -182,7 +248,9 @@ def create_app(service: GenerationService) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code)
+        param = "body" if exc.status_code == 413 else None
+        body = error_body(exc.status_code, str(exc.detail), param=param, code=code)
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -218,12 +286,12 @@ def create_app(service: GenerationService) -> FastAPI:
         ]
         return {"object": "list", "data": data}
 
-    def admit(
+    async def admit(
         request: Request, model: str | None, prepare: Callable[[Tokenizer], ValidatedRequest]
     ) -> tuple[str, Generation]:
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         try:
-            return rid, service.open(rid, lambda: find_model(service, model), prepare)
+            return rid, await service.open(rid, lambda: find_model(service, model), prepare)
         except Refused as exc:
             raise OpenAIError(HTTP_STATUS[exc.code], exc.message) from None
 
@@ -252,7 +320,7 @@ def create_app(service: GenerationService) -> FastAPI:
         Raises:
             OpenAIError: the request was refused (its HTTP status and message).
         """
-        rid, generation = admit(request, body.model, prepare)
+        rid, generation = await admit(request, body.model, prepare)
         responses = Responses(
             chat, rid, _model_id(service, generation), generation.n, generation.prompt_tokens, logprobs,
             _tokenizer(service),
@@ -400,8 +468,13 @@ class HttpServer:
         self.sock = sock
         self.port: int = sock.getsockname()[1]
         self.parser = http_parser()
+
+        def rejected() -> None:
+            service.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+
+        self.max_body_bytes = max_body_bytes(service.max_request_tokens)
         config = uvicorn.Config(
-            create_app(service),
+            BodyLimit(create_app(service), self.max_body_bytes, rejected),
             http=self.parser,
             log_config=None,  # keep the server's logging configuration
             access_log=False,

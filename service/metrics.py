@@ -14,7 +14,8 @@ Per request, recorded once when it ends:
                                                      (finish_reason length, eos, stop_string)
     meshserve_queue_time_seconds{pool}               histogram: arrival -> its first prefill chunk
                                                      starts (observed then)
-    meshserve_prompt_tokens_total{pool}              counter: prompt tokens written to the KV cache
+    meshserve_prompt_tokens_total{pool}              counter: prompt tokens in the KV cache when a request ends,
+                                                     prefilled or found in the prefix cache
     meshserve_generation_tokens_total{pool}          counter: generated ids (EOS excluded, as in
                                                      usage.completion_tokens)
     meshserve_requests_total{pool,finish_reason}     counter: requests that reached an engine, by how
@@ -157,7 +158,11 @@ class Metrics:
             "preemptions", "Sequences preempted for pages.", ["pool"], namespace=NAMESPACE, registry=reg
         )
         self.prompt_tokens = Counter(
-            "prompt_tokens", "Prompt tokens written to the KV cache.", ["pool"], namespace=NAMESPACE, registry=reg
+            "prompt_tokens",
+            "Prompt tokens in the KV cache when a request ends, prefilled or found in the prefix cache.",
+            ["pool"],
+            namespace=NAMESPACE,
+            registry=reg,
         )
         self.generation_tokens = Counter(
             "generation_tokens", "Generated token ids (EOS excluded).", ["pool"], namespace=NAMESPACE, registry=reg

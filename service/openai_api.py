@@ -9,7 +9,8 @@ What is served and what is refused (docs/api.md has the table):
   ``top_logprobs`` (chat) or ``logprobs`` as a count (completions), ``presence_penalty`` and
   ``frequency_penalty`` (0), ``user`` (accepted, not used), ``stream``,
   ``stream_options.include_usage``; vLLM's extras ``top_k`` (-1 or 0: off), ``min_p``,
-  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; a completions ``prompt`` as token ids.
+  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ours, ``prefix_cache`` (gRPC's field:
+  false opts out of the prefix cache); a completions ``prompt`` as token ids.
 * Fields a body has that are not listed here are ignored, as OpenAI's servers do.
 * Fields that would change the answer and are not built are refused with a 400 naming the field:
   ``tools``, ``functions``, ``tool_choice`` and ``function_call`` (other than "none"),
@@ -88,6 +89,7 @@ class _Common(_Body):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    prefix_cache: bool | None = None  # ours: false opts out of the prefix cache
 
     @property
     def include_usage(self) -> bool:
@@ -172,6 +174,7 @@ def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: 
         min_p=body.min_p,
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
+        prefix_cache=body.prefix_cache,
         names=names,
     )
 
@@ -227,7 +230,7 @@ def chat_request(
     ids = chat_prompt_ids(messages, tokenizer, "messages", max_seq_len)
     if not ids:
         raise InvalidRequest("messages: the prompt is empty (0 tokens)")
-    names = {}
+    names = {"prompt": "messages"}
     max_tokens = body.max_completion_tokens
     if max_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"

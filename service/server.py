@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import os
 import signal
 import socket
 import threading
@@ -803,20 +804,22 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
 
     # ---- the generation core both APIs share -------------------------------------------------
-    def open(
+    async def open(
         self,
         rid: str,
         route: Callable[[], Pool],
         prepare: Callable[[Tokenizer], ValidatedRequest],
     ) -> Generation:
-        """Admit one request and start its n sequences; call on the event loop's thread.
+        """Admit one request and start its n sequences; await on the event loop.
 
         The checks run cheapest first, so that a burst is refused before any tokenizing: the
         model is loaded, the server is accepting, ``route()`` picks the pool, the pool can serve,
-        its queue has room; only then ``prepare(tokenizer)`` tokenizes and validates. Sequence
-        i gets its own ``Request`` with the seed ``sequence_seed(seed, i)``; all are submitted
-        at once (each prefills the prompt itself: no KV sharing yet) and tracked in
-        ``inflight`` until the ``Generation`` is closed. Each sequence records its own metrics
+        its queue has room; only then ``prepare(tokenizer)`` tokenizes and validates, on a worker
+        thread (``Tokenizer.encode`` lets go of the GIL: a prompt of hundreds of kilobytes takes
+        0.1-0.2 s to tokenize, which on the event loop would stall every stream). Sequence i
+        gets its own ``Request`` with the seed ``sequence_seed(seed, i)``; all are submitted at
+        once (on the paged KV cache they share the prompt's pages) and tracked in ``inflight``
+        until the ``Generation`` is closed. Each sequence records its own metrics
         when it ends. A refusal is logged and counted in ``meshserve_requests_rejected_total``
         under the pool it was meant for ("" before ``route()`` chose one).
 
@@ -847,9 +850,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             if full is not None:
                 raise Refused(Refusal.RESOURCE_EXHAUSTED, full)
             try:
-                v = prepare(tok)
+                v = await asyncio.to_thread(prepare, tok)
             except InvalidRequest as exc:
                 raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
+            if not self.accepting:  # the drain began while it was tokenized
+                raise Refused(Refusal.UNAVAILABLE, "the server is shutting down")
             generation = self._start(pool, v, rid, tok)
         except Refused as exc:
             log.info("request %s: rejected, %s: %s", rid, exc.code.name, exc.message)
@@ -897,6 +902,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     logprobs=v.logprobs,
                     min_tokens=v.min_tokens,
                     ignore_eos=v.ignore_eos,
+                    prefix_cache=v.prefix_cache,
                     group=rid if v.n > 1 else None,
                 )
             )
@@ -938,7 +944,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             return validate(request, tok, self.max_request_tokens, cfg.default_max_tokens, cfg.max_queue)
 
         try:
-            generation = self.open(rid, route, prepare)
+            generation = await self.open(rid, route, prepare)
         except Refused as exc:
             await context.abort(GRPC_CODES[exc.code], exc.message)
         try:
@@ -1195,13 +1201,29 @@ async def start_openai_api(service: GenerationService, host: str, port: int) -> 
     return http
 
 
+def _end_startup(sig: signal.Signals) -> None:
+    """SIGTERM or SIGINT before SERVING: end the process now, by the signal's default action.
+    Loading and compiling run in a thread that cannot be interrupted (minutes for a large model
+    on a small machine), no request is in flight to drain, and the OS frees the bound ports; so
+    an orchestrator's stop is obeyed at once instead of after the warm-up (its grace period
+    would otherwise run out into a SIGKILL)."""
+    log.warning("%s before the server was SERVING: exiting without serving", sig.name)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+
+
 async def serve_forever(cfg: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT, then shut down gracefully; returns the exit code (0)."""
+    """Run until SIGTERM/SIGINT, then shut down gracefully; returns the exit code (0). A signal
+    during start-up (loading, compiling) ends the process at once (``_end_startup``)."""
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, stop.set)
+        aloop.add_signal_handler(sig, _end_startup, sig)
     running = await start_server(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # no await since start_server returned: none is lost
+        aloop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received: draining for up to %.0f s", cfg.grace_period_s)
     await running.shutdown(cfg.grace_period_s)

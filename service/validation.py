@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 
 import jinja2
+import numpy as np
 
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
@@ -37,6 +38,11 @@ MAX_N = 16
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
 INT32_MAX = 2**31 - 1
 _SEED_RANGE = (-(2**63), 2**64)  # uint64 (gRPC) or int64 (OpenAI's clients); negatives wrap mod 2**64
+# The engine holds temperature and repetition_penalty as float32: a larger value becomes inf
+# (a banned id's -inf / inf is NaN), and a positive repetition_penalty below the smallest
+# float32 becomes 0 (a logit of 0 / 0 is NaN).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 
 
 class InvalidRequest(ValueError):
@@ -58,6 +64,8 @@ class ValidatedRequest:
         n: independent sequences to generate (1..MAX_N).
         min_tokens: EOS and stop strings do not end a sequence before this many ids (<= max_tokens).
         ignore_eos: generate past EOS ids.
+        prefix_cache: a paged KV cache may reuse cached pages of the prompt's prefix and keep
+            this prompt's full pages for later requests (``Request.prefix_cache``).
     """
 
     prompt_ids: list[int]
@@ -68,6 +76,7 @@ class ValidatedRequest:
     n: int = 1
     min_tokens: int = 0
     ignore_eos: bool = False
+    prefix_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +85,7 @@ class Params:
 
     ``names`` maps a field to the name the request used for it, for the messages (OpenAI's chat
     API says ``max_completion_tokens`` and ``top_logprobs`` where gRPC says ``max_tokens`` and
-    ``logprobs``).
+    ``logprobs``; "prompt" is the input's field: ``messages``, ``chat.messages``, ``token_ids``).
     """
 
     max_tokens: int | None = None
@@ -93,6 +102,7 @@ class Params:
     min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    prefix_cache: bool | None = None
     names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def name(self, field: str) -> str:
@@ -191,6 +201,8 @@ def params_of(req: pb.GenerateRequest) -> Params:
     def get(field: str):  # type: ignore[no-untyped-def]
         return getattr(req, field) if req.HasField(field) else None
 
+    which = req.WhichOneof("input")
+
     return Params(
         max_tokens=get("max_tokens"),
         temperature=get("temperature"),
@@ -206,6 +218,8 @@ def params_of(req: pb.GenerateRequest) -> Params:
         min_p=get("min_p"),
         min_tokens=get("min_tokens"),
         ignore_eos=get("ignore_eos"),
+        prefix_cache=get("prefix_cache"),
+        names={"prompt": "chat.messages" if which == "chat" else which or "prompt"},
     )
 
 
@@ -248,7 +262,7 @@ def validate_params(
     n = len(ids)
     if n >= max_seq_len:
         raise InvalidRequest(
-            f"prompt: {n} tokens leaves no room to generate within the max sequence length of {max_seq_len} tokens"
+            f"{p.name('prompt')}: {n} tokens leaves no room to generate within the max sequence length of {max_seq_len} tokens"
         )
     room = max_seq_len - n
     if p.max_tokens is not None:
@@ -264,8 +278,10 @@ def validate_params(
         max_tokens = min(default_max_tokens, room)
 
     temperature = p.temperature if p.temperature is not None else DEFAULT_TEMPERATURE
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(f"{p.name('temperature')}: must be a finite number >= 0, got {temperature}")
+    if not math.isfinite(temperature) or not 0 <= temperature <= FLOAT32_MAX:
+        raise InvalidRequest(
+            f"{p.name('temperature')}: must be a finite number >= 0 and <= {FLOAT32_MAX:.4g} (float32), got {temperature}"
+        )
     top_p = p.top_p if p.top_p is not None else DEFAULT_TOP_P
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise InvalidRequest(f"{p.name('top_p')}: must be in (0, 1], got {top_p}")
@@ -311,9 +327,10 @@ def validate_params(
     repetition = 1.0
     if p.repetition_penalty is not None:
         repetition = p.repetition_penalty
-        if not (math.isfinite(repetition) and repetition > 0):
+        if not (math.isfinite(repetition) and FLOAT32_TINY <= repetition <= FLOAT32_MAX):
             raise InvalidRequest(
-                f"{p.name('repetition_penalty')}: must be a finite number > 0 (1 disables it), got {repetition}"
+                f"{p.name('repetition_penalty')}: must be a finite number > 0 within float32's range "
+                f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (1 disables it), got {repetition}"
             )
         repetition = float(repetition)
     min_p = 0.0 if p.min_p is None else _in_range(p, "min_p", p.min_p, 0.0, 1.0, "in [0, 1]")
@@ -342,4 +359,5 @@ def validate_params(
         n=count,
         min_tokens=min_tokens,
         ignore_eos=bool(p.ignore_eos),
+        prefix_cache=p.prefix_cache is not False,
     )

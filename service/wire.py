@@ -33,7 +33,10 @@ def _deserializer(deserialize: Callable[[bytes], Any], type_name: str) -> Callab
         try:
             return deserialize(data)
         except DecodeError as exc:
-            return Undecodable(f"request: cannot parse {type_name} (string fields must be valid UTF-8): {exc}")
+            # protobuf says why after its own prefix ("String field had bad UTF-8", "Wire format
+            # was corrupt"); the message names the type once.
+            why = str(exc).split(f"type '{type_name}': ", 1)[-1]
+            return Undecodable(f"request: cannot parse {type_name}: {why}")
 
     return parse
 

@@ -102,6 +102,22 @@ def test_generate_refused_prints_only_the_error(tiny_server, capsys: pytest.Capt
     assert capsys.readouterr().out == ""  # nothing streamed, no empty line
 
 
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # a UTF-8 locale's stdin, a C locale's
+def test_chat_asks_again_for_a_line_that_is_not_utf8(
+    tiny_server, errors: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    """A line of undecodable bytes was a traceback that ended the conversation; it is refused
+    and the next line is answered."""
+    import io
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\nhi\n"), encoding="utf-8", errors=errors)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", "--address", tiny_server.address, "--max-tokens", "3", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "that line is not valid UTF-8 (nothing was sent)" in err and "Traceback" not in err
+    assert out.count("assistant> ") == 1  # "hi" was answered
+
+
 def test_end_line_adds_a_newline_only_when_missing(capsys: pytest.CaptureFixture[str]) -> None:
     _end_line(["Paris", "."])
     _end_line(["line\n"])
@@ -182,6 +198,10 @@ def test_a_taken_admin_port_is_refused_before_the_model_loads(taken_port: int) -
         ["serve", "--grace-period", "-1"],
         ["serve", "--stall-timeout", "0"],
         ["layouts", "--slots", "0"],
+        ["serve", "--kv-cache-tokens", "0"],  # 0 once meant "unset": a typo served the default pool
+        ["generate", "hi", "--wait", "-5"],
+        ["health", "--wait", "-1"],
+        ["chat", "--wait", "nan"],
     ],
 )
 def test_out_of_range_serve_and_layouts_flags_are_usage_errors(
@@ -191,7 +211,8 @@ def test_out_of_range_serve_and_layouts_flags_are_usage_errors(
         main(argv)
     assert done.value.code == 2
     err = capsys.readouterr().err
-    assert "error: argument " in err and argv[1] in err and "Traceback" not in err
+    assert "error: argument " in err and next(a for a in argv[1:] if a.startswith("--")) in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(

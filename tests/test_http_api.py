@@ -194,6 +194,41 @@ def test_completions_match_grpc_with_token_id_prompts_and_logprobs(
     assert again.choices[0].text == choice.text
 
 
+def test_the_prefix_cache_opt_out_over_http_and_grpc(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]
+    """``prefix_cache: false`` (HTTP's extra field, gRPC's optional bool) neither reads nor fills
+    the prefix cache: a prompt sent twice that way is prefilled whole both times, and the same
+    prompt sent afterwards finds nothing cached; by default it is then reused. The answers agree."""
+    port = tiny_server.running.metrics_port
+    page = tiny_server.running.service.pools[0].loop.engine.ecfg.page_size
+    prompt = [(7 * i + 3) % 250 + 4 for i in range(3 * page + 5)]  # in no other test: 3 full pages
+
+    def hits() -> float:
+        return value(scrape(port), "meshserve_prefix_cache_hit_tokens_total", pool="default")
+
+    def queried() -> float:
+        return value(scrape(port), "meshserve_prefix_cache_queried_tokens_total", pool="default")
+
+    def http(**extra: Any) -> str:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=extra)
+        return r.choices[0].text
+
+    def grpc_ids(**extra: Any) -> list[int]:
+        return grpc_client.generate(
+            make_request(token_ids=prompt, max_tokens=3, temperature=0.0, **extra), 60
+        ).token_ids
+
+    start_hits, start_queried = hits(), queried()
+    texts = [http(prefix_cache=False), http(prefix_cache=False)]
+    ids = [grpc_ids(prefix_cache=False)]
+    assert hits() == start_hits and queried() == start_queried  # not even looked up
+    ids.append(grpc_ids())  # nothing was kept by the opted-out requests: a miss that fills the cache
+    assert wait_for(lambda: queried() > start_queried)
+    assert hits() == start_hits
+    texts.append(http())
+    assert wait_for(lambda: hits() >= start_hits + 3 * page)
+    assert texts[0] == texts[1] == texts[2] and ids[0] == ids[1]
+
+
 def test_chat_logprobs_shape(client: openai.OpenAI, tiny_tokenizer: Tokenizer) -> None:
     r = client.chat.completions.create(
         model="tiny", messages=HI, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
@@ -375,6 +410,57 @@ def test_malformed_json_and_unknown_paths(tiny_server) -> None:  # type: ignore[
     assert status == 400 and json.loads(text)["error"]["param"] == "messages"
     status, text = get(port, "/v1/embeddings")
     assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read_whole(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """A body over 1 MiB + 1 KiB per token of the length limit is refused in OpenAI's shape, by its
+    Content-Length at once or by the bytes received when it is chunked; one just under it that
+    parses is served (its padding is in a field the server ignores)."""
+    import http.client
+
+    from service.http_server import max_body_bytes
+
+    port = tiny_server.running.http_port
+    most = max_body_bytes(128)  # the tiny server's length limit
+    assert tiny_server.running.http.max_body_bytes == most
+
+    def counted() -> float:
+        samples = scrape(tiny_server.running.metrics_port)
+        return value(samples, "meshserve_requests_rejected_total", pool="", code="invalid_argument")
+
+    before = counted()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # the head and 10 bytes of the body
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {most + 1}\r\n\r\n".encode() + b"x" * 10
+        )
+        reply = sock.makefile("rb")
+        head = [line.decode().strip() for line in iter(reply.readline, b"\r\n")]
+        length = next(int(h.split(":")[1]) for h in head if h.lower().startswith("content-length:"))
+        text = reply.read(length).decode()
+    status = int(head[0].split()[1])
+    err = json.loads(text)["error"]
+    assert status == 413 and (err["param"], err["code"], err["type"]) == (
+        "body",
+        "request_too_large",
+        "invalid_request_error",
+    )
+    assert err["message"].startswith(f"body: {most + 1} bytes, more than the {most} this server takes")
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    chunks = [b"y" * 65536] * (most // 65536) + [b"y" * 1000]  # no Content-Length: sent chunked
+    conn.request(
+        "POST", "/v1/completions", body=iter(chunks), headers={"Content-Type": "application/json"}, encode_chunked=True
+    )
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert resp.status == 413 and err["code"] == "request_too_large", err
+    assert err["message"].startswith("body: at least ") and f"more than the {most} this server takes" in err["message"]
+    assert counted() == before + 2
+
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "user": "u" * (most - 200)}
+    status, text = post(port, "/v1/completions", body)
+    assert status == 200 and len(json.dumps(body)) <= most, text[:300]
 
 
 def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]

@@ -91,13 +91,13 @@ def test_nan_and_infinity_are_400(port: int, field: str, number: str) -> None:
 
 
 def test_a_prompt_past_max_seq_len_is_400_with_its_count_and_the_limit(port: int) -> None:
-    for path, body in (
-        (COMPLETIONS, {"model": "tiny", "prompt": [1] * 200}),
-        (COMPLETIONS, {"model": "tiny", "prompt": [1] * 128, "max_tokens": 1}),
-        (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 1000}]}),
+    for path, body, field in (
+        (COMPLETIONS, {"model": "tiny", "prompt": [1] * 200}, "prompt"),
+        (COMPLETIONS, {"model": "tiny", "prompt": [1] * 128, "max_tokens": 1}, "prompt"),
+        (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 1000}]}, "messages"),
     ):
         err = error_of(*post(port, path, body), 400)
-        assert err["param"] == "prompt" and "max sequence length of 128 tokens" in err["message"], err
+        assert err["param"] == field and "max sequence length of 128 tokens" in err["message"], err
     err = error_of(*post(port, COMPLETIONS, {"model": "tiny", "prompt": [1] * 200}), 400)
     assert err["message"].startswith("prompt: 200 tokens")
     assert post(port, COMPLETIONS, {"model": "tiny", "prompt": [1] * 127, "max_tokens": 1})[0] == 200

@@ -169,3 +169,25 @@ def test_sigterm_with_a_tiny_grace_period_cancels_a_long_stream_with_unavailable
     rc = s.proc.wait(grace_s + 10)
     assert rc == 0, s.log()
     assert time.monotonic() - signalled < grace_s + 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_ends_the_process_at_once(smollm2_gguf: Path, tmp_path: Path, sig: int) -> None:
+    """Before SERVING (the GGUF dequantizes for seconds, then the steps compile) a stop signal
+    was held until warm-up finished, then drained: an orchestrator's grace period could run out
+    into SIGKILL. Now the process ends by the signal as soon as it is sent."""
+    s = Served(smollm2_gguf, 10.0, tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "NOT_SERVING until warm-up is done" not in s.log():  # bound and loading
+            assert s.proc.poll() is None and time.monotonic() < deadline, s.log()
+            time.sleep(0.05)
+        s.proc.send_signal(sig)
+        signalled = time.monotonic()
+        rc = s.proc.wait(30)
+        assert time.monotonic() - signalled < 5.0, s.log()
+        assert rc == -sig, s.log()
+        log = s.log()
+        assert f"{signal.Signals(sig).name} before the server was SERVING" in log and "SERVING on" not in log
+    finally:
+        s.close()

@@ -10,6 +10,7 @@ decoding and chat templates are checked against transformers.
 from __future__ import annotations
 
 import json
+import time
 import unicodedata
 from functools import cache
 from pathlib import Path
@@ -195,3 +196,24 @@ def _is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+@pytest.mark.slow
+def test_encoding_a_long_text_lets_other_threads_run(tok: Tokenizer) -> None:
+    """The server tokenizes on a worker thread; that keeps its event loop running only if
+    ``encode`` lets go of the GIL (``tokenizers``' ``encode`` holds it for the whole text: 50-200
+    ms for 160 KB here, a stall of every stream). While a thread tokenizes three times, this one
+    wakes from 1 ms sleeps: hundreds of times when the GIL is free, once per encode when not."""
+    import threading
+
+    text = "The capital of France is Paris. " * 5000  # 160 KB: about what the pre-tokenization bound lets through
+    results: list[list[int]] = []
+    worker = threading.Thread(target=lambda: results.extend(tok.encode(text) for _ in range(3)))
+    wakes = 0
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        wakes += 1
+    worker.join()
+    assert results[0] == tok._backend.encode(text, add_special_tokens=False).ids  # the same ids as encode
+    assert wakes > 30, wakes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from tiny_gguf import VOCAB_SIZE
 
@@ -19,8 +20,10 @@ from service.validation import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     InvalidRequest,
+    Params,
     ValidatedRequest,
     validate,
+    validate_params,
 )
 
 MAX_SEQ_LEN = 1024
@@ -125,7 +128,9 @@ def test_prompt_plus_max_tokens_over_the_limit_is_rejected(tokenizer: Tokenizer)
 def test_prompt_at_or_over_max_seq_len_is_rejected(tokenizer: Tokenizer, n: int) -> None:
     for params in ({}, {"max_tokens": 1}):
         msg = rejected(make_request(token_ids=[5] * n, **params), tokenizer)
-        assert msg.startswith("prompt:") and str(n) in msg and str(MAX_SEQ_LEN) in msg
+        assert msg.startswith("token_ids:") and str(n) in msg and str(MAX_SEQ_LEN) in msg  # the input's field
+    chat = make_request(chat=[("user", "hello " * MAX_SEQ_LEN)])
+    assert rejected(chat, tokenizer).startswith("chat.messages:")
 
 
 def test_long_text_prompt_reports_its_token_count(tokenizer: Tokenizer) -> None:
@@ -169,6 +174,27 @@ def test_text_far_beyond_the_limit_is_refused_before_it_is_tokenized(
 @pytest.mark.parametrize("value", [-0.5, -1e-6, math.nan, math.inf])
 def test_bad_temperature_is_rejected(tokenizer: Tokenizer, value: float) -> None:
     assert rejected(make_request(prompt="Hi", temperature=value), tokenizer).startswith("temperature:")
+
+
+F32 = "within float32's range [1.401e-45, 3.403e+38]"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        # JSON carries doubles: 1e308 is finite here but inf as the engine's float32 (a banned
+        # id's -inf / inf is NaN), and 1e-300 is 0 there (a logit of 0 / 0 is NaN).
+        (Params(temperature=1e308), "temperature: must be a finite number >= 0 and <= 3.403e+38 (float32), got 1e+308"),
+        (Params(repetition_penalty=1e300), f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 1e+300"),
+        (Params(repetition_penalty=1e-300), f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 1e-300"),
+    ],
+)  # fmt: skip
+def test_doubles_beyond_float32_are_rejected(params: Params, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate_params([1, 2], params, 64, 8)
+    assert str(info.value) == message
+    edge = validate_params([1, 2], Params(temperature=3.4e38, repetition_penalty=1e-44), 64, 8).sampling
+    assert np.isfinite(np.float32(edge.temperature)) and np.float32(edge.repetition_penalty) > 0
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, math.nan, -0.1])
@@ -284,8 +310,14 @@ def test_new_sampling_fields_reach_the_validated_request(tokenizer: Tokenizer) -
         ({"presence_penalty": 2.5}, "presence_penalty: must be in [-2, 2], got 2.5"),
         ({"frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2], got -2.5"),
         ({"presence_penalty": math.nan}, "presence_penalty: must be in [-2, 2], got nan"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty: must be a finite number > 0 (1 disables it), got 0.0"),
-        ({"repetition_penalty": -1.0}, "repetition_penalty: must be a finite number > 0 (1 disables it), got -1.0"),
+        (
+            {"repetition_penalty": 0.0},
+            f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 0.0",
+        ),
+        (
+            {"repetition_penalty": -1.0},
+            f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got -1.0",
+        ),
         ({"min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
         ({"min_p": -0.5}, "min_p: must be in [0, 1], got -0.5"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens: must be <= max_tokens (4), got 5"),

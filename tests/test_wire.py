@@ -73,6 +73,15 @@ def test_generate_with_invalid_utf8_is_invalid_argument(tiny_server, name: str) 
     assert call(tiny_server.address, "/meshserve.v1.Generation/Generate", good, True) == (grpc.StatusCode.OK, "")
 
 
+def test_corrupt_bytes_are_invalid_argument_and_not_blamed_on_utf8(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    code, details = call(tiny_server.address, "/meshserve.v1.Generation/Generate", b"\xff\xff\xff", True)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith("request: cannot parse meshserve.v1.GenerateRequest: "), details
+    assert "UTF-8" not in details and details.count("GenerateRequest") == 1, details  # upb: "Wire format was corrupt"
+    good = pb.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString()
+    assert call(tiny_server.address, "/meshserve.v1.Generation/Generate", good, True) == (grpc.StatusCode.OK, "")
+
+
 @pytest.mark.parametrize(
     ("method", "type_name"),
     [

@@ -307,7 +307,7 @@ def format_report(report: dict[str, Any]) -> str:
     if pred:
         lines.append(
             f"{roof['hardware']}; layout {roof['layout']} (dp {roof['dp']}, tp {roof['tp']}, attention "
-            f"{roof['attention']}), {roof['dtype']}; decode batch {roof['batch']} per replica ({roof['batch_from']}), "
+            f"{roof['attention']}), {roof['weights']} weights; decode batch {roof['batch']} per replica ({roof['batch_from']}), "
             f"context {roof['context_len']} tokens (mean prompt "
             f"{roof['mean_prompt_tokens']:.1f} + half the mean output {roof['mean_output_tokens']:.1f}); TTFT: "
             f"prefill of one {roof['prompt_len']}-token prompt; MBU and MFU of the p50 TPOT and p50 TTFT"
@@ -326,6 +326,23 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 # ---- against the roofline ----------------------------------------------------------------------------
+def held_weights(info: Any, cfg: Any) -> Any:
+    """The roofline's ``HeldWeights`` of a pool whose ``ModelInfo.weight_formats`` names weights
+    held as blocks (stored GGUF blocks, int8), so that MBU counts the bytes a step reads (a Q4_1
+    model's are about a fifth of float32's); None when every weight is ``info.dtype``. Builds the
+    pool's sharding plan (imports JAX)."""
+    formats = dict(info.weight_formats)
+    if not formats:
+        return None
+    from benchmarks import roofline as rl
+    from sharding.layouts import Layout
+    from sharding.plan import make_plan
+
+    layout = Layout(info.layout, data=info.layout_data, model=info.layout_model, attention=info.attention)
+    itemsize = rl.Workload(dtype=info.dtype).itemsize
+    return rl.held_weights(cfg, make_plan(layout, cfg), itemsize, formats, info.weights)
+
+
 def model_config(info: Any) -> Any:
     """The ``LlamaConfig`` of the served model from its ``ModelInfo`` (RoPE and norm constants are
     not in ModelInfo and not used by the roofline: placeholders)."""
@@ -385,8 +402,10 @@ def roofline_report(
         prompt = float(np.mean([r.prompt_tokens for r in ok])) if ok else 0.0
         output = float(np.mean([r.output_tokens for r in ok])) if ok else 0.0
         context, prompt_len = round(prompt + output / 2), max(1, round(prompt))
-        decode = rl.decode_utilization(cfg, hardware, par, batch, context, info.dtype, summary["tpot_ms"]["p50"] / 1e3)
-        prefill = rl.prefill_utilization(cfg, hardware, par, prompt_len, info.dtype, summary["ttft_ms"]["p50"] / 1e3)
+        held = held_weights(info, cfg)
+        tpot_s, ttft_s = summary["tpot_ms"]["p50"] / 1e3, summary["ttft_ms"]["p50"] / 1e3
+        decode = rl.decode_utilization(cfg, hardware, par, batch, context, info.dtype, tpot_s, held=held)
+        prefill = rl.prefill_utilization(cfg, hardware, par, prompt_len, info.dtype, ttft_s, held=held)
     except Exception as exc:  # a prediction must never lose a measurement
         out["hardware"] = f"{hardware_line}; no prediction: {type(exc).__name__}: {exc}"
         return out
@@ -397,6 +416,7 @@ def roofline_report(
         "tp": par.tp,
         "attention": par.attention,
         "dtype": info.dtype,
+        "weights": info.weights or info.dtype,
         "mean_decoding_streams": streams,
         "batch": batch,
         "batch_from": f"the measured mean of {streams:.2f} concurrently decoding streams over {par.dp} replica(s)"

@@ -153,6 +153,25 @@ def test_roofline_report_by_hand() -> None:
     assert set(bf16) == {"hardware"} and "bfloat16" in bf16["hardware"]
 
 
+def test_roofline_report_counts_the_bytes_of_stored_weights() -> None:
+    """The default model served as stored (Q4_1 matmul weights, the tied embedding Q8_0, float32
+    norms): MBU counts those bytes, not float32's (it once said 5x too much of a stored step)."""
+    from benchmarks import roofline as rl
+
+    hw = rl.load_hardware("cpu-peers-md")
+    records = trace()
+    report = summarize_run(records, duration_s=2.0)
+    formats = {"wqkv": "q4_1", "wo": "q4_1", "w_gate_up": "q4_1", "w_down": "q4_1", "embed": "q8_0"}
+    info = _smollm2_info(weights="stored", weight_formats=formats)
+    roof = roofline_report(info, hw, "line", records, 2.0, report, fallback_batch=3)
+    embed, norms = 49152 * 576, 61 * 576
+    matmul = 134_515_008 - embed - norms
+    held = matmul // 32 * 20 + embed // 32 * 34 + norms * 4  # Q4_1: 20 bytes per 32 weights; Q8_0: 34
+    nbytes = held + 13 * 46_080  # batch 1 at 13 positions, the float32 KV cache as before
+    assert roof["tpot_mbu"] == pytest.approx(nbytes / 75e-3 / 25e9)
+    assert roof["weights"] == "stored" and "stored weights" in format_report({**report, "roofline": roof})
+
+
 def test_write_report_turns_nan_into_null(tmp_path: Path) -> None:
     report = summarize_run([], duration_s=0.0)
     write_report(report, tmp_path / "r.json")

@@ -973,6 +973,22 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def id_agreement(ids: dict[str, list[int]]) -> dict[str, str]:
+    """For each engine's greedy ids but the reference's, how many of the first agree with the
+    reference: meshserve's per-slot float32 row, else its paged float32 row (a run of paged rows
+    only); {} when neither ran."""
+    ref_label = next((k for k in ("meshserve fp32", "meshserve fp32, paged") if k in ids), None)
+    if ref_label is None:
+        return {}
+    ref = ids[ref_label]
+    out = {}
+    for label, got in ids.items():
+        if label != ref_label:
+            agree = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), len(ref))
+            out[label] = f"greedy ids agree with {ref_label} for {agree}/{len(ref)} tokens"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="GGUF file (default: meshserve's default model, SmolLM2-135M-Instruct Q4_1)")
@@ -1086,18 +1102,12 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio = engine / meshserve: above 1 is better for tok/s, MBU and MFU, worse for ms and s")
     for label in QUANTIZED & {k for k, r in results.items() if r["status"] == "ok"}:
         print(f"{label}: no MBU (its weights are quantized blocks, not the fp32 bytes the roofline counts)")
-    ids: dict[str, list[int]] = {label: r["row0_ids"] for label, r in results.items() if r.get("row0_ids")}
-    ref = ids.get("meshserve fp32")
+    agreement = id_agreement({label: r["row0_ids"] for label, r in results.items() if r.get("row0_ids")})
     for label, r in results.items():
         if r["status"] != "ok":
             print(f"{label}: {r['status']}")
         else:
-            same = ""
-            if ref and label != "meshserve fp32" and label in ids:
-                agree = next((i for i, (a, b) in enumerate(zip(ref, ids[label], strict=False)) if a != b), len(ref))
-                same = (
-                    f"; greedy ids agree with meshserve for {agree}/{len(ref)} tokens (row 0, B={min(wl['batches'])})"
-                )
+            same = f"; {agreement[label]} (row 0, B={min(wl['batches'])})" if label in agreement else ""
             print(f"{label}: {r['notes']}{same}")
     workload = {k: v for k, v in wl.items() if k not in ("prompts", "ttft_prompt")}
     report = {"machine": machine, "workload": workload, "results": results, "roofline": roofline, "header": header}

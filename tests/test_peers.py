@@ -304,3 +304,20 @@ def test_the_paged_stored_and_int8_rows_hold_blocks_and_give_the_per_slot_rows_i
         assert len(want) == 6 and runner.generate(rows, 6) == want
         runner.loop.stop()
     assert {"meshserve stored, paged", "meshserve int8, paged"} <= peers.QUANTIZED
+
+
+def test_greedy_ids_are_compared_with_the_float32_row_that_ran() -> None:
+    """A run of the paged rows alone has no per-slot "meshserve fp32" row; its ids were then
+    compared with nothing (stop 36's table had no agreement line)."""
+    paged = {
+        "meshserve fp32, paged": [1, 2, 3, 4],
+        "meshserve stored, paged": [1, 2, 9, 4],
+        "llama.cpp Q4_1": [1, 2, 3, 4],
+    }
+    assert peers.id_agreement(paged) == {
+        "meshserve stored, paged": "greedy ids agree with meshserve fp32, paged for 2/4 tokens",
+        "llama.cpp Q4_1": "greedy ids agree with meshserve fp32, paged for 4/4 tokens",
+    }
+    both = {"meshserve fp32": [1, 2, 3, 4], **paged}
+    assert peers.id_agreement(both)["meshserve fp32, paged"] == "greedy ids agree with meshserve fp32 for 4/4 tokens"
+    assert peers.id_agreement({"llama.cpp Q4_1": [1]}) == {}

@@ -40,6 +40,35 @@ positive_float = at_least(0.0, float, strict=True)
 nonnegative_float = at_least(0.0, float)
 
 
+def int_in(lo: int, hi: int, what: str) -> Callable[[str], int]:
+    """A parser of integers in [lo, hi] (``what`` names the range in the message, e.g. "uint32").
+
+    Raises (from the returned callable):
+        argparse.ArgumentTypeError: not an integer, or out of range.
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}] ({what}), got {text}")
+        return value
+
+    return parse
+
+
+def seed_value(text: str) -> int:
+    """A sampling seed: any 64-bit integer, signed or not; a negative one is taken modulo 2**64,
+    as the HTTP API takes it (the gRPC field is uint64).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside [-2**63, 2**64).
+    """
+    return int_in(-(2**63), 2**64 - 1, "64 bits")(text) % 2**64
+
+
 def port_number(text: str) -> int:
     """A TCP port flag: an integer from 0 (any free port, or off where the flag says so) to 65535.
 

@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.arg_types import WEIGHT_MODES, byte_size, nonnegative_float, port_number, positive_float, positive_int
+from service.arg_types import (
+    WEIGHT_MODES,
+    byte_size,
+    int_in,
+    nonnegative_float,
+    port_number,
+    positive_float,
+    positive_int,
+    seed_value,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # The --weights flag of serve and layouts (EngineConfig.weights).
@@ -131,14 +140,16 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(args.address))
     deadline = time.monotonic() + args.wait
+    last = "no answer"  # what the last check saw, for the message when giving up
     while True:
         try:
             status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
             if status == health_pb2.HealthCheckResponse.SERVING:
                 print(f"meshserve: {args.address} is SERVING", file=sys.stderr)
                 return 0
-        except grpc.RpcError:
-            pass
+            last = f"it answers {health_pb2.HealthCheckResponse.ServingStatus.Name(status)} (loading, or shutting down)"
+        except grpc.RpcError as exc:
+            last = f"nothing answered: {exc.code().name}: {exc.details()}"
         if args.pid is not None:
             try:
                 os.kill(args.pid, 0)
@@ -146,7 +157,7 @@ def cmd_health(args: argparse.Namespace) -> int:
                 print(f"meshserve: the server process {args.pid} exited before SERVING", file=sys.stderr)
                 return 1
         if time.monotonic() >= deadline:
-            print(f"meshserve: {args.address} not SERVING after {args.wait:.0f} s", file=sys.stderr)
+            print(f"meshserve: {args.address} not SERVING after {args.wait:.0f} s; {last}", file=sys.stderr)
             return 1
         time.sleep(0.5)
 
@@ -232,6 +243,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _wait_serving(client, args.wait)
     if args.raw:
         request = _request(make_request, prompt=args.prompt, **_sampling(args))
+    elif not args.prompt.strip():
+        # The chat template would wrap an empty question in 30 tokens that the model answers at length.
+        print("meshserve: error: the question is empty", file=sys.stderr)
+        raise SystemExit(2)
     else:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
         request = _request(make_request, chat=chat, **_sampling(args))
@@ -254,7 +269,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             line = input("you> ")
             line.encode("utf-8")
-        except EOFError:
+        except EOFError:  # Ctrl-D: end the prompt's line
+            sys.stdout.write("\n")
             break
         except UnicodeEncodeError:
             print("meshserve chat: that line is not valid UTF-8 (nothing was sent); type it again", file=sys.stderr)
@@ -463,11 +479,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--max-tokens", type=int_in(1, 2**32 - 1, "uint32"), default=None, help="default: the server's")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1] (default: 1.0, off)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely ids (default: 0, off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random per request)")
+    p.add_argument(
+        "--top-k",
+        type=int_in(0, 2**31 - 1, "int32"),
+        default=None,
+        help="sample from the k most likely ids (default: 0, off)",
+    )
+    p.add_argument(
+        "--seed",
+        type=seed_value,
+        default=None,
+        help="sampling seed, 64 bits; a negative one is taken modulo 2**64 (default: random per request)",
+    )
     p.add_argument("--stop", action="append", help="stop string (repeatable; at most 16, each up to 256 characters)")
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
     p.add_argument(
@@ -491,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: SmolLM2-135M-Instruct from PyPI)",
     )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
-    s.add_argument("--host", help="address to listen on, for gRPC and metrics (default 127.0.0.1)")
+    s.add_argument("--host", help="address to listen on, for gRPC, metrics and the HTTP API (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, help="gRPC port (default 50051; 0 = any free port)")
     s.add_argument("--layout", help="layout preset name or YAML path (see 'meshserve layouts')")
     s.add_argument("--num-slots", "--slots", dest="num_slots", type=int, help="decode slots")
@@ -513,8 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache",
         choices=["auto", "slots", "paged"],
         help="paged: one pool of pages shared by all sequences, several prompts per step, prefix caching, "
-        "preemption (scan layers, XLA attention); slots: max-seq-len positions per slot, one prompt chunk per "
-        "step (the native CPU kernels of --layers unrolled); auto (default): slots with --layers unrolled, else paged",
+        "preemption (scan layers; on one CPU device native decode attention and matmuls); slots: max-seq-len "
+        "positions per slot, one prompt chunk per step (per-layer weights with --layers unrolled, native prefill "
+        "attention too); auto (default): slots with --layers unrolled, else paged",
     )
     s.add_argument("--page-size", type=int, help="with --kv-cache paged: token positions per page (default 16)")
     s.add_argument(
@@ -690,7 +717,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if args.command == "serve":  # serve handles SIGINT itself; one that escapes is a bug to see
+            raise
+        # Ctrl-C in a client (a stream or chat's prompt): the stream is cancelled with the channel;
+        # end the line, no traceback; 130 as a shell reports SIGINT.
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return 130
 
 
 if __name__ == "__main__":

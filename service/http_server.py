@@ -222,7 +222,12 @@ def find_model(service: GenerationService, model: str | None) -> Pool:
     for pool in service.pools:
         if model in (pool.name, pool.layout.name):
             return pool
-    raise Refused(Refusal.NOT_FOUND, f"model: {model!r} is not served; models: {', '.join(n for n, _ in ids)}")
+    aliases = sorted({p.name for p in service.pools} | {p.layout.name for p in service.pools})
+    raise Refused(
+        Refusal.NOT_FOUND,
+        f"model: {model!r} is not served; models: {', '.join(n for n, _ in ids)} "
+        f"(or a pool or layout name: {', '.join(aliases)})",
+    )
 
 
 def create_app(service: GenerationService) -> FastAPI:

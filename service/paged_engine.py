@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import cpu_argmax, cpu_matmul
 from model.config import LlamaConfig
-from model.kernels import choose_attention
+from model.kernels import choose_attention, has_stored_blocks
 from model.llama import SEQ_BLOCK, ragged_step
 from model.packed_weights import packed_bytes, stacked_panel_weights
 from model.paged_kv import PagedKVCache
@@ -235,12 +235,13 @@ class PagedEngine:
         self.panels: dict[str, Any] | None = None
         if packs_panels(self.mesh.devices.size, platform, engine_cfg, self.dtype):
             self.panels = stacked_panel_weights(nnx.merge(graphdef, self.params)) or None
-        log.info(
-            "paged matmuls: %s",
-            f"native CPU kernel, float32 panels ({self.panel_bytes() / 1e6:.0f} MB packed: {', '.join(self.panels)})"
-            if self.panels
-            else "XLA dots (or the stored blocks' kernel)",
-        )
+        if self.panels:
+            how = f"native CPU kernel, float32 panels ({self.panel_bytes() / 1e6:.0f} MB packed: {', '.join(self.panels)})"
+        elif has_stored_blocks(self.params):
+            how = "the weights held as blocks through their kernel (above); any float32 ones through XLA's dots"
+        else:
+            how = "XLA's dots"
+        log.info("paged matmuls: %s", how)
 
         # Blocks of the prefill region: a chunk pads to a whole block, so no bigger than a chunk.
         self.seq_block = min(SEQ_BLOCK, engine_cfg.chunk_size)

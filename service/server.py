@@ -968,6 +968,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         except StreamFailed as exc:
             log.warning("request %s: failed: %s", rid, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except asyncio.CancelledError:  # grpc.aio cancels the handler: the client went away
+            log.info("request %s: cancelled (the client cancelled, went away or its deadline passed)", rid)
+            raise
         finally:
             generation.close()  # no-op when finished; frees the slots when the client went away
 

@@ -216,16 +216,58 @@ def test_out_of_range_serve_and_layouts_flags_are_usage_errors(
 
 
 @pytest.mark.parametrize(
-    "flags",
-    [["--seed", "-1"], ["--seed", str(2**64)], ["--max-tokens", "-5"], ["--top-k", str(2**40)]],
+    ("flags", "says"),
+    [
+        (["--seed", str(2**64)], "must be in [-9223372036854775808, 18446744073709551615] (64 bits)"),
+        (["--max-tokens", "-5"], "must be in [1, 4294967295] (uint32)"),
+        (["--top-k", str(2**40)], "must be in [0, 2147483647] (int32)"),
+    ],
 )
-def test_a_value_the_request_cannot_hold_is_one_line(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """Caught before anything is sent: no server listens on port 1."""
+def test_a_value_the_request_cannot_hold_is_a_usage_error_naming_the_flag(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caught before anything is sent (no server listens on port 1); it was protobuf's "Value out
+    of range: -5", which named no flag."""
     with pytest.raises(SystemExit) as done:
         main(["generate", "hi", "--address", "127.0.0.1:1", *flags])
     assert done.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshserve: error: ") and err.count("\n") == 1, err
+    assert f"error: argument {flags[0]}: {says}" in err and "Traceback" not in err, err
+
+
+def test_a_negative_seed_is_taken_modulo_2_64_as_over_http() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--seed", "-1"])
+    assert args.seed == 2**64 - 1
+
+
+def test_an_empty_question_is_refused_before_it_is_sent(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "  ", "--address", "127.0.0.1:1"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == "meshserve: error: the question is empty\n"
+
+
+def test_health_says_whether_anything_answered(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["health", "--address", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("meshserve: 127.0.0.1:1 not SERVING after 0 s; nothing answered: UNAVAILABLE")
+        and err.count("\n") == 1
+    ), err
+
+
+def test_ctrl_c_in_a_client_ends_the_line_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import service.cli
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service.cli, "_stream_to_terminal", interrupted)
+    assert main(["generate", "hi", "--address", "127.0.0.1:1"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "\n" and "Traceback" not in err
 
 
 def test_generate_waiting_for_no_server_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -390,7 +390,9 @@ def test_unknown_model_is_404_and_rejections_are_counted(tiny_server, client: op
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=HI)
     assert isinstance(info.value.body, dict) and info.value.body["code"] == "model_not_found"
-    assert "'gpt-4o' is not served; models: tiny" in info.value.body["message"]
+    assert (
+        "'gpt-4o' is not served; models: tiny (or a pool or layout name: default, single)" in info.value.body["message"]
+    )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=HI, temperature=-1)
     after = scrape(port)

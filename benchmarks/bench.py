@@ -305,9 +305,14 @@ def format_report(report: dict[str, Any]) -> str:
             f"{s['count']:7d}" + (extra.get(key, "") if pred else "")
         )
     if pred:
+        held = (
+            roof["dtype"]
+            if roof.get("weights", roof["dtype"]) == roof["dtype"]
+            else f"{roof['weights']} weights, {roof['dtype']} activations"
+        )
         lines.append(
             f"{roof['hardware']}; layout {roof['layout']} (dp {roof['dp']}, tp {roof['tp']}, attention "
-            f"{roof['attention']}), {roof['weights']} weights; decode batch {roof['batch']} per replica ({roof['batch_from']}), "
+            f"{roof['attention']}), {held}; decode batch {roof['batch']} per replica ({roof['batch_from']}), "
             f"context {roof['context_len']} tokens (mean prompt "
             f"{roof['mean_prompt_tokens']:.1f} + half the mean output {roof['mean_output_tokens']:.1f}); TTFT: "
             f"prefill of one {roof['prompt_len']}-token prompt; MBU and MFU of the p50 TPOT and p50 TTFT"

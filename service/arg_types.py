@@ -27,7 +27,9 @@ def at_least(minimum: float, kind: type[int] | type[float] = int, strict: bool =
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {word}, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        if value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
 

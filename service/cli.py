@@ -720,10 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        if args.command == "serve":  # serve handles SIGINT itself; one that escapes is a bug to see
-            raise
-        # Ctrl-C in a client (a stream or chat's prompt): the stream is cancelled with the channel;
-        # end the line, no traceback; 130 as a shell reports SIGINT.
+        # Ctrl-C in a client (a stream or chat's prompt; the stream is cancelled with the channel),
+        # or in serve before its handlers are installed (importing): end the line, no traceback;
+        # 130 as a shell reports SIGINT.
         sys.stdout.write("\n")
         sys.stdout.flush()
         return 130

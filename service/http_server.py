@@ -114,6 +114,7 @@ class OpenAIError(Exception):
 # the limit admits is a few bytes of text per token (at most the longest token's bytes, 81 for
 # SmolLM2, and 6 bytes of JSON per byte when every character is escaped), so no request that
 # could be served is refused, while a body of gigabytes is never buffered and parsed.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 BODY_BASE_BYTES = 2**20
 BODY_BYTES_PER_TOKEN = 1024
 
@@ -152,10 +153,18 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # Only completion requests count as rejected requests (the counter's meaning); any path
+        # gets the 413.
+        generation = scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.most:
-            self.rejected()
-            response = JSONResponse(error_body(413, self.message(int(declared), True), param="body"), status_code=413)
+            if generation:
+                self.rejected()
+            response = JSONResponse(
+                error_body(413, self.message(int(declared), True), param="body"),
+                status_code=413,
+                headers={"Connection": "close"},  # else the server would read the declared bytes to discard them
+            )
             await response(scope, receive, send)
             return
         received = 0
@@ -166,8 +175,9 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.most:
-                    self.rejected()
-                    raise StarletteHTTPException(413, self.message(received, False))
+                    if generation:
+                        self.rejected()
+                    raise StarletteHTTPException(413, self.message(received, False), headers={"Connection": "close"})
             return message
 
         await self.app(scope, counted, send)
@@ -247,15 +257,23 @@ def create_app(service: GenerationService) -> FastAPI:
         if first.get("type") == "json_invalid":  # its loc is ("body", offset): no field to name
             why = first.get("ctx", {}).get("error", first.get("msg", "invalid"))
             return JSONResponse(error_body(400, f"body: not valid JSON: {why}", param="body"), status_code=400)
+        kind = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind.lower():
+            # FastAPI parses only a JSON content type (against CSRF): name that, not the body's type.
+            message = f"body: send it as JSON with Content-Type: application/json (got {kind or 'none'!r})"
+            return JSONResponse(error_body(400, message, param="body"), status_code=400)
         field = _field_of(first, exc.body)
         return JSONResponse(error_body(400, f"{field}: {first.get('msg', 'invalid')}", param=field), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        param = "body" if exc.status_code == 413 else None
-        body = error_body(exc.status_code, str(exc.detail), param=param, code=code)
-        return JSONResponse(body, status_code=exc.status_code)
+        detail = str(exc.detail)
+        if exc.status_code == 400:  # FastAPI's "There was an error parsing the body" (bytes that are not UTF-8 JSON)
+            detail = f"body: {detail} (it must be UTF-8 JSON)"
+        param = "body" if exc.status_code in (400, 413) else None
+        body = error_body(exc.status_code, detail, param=param, code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -70,7 +70,9 @@ class EngineLoop:
         self.engine = engine
         self.scheduler = scheduler
         self.on_step = on_step
-        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        # Requests submitted and not yet handed to the scheduler (append and popleft are atomic;
+        # ``_waiting_for_a_slot`` reads a copy to leave out the cancelled ones).
+        self._inbox: deque[Request] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,12 +121,16 @@ class EngineLoop:
     def _waiting_for_a_slot(self) -> int:
         """New requests (queued, or on their way from the inbox) less the slots free for them
         now: those about to take a free slot do not wait (a burst into an idle server was
-        refused while slots were free). Preempted sequences resuming (``queue_depth`` beyond
-        ``waiting``) take free slots first. Read without the loop's lock: advisory, off by at
-        most the requests one step admits."""
+        refused while slots were free). Requests already cancelled do not count: they leave the
+        queue only at the next step, which can be seconds away (a burst of clients that gave up
+        had a fresh request refused with nobody waiting). Preempted sequences resuming
+        (``queue_depth`` beyond ``waiting``) take free slots first. Read without the loop's lock:
+        advisory, off by at most the requests one step admits."""
         s = self.scheduler
         free = max(0, s.num_slots - s.active_slots - (s.queue_depth - len(s.waiting)))
-        return max(0, len(s.waiting) + self._pending - free)
+        # list() of a deque runs in C under the GIL: a consistent copy while the engine thread mutates it.
+        cancelled = sum(r.cancelled for r in list(s.waiting)) + sum(r.cancelled for r in list(self._inbox))
+        return max(0, len(s.waiting) + self._pending - cancelled - free)
 
     def submit(self, request: Request) -> None:
         """Queue a request (thread-safe).
@@ -140,7 +146,7 @@ class EngineLoop:
             if waiting >= self.scheduler.max_queue:
                 raise QueueFull(f"queue full: {waiting} requests waiting (max {self.scheduler.max_queue})")
             self._pending += 1
-        self._inbox.put(request)
+        self._inbox.append(request)
         self._wake.set()
 
     # ---- live layout switch --------------------------------------------------------------------
@@ -241,8 +247,8 @@ class EngineLoop:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                request = self._inbox.get_nowait()
-            except queue.Empty:
+                request = self._inbox.popleft()
+            except IndexError:
                 return
             with self._lock:
                 self._pending -= 1

@@ -400,6 +400,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         # stalls.
         self.inflight: dict[str, set[Request]] = {}
         self.serving = False  # what health reports (RunningServer.set_health), for HTTP's /health
+        # Called on the event loop before a request is first submitted (serve_forever: from then on
+        # a stop signal drains instead of ending the process; admission starts before SERVING).
+        self.on_admit: Callable[[], None] | None = None
         # The most tokens (prompt + generated) a request may hold: set by load() from the engines
         # (``max_seq_len``, and no more than one data replica's pool); a layout switch never lowers it.
         self.max_request_tokens = cfg.engine.max_request_tokens
@@ -855,6 +858,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
             if not self.accepting:  # the drain began while it was tokenized
                 raise Refused(Refusal.UNAVAILABLE, "the server is shutting down")
+            if self.on_admit is not None:
+                self.on_admit()
             generation = self._start(pool, v, rid, tok)
         except Refused as exc:
             log.info("request %s: rejected, %s: %s", rid, exc.code.name, exc.message)
@@ -1109,7 +1114,7 @@ def metrics_port_message(host: str, port: int) -> str:
     )
 
 
-async def start_server(cfg: ServerConfig) -> RunningServer:
+async def start_server(cfg: ServerConfig, on_admit: Callable[[], None] | None = None) -> RunningServer:
     """Bind and start the gRPC server (health NOT_SERVING), the metrics endpoint and the HTTP API
     at once, then load the model and compile; health turns SERVING when warm-up is done (until
     then Generate is UNAVAILABLE and the HTTP API answers 503).
@@ -1129,6 +1134,7 @@ async def start_server(cfg: ServerConfig) -> RunningServer:
         raise PortInUse(f"admin port {cfg.admin_port} on {cfg.admin_host} is in use; pick a free one with --admin-port")
     server = grpc.aio.server(options=NO_PORT_SHARING)
     service = GenerationService(cfg)
+    service.on_admit = on_admit
     add_servicer(pb_grpc.add_GenerationServicer_to_server, service, server, on_undecodable=service.count_undecodable)
     health = health_aio.HealthServicer()
     add_servicer(health_pb2_grpc.add_HealthServicer_to_server, health, server)
@@ -1219,14 +1225,23 @@ def _end_startup(sig: signal.Signals) -> None:
 
 async def serve_forever(cfg: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT, then shut down gracefully; returns the exit code (0). A signal
-    during start-up (loading, compiling) ends the process at once (``_end_startup``)."""
+    during start-up (loading, compiling) ends the process at once (``_end_startup``), until the
+    first request is admitted (which can be just before SERVING) or start-up ends."""
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
+    graceful = False
+
+    def drain_on_signal() -> None:  # on the event loop, before a request is submitted
+        nonlocal graceful
+        if not graceful:
+            graceful = True
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                aloop.add_signal_handler(sig, stop.set)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, _end_startup, sig)
-    running = await start_server(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # no await since start_server returned: none is lost
-        aloop.add_signal_handler(sig, stop.set)
+    running = await start_server(cfg, on_admit=drain_on_signal)
+    drain_on_signal()  # no await since start_server returned: no signal is lost
     await stop.wait()
     log.info("signal received: draining for up to %.0f s", cfg.grace_period_s)
     await running.shutdown(cfg.grace_period_s)

@@ -38,11 +38,16 @@ MAX_N = 16
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
 INT32_MAX = 2**31 - 1
 _SEED_RANGE = (-(2**63), 2**64)  # uint64 (gRPC) or int64 (OpenAI's clients); negatives wrap mod 2**64
-# The engine holds temperature and repetition_penalty as float32: a larger value becomes inf
-# (a banned id's -inf / inf is NaN), and a positive repetition_penalty below the smallest
-# float32 becomes 0 (a logit of 0 / 0 is NaN).
+# The engine holds temperature and repetition_penalty as float32 and divides the logits by them:
+# a value above float32's largest becomes inf (a banned id's -inf / inf is NaN), and a tiny one
+# sends every positive logit to inf (the draw then takes the first id: a 1.2e-38 temperature
+# answered " " and seven <|endoftext|>).
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+# Temperatures below this are greedy, as in vLLM (``_SAMPLING_EPS``): the limit T -> 0 of the
+# draw, where logits / T would overflow float32.
+GREEDY_BELOW = 1e-5
+# The smallest repetition_penalty: a logit x / 1e-30 stays finite for any |x| < 3.4e8.
+MIN_REPETITION_PENALTY = 1e-30
 
 
 class InvalidRequest(ValueError):
@@ -282,6 +287,8 @@ def validate_params(
         raise InvalidRequest(
             f"{p.name('temperature')}: must be a finite number >= 0 and <= {FLOAT32_MAX:.4g} (float32), got {temperature}"
         )
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = p.top_p if p.top_p is not None else DEFAULT_TOP_P
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise InvalidRequest(f"{p.name('top_p')}: must be in (0, 1], got {top_p}")
@@ -327,10 +334,10 @@ def validate_params(
     repetition = 1.0
     if p.repetition_penalty is not None:
         repetition = p.repetition_penalty
-        if not (math.isfinite(repetition) and FLOAT32_TINY <= repetition <= FLOAT32_MAX):
+        if not (math.isfinite(repetition) and MIN_REPETITION_PENALTY <= repetition <= FLOAT32_MAX):
             raise InvalidRequest(
-                f"{p.name('repetition_penalty')}: must be a finite number > 0 within float32's range "
-                f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (1 disables it), got {repetition}"
+                f"{p.name('repetition_penalty')}: must be a finite number in "
+                f"[{MIN_REPETITION_PENALTY:g}, {FLOAT32_MAX:.4g}] (1 disables it), got {repetition}"
             )
         repetition = float(repetition)
     min_p = 0.0 if p.min_p is None else _in_range(p, "min_p", p.min_p, 0.0, 1.0, "in [0, 1]")

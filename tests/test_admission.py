@@ -92,3 +92,29 @@ def test_a_cancelled_stream_frees_its_slot_and_counts_as_cancelled(tiny_server, 
     assert wait_for(
         lambda: value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled") == before + 1
     )
+
+
+def test_admission_tells_the_server_before_a_request_is_submitted(tiny_server, client: Client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``on_admit`` runs on the event loop before the first sequence is submitted, and only for a
+    request that passed every check: serve_forever then drains on a stop signal instead of
+    ending the process (a request can be admitted just before SERVING), and also prompts are
+    tokenized on a worker thread, not the event loop's."""
+    import threading
+
+    service = tiny_server.running.service
+    calls: list[tuple[str, int]] = []
+    threads: list[str] = []
+    tok = service.tokenizer
+    real_encode = tok.encode
+    monkeypatch.setattr(
+        tok, "encode", lambda text: threads.append(threading.current_thread().name) or real_encode(text)
+    )
+    monkeypatch.setattr(
+        service, "on_admit", lambda: calls.append((threading.current_thread().name, len(service.pools[0].loop._inbox)))
+    )
+    assert status_of(client, make_request(prompt="hi", max_tokens=0))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert calls == []  # refused: not admitted
+    assert client.generate(make_request(prompt="hi", max_tokens=2), timeout_s=60).finish_reason
+    loop_thread = tiny_server._thread.name
+    assert calls == [(loop_thread, 0)]  # on the event loop, before anything was queued
+    assert threads and loop_thread not in threads

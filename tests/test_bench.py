@@ -169,7 +169,9 @@ def test_roofline_report_counts_the_bytes_of_stored_weights() -> None:
     held = matmul // 32 * 20 + embed // 32 * 34 + norms * 4  # Q4_1: 20 bytes per 32 weights; Q8_0: 34
     nbytes = held + 13 * 46_080  # batch 1 at 13 positions, the float32 KV cache as before
     assert roof["tpot_mbu"] == pytest.approx(nbytes / 75e-3 / 25e9)
-    assert roof["weights"] == "stored" and "stored weights" in format_report({**report, "roofline": roof})
+    assert roof["weights"] == "stored" and "stored weights, float32 activations;" in format_report(
+        {**report, "roofline": roof}
+    )
 
 
 def test_write_report_turns_nan_into_null(tmp_path: Path) -> None:

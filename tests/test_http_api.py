@@ -459,10 +459,34 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_whole(tiny_server) -> No
     assert resp.status == 413 and err["code"] == "request_too_large", err
     assert err["message"].startswith("body: at least ") and f"more than the {most} this server takes" in err["message"]
     assert counted() == before + 2
+    # Any path gets the 413 and its connection closes, but only completion requests count.
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: {most + 1}\r\n\r\n".encode())
+        head = sock.makefile("rb").readline()
+        assert head.split()[1] == b"413", head
+    assert counted() == before + 2
 
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "user": "u" * (most - 200)}
     status, text = post(port, "/v1/completions", body)
     assert status == 200 and len(json.dumps(body)) <= most, text[:300]
+
+
+def test_bodies_fastapi_does_not_parse_name_the_body(tiny_server) -> None:  # type: ignore[no-untyped-def]
+    """Bytes that are not UTF-8 JSON, and JSON sent without a JSON content type (curl's -d sends
+    a form type), are 400s naming ``body`` and what to send (they were "There was an error
+    parsing the body" with no param, and "Input should be a valid dictionary")."""
+    port = tiny_server.running.http_port
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    for data, kind, says in (
+        (b"\x1f\x8b\x08garbage", "application/json", "body: There was an error parsing the body (it must be UTF-8 JSON)"),
+        (b'{"prompt": "hi", "max_tokens": 1}', "application/x-www-form-urlencoded",
+         "body: send it as JSON with Content-Type: application/json (got 'application/x-www-form-urlencoded')"),
+    ):  # fmt: skip
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": kind}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        err = json.loads(info.value.read())["error"]
+        assert info.value.code == 400 and (err["message"], err["param"]) == (says, "body"), err
 
 
 def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]

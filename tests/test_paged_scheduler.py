@@ -458,6 +458,30 @@ def test_requests_the_free_slots_will_take_do_not_count_as_waiting() -> None:
     assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"  # the slots are taken now
 
 
+def test_cancelled_requests_do_not_hold_queue_room() -> None:
+    """Clients that gave up (a deadline, a hang-up) leave the queue only at the next step, which
+    can be seconds away: they held its room meanwhile, and a fresh request was refused with
+    nobody waiting (stop 36's breaker: 70 clients with 0.3 s deadlines behind long prefills)."""
+    from service.paged_loop import PagedEngineLoop
+
+    sched = PagedScheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # 4 slots, max_queue 2
+    loop = PagedEngineLoop(object(), sched)  # type: ignore[arg-type]
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(6)]
+    for r in reqs:
+        sched.add(r, reserved=True)
+    step(sched)
+    assert sched.active_slots == 4 and len(sched.waiting) == 2
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    reqs[4].cancel()
+    assert loop.queue_full() is None  # one waits: room for one more
+    gone = ids_request([7, 8, 9], max_tokens=4)  # submitted, then cancelled, still in the inbox
+    loop._inbox.append(gone)
+    loop._pending += 1
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    gone.cancel()
+    assert loop.queue_full() is None
+
+
 def test_the_step_observer_counts_across_a_repartition() -> None:
     """The server's per-step metrics add the scheduler's totals' differences: after a switch
     to new pools they keep counting (they once went negative and stopped)."""

@@ -176,25 +176,35 @@ def test_bad_temperature_is_rejected(tokenizer: Tokenizer, value: float) -> None
     assert rejected(make_request(prompt="Hi", temperature=value), tokenizer).startswith("temperature:")
 
 
-F32 = "within float32's range [1.401e-45, 3.403e+38]"
+REP = "repetition_penalty: must be a finite number in [1e-30, 3.403e+38] (1 disables it), got"
 
 
 @pytest.mark.parametrize(
     ("params", "message"),
     [
         # JSON carries doubles: 1e308 is finite here but inf as the engine's float32 (a banned
-        # id's -inf / inf is NaN), and 1e-300 is 0 there (a logit of 0 / 0 is NaN).
+        # id's -inf / inf is NaN); a logit / 1e-38 is inf (the draw then takes the first id).
         (Params(temperature=1e308), "temperature: must be a finite number >= 0 and <= 3.403e+38 (float32), got 1e+308"),
-        (Params(repetition_penalty=1e300), f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 1e+300"),
-        (Params(repetition_penalty=1e-300), f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 1e-300"),
+        (Params(repetition_penalty=1e300), f"{REP} 1e+300"),
+        (Params(repetition_penalty=1e-38), f"{REP} 1e-38"),
     ],
 )  # fmt: skip
-def test_doubles_beyond_float32_are_rejected(params: Params, message: str) -> None:
+def test_values_the_engines_float32_cannot_divide_by_are_rejected(params: Params, message: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         validate_params([1, 2], params, 64, 8)
     assert str(info.value) == message
-    edge = validate_params([1, 2], Params(temperature=3.4e38, repetition_penalty=1e-44), 64, 8).sampling
-    assert np.isfinite(np.float32(edge.temperature)) and np.float32(edge.repetition_penalty) > 0
+    edge = validate_params([1, 2], Params(temperature=3.4e38, repetition_penalty=1e-30), 64, 8).sampling
+    assert np.isfinite(np.float32(edge.temperature)) and np.isfinite(
+        np.float32(100.0) / np.float32(edge.repetition_penalty)
+    )
+
+
+@pytest.mark.parametrize("tiny", [1e-45, 1.2e-38, 5e-38, 9.9e-6])
+def test_a_temperature_below_1e_5_is_greedy(tiny: float) -> None:
+    """As vLLM takes it: logits / 1.2e-38 overflowed float32 and the draw answered " " and seven
+    <|endoftext|> where greedy says " Berlin"."""
+    assert validate_params([1, 2], Params(temperature=tiny), 64, 8).sampling.temperature == 0.0
+    assert validate_params([1, 2], Params(temperature=1e-5), 64, 8).sampling.temperature == 1e-5
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, math.nan, -0.1])
@@ -312,11 +322,11 @@ def test_new_sampling_fields_reach_the_validated_request(tokenizer: Tokenizer) -
         ({"presence_penalty": math.nan}, "presence_penalty: must be in [-2, 2], got nan"),
         (
             {"repetition_penalty": 0.0},
-            f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got 0.0",
+            f"{REP} 0.0",
         ),
         (
             {"repetition_penalty": -1.0},
-            f"repetition_penalty: must be a finite number > 0 {F32} (1 disables it), got -1.0",
+            f"{REP} -1.0",
         ),
         ({"min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
         ({"min_p": -0.5}, "min_p: must be in [0, 1], got -0.5"),

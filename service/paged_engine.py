@@ -254,6 +254,7 @@ class PagedEngine:
         self.decode_buckets = power_of_two_buckets(min(MIN_DECODE, S_r), S_r)
         self.window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // ps), self.max_pages), self.max_pages)
         self._fns: dict[tuple[int, int, int], Any] = {}
+        self.warmed = False  # after warmup(): a program compiled later is logged (it stalls a step)
         # Sampling parameters: host arrays changed by set_sampling, uploaded once before the next
         # step that follows a change (not on every step).
         self._sp = SamplingParams.host(S)
@@ -383,7 +384,9 @@ class PagedEngine:
                 f"regions of {decode} decode and {prefill} prefill tokens: buckets are "
                 f"{self.decode_buckets} and {self.prefill_buckets}"
             )
+        cold = self.warmed and (decode, prefill, window) not in self._fns
         fn = self._step_fn(decode, prefill, window)
+        t0 = time.perf_counter()
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
         split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
         if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
@@ -405,6 +408,12 @@ class PagedEngine:
             last_index,
             batch.ban_eos,
         )
+        if cold:  # compiled in the call: the step (and every stream) waited for it
+            log.info(
+                "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages on first use "
+                "in %.1f s (serve --warmup-full compiles %d programs before SERVING)",
+                decode, prefill, window, time.perf_counter() - t0, len(self.warm_programs(full=True)),
+            )  # fmt: skip
         return StepOutput(packed, logits)
 
     def replica_of(self, row: int) -> int:
@@ -497,6 +506,7 @@ class PagedEngine:
             self.step(self.idle_batch(decode, prefill, position)).host()
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
+        self.warmed = True
         return elapsed
 
     # ---- layout switch -----------------------------------------------------------------------

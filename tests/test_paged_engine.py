@@ -5,6 +5,7 @@ cancellation and layouts all give the reference's ids."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -277,14 +278,23 @@ def test_a_limit_that_is_not_whole_pages_warms_up_and_serves_to_its_end(max_seq_
         loop.stop()
 
 
-def test_a_replacing_engine_compiles_what_the_old_one_used() -> None:
+def test_a_replacing_engine_compiles_what_the_old_one_used(caplog: pytest.LogCaptureFixture) -> None:
     """A live switch's new engine warms the short-sequence programs and every program the old
-    engine compiled (a long window here), not all of them."""
+    engine compiled (a long window here), not all of them. A program compiled after warm-up is
+    logged, once (the step waited for it: 25 s for a long prompt, with no word of why)."""
     ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32)
     old = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
+    assert not old.warmed
     old.warmup()
+    assert old.warmed
     long = old.idle_batch(old.decode_buckets[0], old.prefill_buckets[1], 1023)  # a chunk's token, last position
-    old.step(long).host()
+    with caplog.at_level(logging.INFO, logger="service.paged_engine"):
+        old.step(long).host()
+        old.step(long).host()
+    first_use = [r.getMessage() for r in caplog.records if "on first use" in r.getMessage()]
+    assert len(first_use) == 1 and first_use[0].startswith(
+        f"compiled the ragged-step program for {old.decode_buckets[0]} decode + {old.prefill_buckets[1]} prefill tokens"
+    )
     used = set(old._fns)
     assert len(used) == len(old.warm_programs()) + 1
     new = old.relayout(Layout("1x1"), jax.devices()[:1])

@@ -110,11 +110,11 @@ class OpenAIError(Exception):
         self.code = code
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # The largest body a request may send: 1 MiB plus 1 KiB per token of the length limit. A prompt
 # the limit admits is a few bytes of text per token (at most the longest token's bytes, 81 for
 # SmolLM2, and 6 bytes of JSON per byte when every character is escaped), so no request that
 # could be served is refused, while a body of gigabytes is never buffered and parsed.
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 BODY_BASE_BYTES = 2**20
 BODY_BYTES_PER_TOKEN = 1024
 

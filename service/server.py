@@ -974,7 +974,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             log.warning("request %s: failed: %s", rid, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except asyncio.CancelledError:  # grpc.aio cancels the handler: the client went away
-            log.info("request %s: cancelled (the client cancelled, went away or its deadline passed)", rid)
+            log.info("request %s: cancelled (by the client, its deadline, or the server stopping)", rid)
             raise
         finally:
             generation.close()  # no-op when finished; frees the slots when the client went away

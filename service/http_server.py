@@ -11,6 +11,7 @@ Errors are OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}
     400 invalid_request_error  a malformed, out-of-range or refused field (``param`` names it),
                                or a body that is not JSON of the right types
     404 invalid_request_error  an unknown model id (code ``model_not_found``) or path
+    405 invalid_request_error  a known path with another method (code ``method_not_allowed``)
     413 invalid_request_error  a body over ``max_body_bytes`` (code ``request_too_large``), refused
                                before it is read whole (``BodyLimit``)
     429 rate_limit_error       the waiting queue is full (code ``queue_full``)
@@ -81,6 +82,7 @@ HTTP_STATUS = {
 _ERROR_KIND = {  # status -> (OpenAI's error type, code)
     400: ("invalid_request_error", "invalid_value"),
     404: ("invalid_request_error", "model_not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "queue_full"),
     500: ("server_error", "internal_error"),

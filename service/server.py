@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import errno
 import logging
 import os
@@ -206,6 +207,16 @@ def _checked(key: str, value: Any, where: str) -> Any:
     return float(value) if float in kinds else value
 
 
+def _unknown_key(where: str, key: str, known: list[str]) -> ConfigError:
+    """The error for an unknown config key: the nearest known one (a flag's spelling, such as
+    ``grace_period`` for ``grace_period_s``, or ``slots`` for ``num_slots``), then all of them."""
+    bare = {k.removeprefix("engine."): k for k in known}
+    near = difflib.get_close_matches(key.removeprefix("engine."), list(bare), n=1, cutoff=0.6)
+    near = near or [k for k in bare if key.removeprefix("engine.") in k.split("_")]
+    hint = f" (did you mean {bare[near[0]]!r}?)" if near else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint}; known: {', '.join(known)}")
+
+
 def server_config(
     values: dict[str, Any], overrides: dict[str, Any] | None = None, where: str = "config"
 ) -> ServerConfig:
@@ -227,7 +238,7 @@ def server_config(
         raise ConfigError(f"{where}: engine must be a mapping of {', '.join(ENGINE_KEYS)}, got {nested!r}")
     for key, value in nested.items():
         if key not in ENGINE_KEYS:
-            raise ConfigError(f"{where}: unknown key engine.{key}; known: {', '.join(ENGINE_KEYS)}")
+            raise _unknown_key(where, f"engine.{key}", sorted(f"engine.{k}" for k in ENGINE_KEYS))
         engine[key] = _checked(key, value, where)
     for key, value in values.items():
         if key == "engine":
@@ -239,8 +250,7 @@ def server_config(
         elif key in fields:
             top[key] = _checked(key, value, where)
         else:
-            known = sorted((fields - {"engine"}) | {f"engine.{k}" for k in ENGINE_KEYS})
-            raise ConfigError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
+            raise _unknown_key(where, key, sorted((fields - {"engine"}) | {f"engine.{k}" for k in ENGINE_KEYS}))
     for key, value in (overrides or {}).items():
         (engine if key in ENGINE_KEYS else top)[key] = value
     _agree_weights_dtype(engine, overrides or {}, where)

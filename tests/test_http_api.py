@@ -412,6 +412,8 @@ def test_malformed_json_and_unknown_paths(tiny_server) -> None:  # type: ignore[
     assert status == 400 and json.loads(text)["error"]["param"] == "messages"
     status, text = get(port, "/v1/embeddings")
     assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
+    status, text = get(port, "/v1/completions")
+    assert status == 405 and json.loads(text)["error"]["code"] == "method_not_allowed"
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read_whole(tiny_server) -> None:  # type: ignore[no-untyped-def]

@@ -69,8 +69,13 @@ def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("port: [1\n", "not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
-        ("portt: 1\n", "unknown key 'portt'; known: admin_host, "),
-        ("engine:\n  slots: 2\n", "unknown key engine.slots; known: num_slots, max_seq_len, "),
+        ("portt: 1\n", "unknown key 'portt' (did you mean 'port'?); known: admin_host, "),
+        ("grace_period: 5\n", "unknown key 'grace_period' (did you mean 'grace_period_s'?); known: "),
+        ("xyzzy: 1\n", "unknown key 'xyzzy'; known: admin_host, "),
+        (
+            "engine:\n  slots: 2\n",
+            "unknown key 'engine.slots' (did you mean 'engine.num_slots'?); known: engine.chunk_size, ",
+        ),
         ("port: abc\n", "port must be int, got 'abc'"),
         ("port: true\n", "port must be int, got True"),
         ("warmup_full: 1\n", "warmup_full must be bool, got 1"),

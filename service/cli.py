@@ -171,6 +171,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop or None,
         "layout": args.layout,
+        "prefix_cache": None if args.prefix_cache else False,  # unset: the server's default (true)
     }
 
 
@@ -500,6 +501,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         "--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for the server to be SERVING"
     )
     p.add_argument("--layout", default=None, help="engine pool (or its layout name) to serve the request")
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="neither reuse cached pages of the prompt nor keep its pages (the request's prefix_cache: false)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

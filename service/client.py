@@ -54,7 +54,9 @@ def make_request(
     **params: Any,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest; ``params`` are GenerateRequest fields (max_tokens, temperature,
-    top_p, top_k, seed, stop); a None value leaves the field unset (server default)."""
+    top_p, top_k, min_p, seed, stop, logprobs, n, the penalties, min_tokens, ignore_eos,
+    prefix_cache, layout, request_id: docs/api.md); a None value leaves the field unset (the
+    server's default)."""
     req = pb.GenerateRequest(**{k: v for k, v in params.items() if v is not None})
     if chat is not None:
         req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)

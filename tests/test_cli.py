@@ -240,6 +240,18 @@ def test_a_negative_seed_is_taken_modulo_2_64_as_over_http() -> None:
     assert args.seed == 2**64 - 1
 
 
+def test_no_prefix_cache_sets_the_requests_field_and_its_absence_leaves_it_unset() -> None:
+    from service.cli import _sampling
+    from service.client import make_request
+
+    opted_out = make_request(
+        prompt="hi", **_sampling(build_parser().parse_args(["generate", "hi", "--no-prefix-cache"]))
+    )
+    assert opted_out.HasField("prefix_cache") and opted_out.prefix_cache is False
+    default = make_request(prompt="hi", **_sampling(build_parser().parse_args(["generate", "hi"])))
+    assert not default.HasField("prefix_cache")  # the server's default (true)
+
+
 def test_an_empty_question_is_refused_before_it_is_sent(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["generate", "  ", "--address", "127.0.0.1:1"])

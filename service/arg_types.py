@@ -10,6 +10,8 @@ from collections.abc import Callable
 # How a model's weights are held (``EngineConfig.weights``; the --weights choices of serve, layouts
 # and roofline): kept here, beside the flags' other types, so building the parser imports no JAX.
 WEIGHT_MODES = ("auto", "stored", "int8", "float32", "bfloat16")
+# A request's seed: uint64 (gRPC) or int64 (OpenAI's clients), [lo, hi); negatives wrap mod 2**64.
+SEED_RANGE = (-(2**63), 2**64)
 
 
 def at_least(minimum: float, kind: type[int] | type[float] = int, strict: bool = False) -> Callable[[str], float]:
@@ -68,7 +70,7 @@ def seed_value(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or outside [-2**63, 2**64).
     """
-    return int_in(-(2**63), 2**64 - 1, "64 bits")(text) % 2**64
+    return int_in(SEED_RANGE[0], SEED_RANGE[1] - 1, "64 bits")(text) % 2**64
 
 
 def port_number(text: str) -> int:

@@ -255,7 +255,7 @@ def create_app(service: GenerationService) -> FastAPI:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI's servers answer 400, naming the field.
         first = exc.errors()[0]
-        service.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+        service.count_malformed()
         if first.get("type") == "json_invalid":  # its loc is ("body", offset): no field to name
             why = first.get("ctx", {}).get("error", first.get("msg", "invalid"))
             return JSONResponse(error_body(400, f"body: not valid JSON: {why}", param="body"), status_code=400)
@@ -493,13 +493,9 @@ class HttpServer:
         self.sock = sock
         self.port: int = sock.getsockname()[1]
         self.parser = http_parser()
-
-        def rejected() -> None:
-            service.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
-
         self.max_body_bytes = max_body_bytes(service.max_request_tokens)
         config = uvicorn.Config(
-            BodyLimit(create_app(service), self.max_body_bytes, rejected),
+            BodyLimit(create_app(service), self.max_body_bytes, service.count_malformed),
             http=self.parser,
             log_config=None,  # keep the server's logging configuration
             access_log=False,

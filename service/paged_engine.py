@@ -386,7 +386,7 @@ class PagedEngine:
             )
         cold = self.warmed and (decode, prefill, window) not in self._fns
         fn = self._step_fn(decode, prefill, window)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if cold else 0.0
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
         split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
         if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there

@@ -811,10 +811,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         info.weight_bytes = pool_weight_bytes(pool.loop.engine)  # this pool's, as now laid out
         return info
 
+    def count_malformed(self) -> None:
+        """Count a generation request refused as malformed before a pool was chosen (bytes that
+        do not parse, an HTTP body of the wrong shape or over its size limit)."""
+        self.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+
     def count_undecodable(self, method: str) -> None:
         """Metrics for a Generate call whose bytes did not parse (``service.wire``)."""
         if method.endswith("/Generate"):
-            self.metrics.rejected.labels(pool="", code=Refusal.INVALID_ARGUMENT.value).inc()
+            self.count_malformed()
 
     # ---- the generation core both APIs share -------------------------------------------------
     async def open(

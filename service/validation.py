@@ -20,6 +20,7 @@ import numpy as np
 
 from model.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.arg_types import SEED_RANGE
 from service.engine import TOP_LOGPROBS
 from service.request import SamplingOptions
 
@@ -37,7 +38,6 @@ MAX_STOP_CHARS = 256
 MAX_N = 16
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI's API bounds them
 INT32_MAX = 2**31 - 1
-_SEED_RANGE = (-(2**63), 2**64)  # uint64 (gRPC) or int64 (OpenAI's clients); negatives wrap mod 2**64
 # The engine holds temperature and repetition_penalty as float32 and divides the logits by them:
 # a value above float32's largest becomes inf (a banned id's -inf / inf is NaN), and a tiny one
 # sends every positive logit to inf (the draw then takes the first id: a 1.2e-38 temperature
@@ -179,6 +179,13 @@ def chat_prompt_ids(
     return tokenizer.encode(rendered)
 
 
+def input_field(req: pb.GenerateRequest) -> str:
+    """The field a ``GenerateRequest``'s prompt came in, as messages name it: ``prompt``,
+    ``chat.messages`` or ``token_ids`` (``prompt`` when none is set)."""
+    which = req.WhichOneof("input")
+    return "chat.messages" if which == "chat" else which or "prompt"
+
+
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, max_seq_len: int | None = None) -> list[int]:
     """The prompt's token ids: raw text tokenized as is, chat rendered with the model's template,
     or token ids checked against the vocabulary. Text far beyond ``max_seq_len`` is refused
@@ -192,7 +199,7 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer, max_seq_len: int |
         ids = tokenizer.encode(req.prompt)
     elif which == "chat":
         messages = [(m.role, m.content) for m in req.chat.messages]
-        ids = chat_prompt_ids(messages, tokenizer, "chat.messages", max_seq_len)
+        ids = chat_prompt_ids(messages, tokenizer, input_field(req), max_seq_len)
     else:
         ids = checked_token_ids(req.token_ids.ids, tokenizer, "token_ids")
     if not ids:
@@ -205,8 +212,6 @@ def params_of(req: pb.GenerateRequest) -> Params:
 
     def get(field: str):  # type: ignore[no-untyped-def]
         return getattr(req, field) if req.HasField(field) else None
-
-    which = req.WhichOneof("input")
 
     return Params(
         max_tokens=get("max_tokens"),
@@ -224,7 +229,7 @@ def params_of(req: pb.GenerateRequest) -> Params:
         min_tokens=get("min_tokens"),
         ignore_eos=get("ignore_eos"),
         prefix_cache=get("prefix_cache"),
-        names={"prompt": "chat.messages" if which == "chat" else which or "prompt"},
+        names={"prompt": input_field(req)},
     )
 
 
@@ -301,7 +306,7 @@ def validate_params(
     top_k = min(top_k, INT32_MAX)
     if p.seed is None:
         seed = secrets.randbits(63)
-    elif _SEED_RANGE[0] <= p.seed < _SEED_RANGE[1]:
+    elif SEED_RANGE[0] <= p.seed < SEED_RANGE[1]:
         seed = p.seed & (2**64 - 1)
     else:
         raise InvalidRequest(f"{p.name('seed')}: must fit in 64 bits, got {p.seed}")

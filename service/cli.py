@@ -170,6 +170,13 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop or None,
+        "min_p": args.min_p,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "min_tokens": args.min_tokens,
+        "ignore_eos": True if args.ignore_eos else None,
+        "logprobs": args.logprobs,
         "layout": args.layout,
         "prefix_cache": None if args.prefix_cache else False,  # unset: the server's default (true)
     }
@@ -190,12 +197,14 @@ def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
     parts: list[str] = []
     n = 0
     finish = usage = None
+    logprobs: list[tuple[str | None, Any]] = []  # (the chunk's text when it holds one token, TokenLogprob)
     try:
         for resp in client.stream(request):
             if ttft is None and resp.token_ids:
                 ttft = time.perf_counter() - t0
             n += len(resp.token_ids)
             parts.append(resp.text)
+            logprobs.extend((resp.text if len(resp.logprobs) == 1 else None, lp) for lp in resp.logprobs)
             sys.stdout.write(resp.text)
             sys.stdout.flush()
             if resp.finish_reason:
@@ -214,7 +223,20 @@ def _stream_to_terminal(client: Any, request: Any) -> tuple[str, Any]:
         f"TTFT {1000 * (ttft or total):.0f} ms; decode {rate:.1f} tokens/s]",
         file=sys.stderr,
     )
+    if logprobs:
+        print(_logprob_table(logprobs), file=sys.stderr)
     return "".join(parts), finish
+
+
+def _logprob_table(rows: list[tuple[str | None, Any]]) -> str:
+    """One line per generated token: its id, its text (where its chunk held only it), its
+    log-probability and the alternatives the server sent (id:logprob, most likely first)."""
+    lines = []
+    for i, (text, lp) in enumerate(rows):
+        shown = repr(text) if text is not None else "-"
+        alternatives = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in lp.top)
+        lines.append(f"{i:4d} {lp.token_id:7d} {shown:>16} {lp.logprob:9.4f}  {alternatives}".rstrip())
+    return "\n".join(["   # token_id             text   logprob  alternatives (id:logprob)", *lines])
 
 
 def _wait_serving(client: Any, seconds: float) -> None:
@@ -496,6 +518,37 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         help="sampling seed, 64 bits; a negative one is taken modulo 2**64 (default: random per request)",
     )
     p.add_argument("--stop", action="append", help="stop string (repeatable; at most 16, each up to 256 characters)")
+    p.add_argument(
+        "--min-p", type=float, default=None, help="drop ids below this share of the top id's probability, in [0, 1]"
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, default=None, help="OpenAI's presence penalty, in [-2, 2] (default 0)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=None, help="OpenAI's frequency penalty, in [-2, 2] (default 0)"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="CTRL's penalty: the logit of an id already in the prompt or answer is divided by it (multiplied, "
+        "if negative); > 1 discourages repeats (default 1, off)",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int_in(0, 2**32 - 1, "uint32"),
+        default=None,
+        help="EOS and stop strings do not end the answer before this many tokens (default 0)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS, up to --max-tokens")
+    p.add_argument(
+        "--logprobs",
+        type=int_in(0, 2**32 - 1, "uint32"),
+        default=None,
+        metavar="N",
+        help="after the answer, print each token's log-probability and its N most likely alternatives "
+        "(at most the server's 20) on stderr",
+    )
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
     p.add_argument(
         "--wait", type=nonnegative_float, default=0, help="wait up to this many seconds for the server to be SERVING"

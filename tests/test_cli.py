@@ -95,6 +95,42 @@ def test_generate_ends_stdout_with_a_newline(tiny_server, capsys: pytest.Capture
     assert err.startswith("[FINISH_REASON_LENGTH; ") and "+ 6 generated tokens" in err
 
 
+def test_generate_passes_every_sampling_flag_and_prints_logprobs(
+    tiny_server, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    """The penalties, min_p, min_tokens, ignore_eos and logprobs flags reach the request: the CLI's
+    answer equals the client's for the same fields, and its logprob table lists the stream's."""
+    from service.client import Client, make_request
+
+    fields = dict(
+        max_tokens=5, temperature=0.0, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.25,
+        repetition_penalty=1.3, min_tokens=5, ignore_eos=True, logprobs=2,
+    )  # fmt: skip
+    client = Client(tiny_server.address)
+    try:
+        chunks = list(client.stream(make_request(chat=[("user", "hi")], **fields), timeout_s=60))
+        plain = client.generate(make_request(chat=[("user", "hi")], max_tokens=5, temperature=0.0), timeout_s=60)
+    finally:
+        client.close()
+    ids = [t for c in chunks for t in c.token_ids]
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert len(ids) == 5 and [lp.token_id for lp in logprobs] == ids
+    assert ids != plain.token_ids  # the penalties changed the answer, so the flags are tested by it
+    argv = ["generate", "--address", tiny_server.address, "--max-tokens", "5", "--temperature", "0",
+            "--min-p", "0.05", "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+            "--repetition-penalty", "1.3", "--min-tokens", "5", "--ignore-eos", "--logprobs", "2", "hi"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "".join(c.text for c in chunks) + "\n"
+    table = err.splitlines()[2:]  # after the summary line and the table's header
+    assert len(table) == 5, err
+    for i, (line, lp) in enumerate(zip(table, logprobs, strict=True)):
+        words = line.split()
+        assert words[0] == str(i) and words[1] == str(lp.token_id), line
+        assert f"{lp.logprob:.4f}" in words and len(lp.top) == 2, line
+        assert words[-2:] == [f"{t.token_id}:{t.logprob:.4f}" for t in lp.top], line
+
+
 def test_generate_refused_prints_only_the_error(tiny_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as info:
         main(["generate", "--address", tiny_server.address, "--top-p", "5", "hi"])

@@ -215,8 +215,9 @@ class PagedEngine:
         cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
         self._cache_sh = cache_sh
         log.info(
-            "KV pool: %d pages of %d positions (%d tokens, %.1f MiB per device) in %d data replica(s)",
-            self.num_pages, ps, tokens, self.pool_bytes_per_device / 2**20, d,
+            "KV pool: %d pages of %d positions (%d tokens, %.1f MB per device, as `meshserve layouts` counts) "
+            "in %d data replica(s)",
+            self.num_pages, ps, tokens, self.pool_bytes_per_device / 1e6, d,
         )  # fmt: skip
         self.cache = jax.jit(
             partial(PagedKVCache.zeros, cfg, self.num_pages, ps, self.kv_dtype), out_shardings=cache_sh

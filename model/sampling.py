@@ -239,11 +239,16 @@ def seed_to_key(seed: int) -> np.ndarray:
 
 
 def _filtered_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits [S, V] with tokens outside top-k / top-p set to NEG_INF."""
+    """Temperature-scaled logits [S, V] with tokens outside top-k / top-p set to NEG_INF.
+
+    The ids are ranked by the raw logits, not the scaled ones: dividing by a positive temperature
+    keeps their order, except that a huge one (above about 1e37) rounds the scaled logits to equal
+    zeros, and a ranking of those ties put id 0 first (top_k = 1 at temperature 1e38 answered
+    <|endoftext|> every time). The nucleus is the scaled distribution's, in that order."""
     V = logits.shape[-1]
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
     scaled = logits / temp
-    order = jnp.argsort(-scaled, axis=-1)  # [S, V] token ids, most likely first
+    order = jnp.argsort(-logits, axis=-1)  # [S, V] token ids, most likely first
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(V)[None, :]
     k = jnp.where((sp.top_k <= 0) | (sp.top_k >= V), V, sp.top_k)[:, None]

@@ -71,6 +71,22 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert seen == {0, 1}  # 0.5 < 0.7 needs token 1; 0.8 >= 0.7 stops before token 2
 
 
+def test_a_huge_temperature_still_filters_the_most_likely_ids() -> None:
+    """At temperature 1e38 the scaled logits round to equal zeros; top-k and top-p must still
+    keep the ids the raw logits rank first (ranking the ties gave ids 0, 1, ...: the field's
+    top_k = 1 at 1e38 answered <|endoftext|>, id 0, every time)."""
+    logits = _logits(1, seed=4)
+    ranked = np.argsort(-np.asarray(logits[0]), kind="stable")
+    assert ranked[0] != 0  # else the old ranking of ties would pass by chance
+    greedy = [int(sample_jit(logits, _params([1e38], [1], [1.0], [s]), jnp.array([0]))[0]) for s in range(5)]
+    assert greedy == [int(ranked[0])] * 5
+    top5 = {int(sample_jit(logits, _params([3e38], [5], [1.0], [7]), jnp.array([p]))[0]) for p in range(200)}
+    assert top5 == set(ranked[:5].tolist())  # uniform over the five: each drawn in 200 tries
+    # Uniform mass 1/50 each: the nucleus of 0.45 is the 23 ids ranked first (0.44 < 0.45 <= 0.46).
+    nucleus = {int(sample_jit(logits, _params([1e38], [0], [0.45], [8]), jnp.array([p]))[0]) for p in range(400)}
+    assert nucleus <= set(ranked[:23].tolist()) and len(nucleus) > 10
+
+
 def test_frequencies_follow_the_softmax() -> None:
     probs = np.array([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = jnp.log(jnp.asarray(probs[None] + 1e-12, jnp.float32))

@@ -210,6 +210,27 @@ def test_heads_layout_that_cannot_split_fails_at_startup_with_the_valid_sizes(mo
 
 
 @pytest.mark.slow
+def test_serve_with_heads_at_tp2_exits_at_startup_naming_the_head_counts(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """C17 through the real command and the served default (the paged engine): the process ends
+    with status 1 and the message before it serves anything, not on the first request."""
+    import os
+    import subprocess
+    import sys
+
+    layout = tmp_path / "heads2.yaml"
+    layout.write_text("name: heads2\ndata: 1\nmodel: 2\nattention: heads\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(smollm2_gguf), "--layout", str(layout),
+           "--port", "0", "--metrics-port", "0"]  # fmt: skip
+    r = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "9 query heads and 3 KV heads" in r.stderr and "{1, 3}" in r.stderr, r.stderr[-2000:]
+    assert "SERVING on" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_data_axis_must_divide_slots(model) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = model
     with pytest.raises(LayoutError, match="data axis"):

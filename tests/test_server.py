@@ -226,13 +226,16 @@ def test_c08_odd_prompts_do_not_break_the_server(client: Client) -> None:
         else:
             assert r.finish_reason != "FINISH_REASON_UNSPECIFIED"
             assert r.completion_tokens == len(r.token_ids) <= 16
+        serving = client.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert serving == health_pb2.HealthCheckResponse.SERVING, req
     after = gen(client, prompt="Hello", temperature=0.0, max_tokens=8)
     assert after.token_ids == before.token_ids
     assert after.finish_reason == before.finish_reason
 
 
 def test_c09_overlong_prompt_rejected_while_another_stream_runs(client: Client, tokenizer: Tokenizer) -> None:
-    normal = make_request(prompt="Count to 500.", temperature=0.0, max_tokens=60)
+    # ignore_eos: the model ends this answer after 11 tokens; the stream must still be running.
+    normal = make_request(prompt="Count to 500.", temperature=0.0, max_tokens=60, ignore_eos=True)
     solo = client.generate(normal, timeout_s=TIMEOUT_S)
     first_chunk = threading.Event()
     done_at: list[float] = []
@@ -257,7 +260,8 @@ def test_c09_overlong_prompt_rejected_while_another_stream_runs(client: Client, 
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert str(n) in details and "1024" in details
     assert done_at and rejected_at < done_at[0]  # rejected while the stream was still running
-    assert ids == solo.token_ids
+    assert ids == solo.token_ids and len(ids) == 60
+    assert client.generate(normal, timeout_s=TIMEOUT_S).token_ids == solo.token_ids  # and it serves on
 
 
 @pytest.mark.parametrize(

@@ -95,10 +95,16 @@ class AdminService(apb_grpc.AdminServicer):
         await self._authorize(context)
         resp = apb.ListLayoutsResponse()
         for name in preset_names():
+            layout = load_layout(name)
             try:
-                resp.presets.append(layout_info(self.service, load_layout(name)))
-            except LayoutError as exc:
-                log.debug("preset %s does not fit this model: %s", name, exc)
+                resp.presets.append(layout_info(self.service, layout))
+            except LayoutError as exc:  # listed all the same, saying why, as `meshserve layouts` does
+                resp.presets.append(
+                    apb.LayoutInfo(
+                        name=layout.name, data=layout.data, model=layout.model, description=layout.description,
+                        unusable=str(exc),
+                    )
+                )  # fmt: skip
         for pool in self.service.pools:
             resp.pools.append(
                 apb.PoolInfo(

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: a FastAPI app served by uvicorn in the gRPC server's event loop,
 on the same engine pools (``GenerationService.open``).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
 server-sent events ending with ``data: [DONE]``, or one JSON body), ``GET /health`` (200 while
 health is SERVING, else 503) and ``GET /metrics`` (the server's Prometheus registry, as on
 ``--metrics-port``). Request bodies are ``service.openai_api``'s pydantic models.
@@ -292,24 +292,34 @@ def create_app(service: GenerationService) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_object(name: str, pool: Pool) -> dict[str, Any]:
+        assert service.info is not None
+        return {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "meshserve",
+            "root": service.info.name,
+            "max_model_len": service.max_request_tokens,
+            "pool": pool.name,
+            "layout": pool.layout.name,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         if service.info is None:
             raise OpenAIError(503, "the model is still loading")
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": started,
-                "owned_by": "meshserve",
-                "root": service.info.name,
-                "max_model_len": service.max_request_tokens,
-                "pool": pool.name,
-                "layout": pool.layout.name,
-            }
-            for name, pool in model_ids(service)
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_object(name, pool) for name, pool in model_ids(service)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's "retrieve model": the object ``/v1/models`` lists for the pool that ``model``
+        selects in a request (its id, or a pool or layout name); 404 ``model_not_found`` else."""
+        try:
+            pool = find_model(service, model)
+        except Refused as exc:
+            raise OpenAIError(HTTP_STATUS[exc.code], exc.message) from None
+        return next(model_object(name, p) for name, p in model_ids(service) if p is pool)
 
     async def admit(
         request: Request, model: str | None, prepare: Callable[[Tokenizer], ValidatedRequest]

@@ -319,7 +319,8 @@ class _Choice:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.started = False  # a streamed chat choice's first delta carries the role
-        self.offset = 0  # completions' text_offset of the next token
+        self.offsets: list[int] = []  # completions' text_offset of each token in logprobs (non-streamed)
+        self.chars = 0  # characters of text so far: the text_offset of the next chunk's tokens
 
 
 class Responses:
@@ -328,8 +329,10 @@ class Responses:
     ``add`` collects chunks for a non-streamed answer (``completion``); ``event`` turns one chunk
     into a streamed chunk body. Logprobs are in OpenAI's shapes: chat
     ``logprobs.content[].{token, logprob, bytes, top_logprobs}``, completions
-    ``logprobs.{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets count characters of
-    the token strings from the start of the completion).
+    ``logprobs.{tokens, token_logprobs, top_logprobs, text_offset}`` (``top_logprobs`` holds the
+    sampled token too, as OpenAI's do: up to logprobs + 1 entries; a token's offset is the
+    characters of the completion's text before its chunk, so it indexes the returned text; a
+    token that ends inside a character has the offset where that character starts).
 
     Args:
         chat: chat completions (else text completions).
@@ -375,29 +378,34 @@ class Responses:
             content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top})
         return {"content": content}
 
-    def _completion_logprobs(self, choice: _Choice, records: Sequence[TokenLogprob]) -> dict[str, Any]:
-        tokens, values, tops, offsets = [], [], [], []
+    def _completion_logprobs(self, records: Sequence[TokenLogprob], offsets: Sequence[int]) -> dict[str, Any]:
+        tokens, values, tops = [], [], []
         for lp in records:
             text, _ = token_text(self.tokenizer, lp.token_id)
             tokens.append(text)
             values.append(lp.logprob)
-            tops.append({token_text(self.tokenizer, t)[0]: v for t, v in lp.top})
-            offsets.append(choice.offset)
-            choice.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+            top = {token_text(self.tokenizer, t)[0]: v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)  # "always the logprob of the sampled token" (OpenAI)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
-    def _record(self, index: int, chunk: Chunk) -> _Choice:
+    def _record(self, index: int, chunk: Chunk) -> tuple[_Choice, list[int]]:
+        """Sequence ``index``'s state with ``chunk`` counted in, and the text offsets of the
+        chunk's tokens (each at the characters of text before the chunk)."""
         choice = self.choices[index]
         if chunk.finish_reason is not None:
             choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
             choice.completion_tokens = chunk.completion_tokens
-        return choice
+        offsets = [choice.chars] * len(chunk.logprobs)
+        choice.chars += len(chunk.text)
+        return choice, offsets
 
     def add(self, index: int, chunk: Chunk) -> None:
         """Collect one chunk of sequence ``index`` for :meth:`completion`."""
-        choice = self._record(index, chunk)
+        choice, offsets = self._record(index, chunk)
         choice.text.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs)
+        choice.offsets.extend(offsets)
 
     @property
     def completion_tokens(self) -> int:
@@ -422,7 +430,7 @@ class Responses:
                     }
                 )
             else:
-                lps = self._completion_logprobs(c, c.logprobs) if self.want_logprobs else None
+                lps = self._completion_logprobs(c.logprobs, c.offsets) if self.want_logprobs else None
                 choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
@@ -435,7 +443,7 @@ class Responses:
         (possibly empty: one event per generated token), its logprobs, and on its last chunk its
         finish_reason. With ``include_usage`` every chunk has ``"usage": null``, as OpenAI sends
         them before the final usage chunk (:meth:`usage_event`)."""
-        choice = self._record(index, chunk)
+        choice, offsets = self._record(index, chunk)
         body: dict[str, Any]
         if self.chat:
             delta: dict[str, Any] = {"content": chunk.text}
@@ -448,7 +456,7 @@ class Responses:
                 "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": choice.finish_reason}],
             }
         else:
-            lps = self._completion_logprobs(choice, chunk.logprobs) if self.want_logprobs else None
+            lps = self._completion_logprobs(chunk.logprobs, offsets) if self.want_logprobs else None
             body = {
                 **self._head("text_completion"),
                 "choices": [
@@ -469,7 +477,7 @@ class Responses:
         if self._event_prefix is None:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             self._event_prefix = "data: " + json_compact(self._head(obj))[:-1] + ',"choices":[{"index":'
-        choice = self._record(index, chunk)
+        choice, _ = self._record(index, chunk)
         finish = "null" if choice.finish_reason is None else f'"{choice.finish_reason}"'
         text = json_compact(chunk.text)
         if self.chat:

@@ -545,11 +545,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         loaded = "restore" if kind == "checkpoint" else "load"
         log.info(
             "model %s (%s) ready in %.1f s: %s %.1f s, place+KV %.1f s, compile %.1f s, warm-up %.1f s; "
-            "pools: %s; %d slots x %d tokens each; %s layers; %s weights, %s KV cache",
+            "pools: %s; %d slots, requests up to %d tokens; %s layers; %s weights, %s KV cache",
             path.name, kind, time.perf_counter() - t0, loaded, t_load - c_load, max(t_place - c_place, 0.0),
             clock.seconds(), max(t_warm - c_warm, 0.0),
             ", ".join(f"{p.name}={p.layout.name} on devices {p.device_ids}" for p in self.pools),
-            ecfg.num_slots, ecfg.max_seq_len, engines[0].ecfg.layers, describe_weights(weights, formats, ecfg.dtype),
+            ecfg.num_slots, self.max_request_tokens, engines[0].ecfg.layers,
+            describe_weights(weights, formats, ecfg.dtype),
             engines[0].ecfg.kv_dtype,
         )  # fmt: skip
         self.startup_seconds = {

@@ -321,7 +321,9 @@ def validate_params(
             )
     logprobs = p.logprobs
     if logprobs is not None and not 0 <= logprobs <= TOP_LOGPROBS:
-        raise InvalidRequest(f"{p.name('logprobs')}: at most {TOP_LOGPROBS} alternatives, got {logprobs}")
+        raise InvalidRequest(
+            f"{p.name('logprobs')}: alternatives per token must be in [0, {TOP_LOGPROBS}], got {logprobs}"
+        )
     most = MAX_N if max_queue is None else min(MAX_N, max_queue)
     count = p.n if p.n is not None else 1
     if not 1 <= count <= most:

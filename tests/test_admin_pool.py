@@ -68,7 +68,7 @@ def test_a_switch_that_would_split_the_pool_below_the_request_limit_is_refused(s
 def test_a_switch_that_would_not_fit_in_memory_is_refused(small_pool, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     srv, admin = small_pool
     predicted = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
-    one = next(p for p in predicted.presets if p.data == 1 and p.model == 1)
+    one = next(p for p in predicted.presets if p.data == 1 and p.model == 1 and not p.unusable)
     need = one.weight_bytes_per_device + one.kv_cache_bytes_per_device
     monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: need - 1)  # one CPU device's need, less a byte
     with pytest.raises(grpc.RpcError) as err:
@@ -99,7 +99,7 @@ def test_the_memory_a_switch_needs_counts_the_packed_copy_of_one_cpu_device(
         assert packed == 0
     assert engine.packed_bytes_on(list(engine.mesh.devices.flat)) == 0  # 2 devices: nothing packed
     predicted = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
-    one_layout = next(p for p in predicted.presets if p.data == 1 and p.model == 1)
+    one_layout = next(p for p in predicted.presets if p.data == 1 and p.model == 1 and not p.unusable)
     need = one_layout.weight_bytes_per_device + one_layout.kv_cache_bytes_per_device + packed
     monkeypatch.setattr(kv_pool, "host_available_bytes", lambda: need - 1)
     with pytest.raises(grpc.RpcError) as err:

@@ -119,6 +119,12 @@ def test_models_lists_the_default_pool_under_the_model_name(tiny_server, client:
     assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 128
     status, body = get(tiny_server.running.http_port, "/v1/models")
     assert status == 200 and json.loads(body)["object"] == "list"
+    # OpenAI's "retrieve model", by id or by the pool's or layout's name; an unknown one is 404.
+    assert client.models.retrieve("tiny") == models[0]
+    assert client.models.retrieve("default") == client.models.retrieve("single") == models[0]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert err.value.code == "model_not_found" and "models: tiny" in err.value.message
 
 
 def test_health_and_metrics_on_the_http_port(tiny_server) -> None:  # type: ignore[no-untyped-def]
@@ -173,10 +179,12 @@ def test_completions_match_grpc_with_token_id_prompts_and_logprobs(
 ) -> None:
     prompt = [5, 17, 42, 99]
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
-    ids, records = [], []
+    ids, records, offsets, chars = [], [], [], 0
     for resp in grpc_client.stream(make_request(token_ids=prompt, max_tokens=5, temperature=0.0, logprobs=3), 60):
         ids.extend(resp.token_ids)
         records.extend(resp.logprobs)
+        offsets += [chars] * len(resp.logprobs)  # each token at the text before its chunk
+        chars += len(resp.text)
     choice = r.choices[0]
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert choice.text == tiny_tokenizer.decode(ids)
@@ -188,10 +196,29 @@ def test_completions_match_grpc_with_token_id_prompts_and_logprobs(
     assert lp.token_logprobs == [rec.logprob for rec in records]  # float32 values, exactly
     for top, rec in zip(lp.top_logprobs, records, strict=True):
         assert list(top.values()) == [t.logprob for t in rec.top][: len(top)] and 1 <= len(top) <= 3
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(ids))]
+    assert lp.text_offset == offsets  # indexes into choice.text
     # A one-element list of token-id lists is the same prompt.
     again = client.completions.create(model="tiny", prompt=[prompt], max_tokens=5, temperature=0)
     assert again.choices[0].text == choice.text
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_and_offsets_index_the_text(client: openai.OpenAI) -> None:
+    """As OpenAI's: "the API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements"; a draw at temperature 100 picks ids outside the tiny model's top one."""
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=12, temperature=100.0, seed=5, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.top_logprobs and lp.token_logprobs and lp.text_offset is not None
+    outside = 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+        outside += len(top) == 2
+    assert outside > 0, (lp.tokens, lp.top_logprobs)  # some draws were not the most likely id
+    zero = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=0)
+    zlp = zero.choices[0].logprobs
+    assert zlp is not None and zlp.tokens and zlp.token_logprobs and zlp.top_logprobs
+    assert zlp.top_logprobs == [{t: v} for t, v in zip(zlp.tokens, zlp.token_logprobs, strict=True)]
+    text, offsets = r.choices[0].text, lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and all(o <= len(text) for o in offsets)
 
 
 def test_the_prefix_cache_opt_out_over_http_and_grpc(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]

@@ -67,8 +67,14 @@ def test_admin_needs_the_token(clients) -> None:  # type: ignore[no-untyped-def]
 def test_list_and_get_layouts(clients, pool_server) -> None:  # type: ignore[no-untyped-def]
     _, admin = clients
     listed = admin.ListLayouts(apb.ListLayoutsRequest(), metadata=AUTH)
-    # Presets that fit this model and 4 slots ("throughput" is data 8: 8 does not divide 4 slots).
-    assert {p.name for p in listed.presets} == {"latency", "hybrid", "tp3", "single"}
+    # Every preset; those that cannot serve this model with 4 slots say why ("throughput" is
+    # data 8: 8 does not divide 4 slots) and predict no bytes.
+    presets = {p.name: p for p in listed.presets}
+    assert set(presets) == {"latency", "hybrid", "tp3", "single", "throughput"}
+    assert [n for n, p in presets.items() if p.unusable] == ["throughput"]
+    assert "must divide the number of slots (4)" in presets["throughput"].unusable
+    assert presets["throughput"].weight_bytes_per_device == presets["throughput"].kv_cache_bytes_per_device == 0
+    assert all(p.weight_bytes_per_device > 0 for n, p in presets.items() if n != "throughput")
     pools = {p.name: p for p in listed.pools}
     assert list(pools["fast"].device_ids) == [0, 1, 2, 3] and pools["fast"].is_default
     assert list(pools["bulk"].device_ids) == [4, 5, 6, 7]

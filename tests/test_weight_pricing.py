@@ -125,6 +125,8 @@ def test_admin_reports_the_stored_bytes(files: dict[str, Path]) -> None:
         _, state = llama_from_params(model_cfg, load_gguf_params(path, model_cfg, stored=True))
         assert {p.name for p in resp.presets} >= {"single", "latency", "hybrid"}
         for preset in resp.presets:
+            if preset.unusable:  # e.g. "throughput": data 8 does not divide 2 slots
+                continue
             layout = load_layout(preset.name)
             plan = make_plan(layout, model_cfg)
             assert measured(state, model_cfg, layout) == {preset.weight_bytes_per_device}, preset.name

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/meshserve/v1/admin.proto\x12\x0cmeshserve.v1\"\xe4\x01\n\nLayoutInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\r\x12\x11\n\tattention\x18\x04 \x01(\t\x12\x1f\n\x17weight_bytes_per_device\x18\x05 \x01(\x04\x12!\n\x19kv_cache_bytes_per_device\x18\x06 \x01(\x04\x12\x1d\n\x15\x61ll_reduces_per_layer\x18\x07 \x01(\r\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x12\n\ndevice_ids\x18\t \x03(\x05\x12\x13\n\x0b\x64\x65scription\x18\n \x01(\t\"\x14\n\x12ListLayoutsRequest\"j\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.LayoutInfo\x12\x12\n\ndevice_ids\x18\x03 \x03(\x05\x12\x12\n\nis_default\x18\x04 \x01(\x08\"g\n\x13ListLayoutsResponse\x12)\n\x07presets\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.LayoutInfo\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.meshserve.v1.PoolInfo\" \n\x10GetLayoutRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"0\n\x10SetLayoutRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t2\xe9\x01\n\x05\x41\x64min\x12R\n\x0bListLayouts\x12 .meshserve.v1.ListLayoutsRequest\x1a!.meshserve.v1.ListLayoutsResponse\x12\x45\n\tGetLayout\x12\x1e.meshserve.v1.GetLayoutRequest\x1a\x18.meshserve.v1.LayoutInfo\x12\x45\n\tSetLayout\x12\x1e.meshserve.v1.SetLayoutRequest\x1a\x18.meshserve.v1.LayoutInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/meshserve/v1/admin.proto\x12\x0cmeshserve.v1\"\xf6\x01\n\nLayoutInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\r\x12\x11\n\tattention\x18\x04 \x01(\t\x12\x1f\n\x17weight_bytes_per_device\x18\x05 \x01(\x04\x12!\n\x19kv_cache_bytes_per_device\x18\x06 \x01(\x04\x12\x1d\n\x15\x61ll_reduces_per_layer\x18\x07 \x01(\r\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x12\n\ndevice_ids\x18\t \x03(\x05\x12\x13\n\x0b\x64\x65scription\x18\n \x01(\t\x12\x10\n\x08unusable\x18\x0b \x01(\t\"\x14\n\x12ListLayoutsRequest\"j\n\x08PoolInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06layout\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.LayoutInfo\x12\x12\n\ndevice_ids\x18\x03 \x03(\x05\x12\x12\n\nis_default\x18\x04 \x01(\x08\"g\n\x13ListLayoutsResponse\x12)\n\x07presets\x18\x01 \x03(\x0b\x32\x18.meshserve.v1.LayoutInfo\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.meshserve.v1.PoolInfo\" \n\x10GetLayoutRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"0\n\x10SetLayoutRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t2\xe9\x01\n\x05\x41\x64min\x12R\n\x0bListLayouts\x12 .meshserve.v1.ListLayoutsRequest\x1a!.meshserve.v1.ListLayoutsResponse\x12\x45\n\tGetLayout\x12\x1e.meshserve.v1.GetLayoutRequest\x1a\x18.meshserve.v1.LayoutInfo\x12\x45\n\tSetLayout\x12\x1e.meshserve.v1.SetLayoutRequest\x1a\x18.meshserve.v1.LayoutInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.meshserve.v1.admin_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LAYOUTINFO']._serialized_start=50
-  _globals['_LAYOUTINFO']._serialized_end=278
-  _globals['_LISTLAYOUTSREQUEST']._serialized_start=280
-  _globals['_LISTLAYOUTSREQUEST']._serialized_end=300
-  _globals['_POOLINFO']._serialized_start=302
-  _globals['_POOLINFO']._serialized_end=408
-  _globals['_LISTLAYOUTSRESPONSE']._serialized_start=410
-  _globals['_LISTLAYOUTSRESPONSE']._serialized_end=513
-  _globals['_GETLAYOUTREQUEST']._serialized_start=515
-  _globals['_GETLAYOUTREQUEST']._serialized_end=547
-  _globals['_SETLAYOUTREQUEST']._serialized_start=549
-  _globals['_SETLAYOUTREQUEST']._serialized_end=597
-  _globals['_ADMIN']._serialized_start=600
-  _globals['_ADMIN']._serialized_end=833
+  _globals['_LAYOUTINFO']._serialized_end=296
+  _globals['_LISTLAYOUTSREQUEST']._serialized_start=298
+  _globals['_LISTLAYOUTSREQUEST']._serialized_end=318
+  _globals['_POOLINFO']._serialized_start=320
+  _globals['_POOLINFO']._serialized_end=426
+  _globals['_LISTLAYOUTSRESPONSE']._serialized_start=428
+  _globals['_LISTLAYOUTSRESPONSE']._serialized_end=531
+  _globals['_GETLAYOUTREQUEST']._serialized_start=533
+  _globals['_GETLAYOUTREQUEST']._serialized_end=565
+  _globals['_SETLAYOUTREQUEST']._serialized_start=567
+  _globals['_SETLAYOUTREQUEST']._serialized_end=615
+  _globals['_ADMIN']._serialized_start=618
+  _globals['_ADMIN']._serialized_end=851
 # @@protoc_insertion_point(module_scope)

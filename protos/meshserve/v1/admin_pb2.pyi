@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LayoutInfo(_message.Message):
-    __slots__ = ("name", "data", "model", "attention", "weight_bytes_per_device", "kv_cache_bytes_per_device", "all_reduces_per_layer", "pool", "device_ids", "description")
+    __slots__ = ("name", "data", "model", "attention", "weight_bytes_per_device", "kv_cache_bytes_per_device", "all_reduces_per_layer", "pool", "device_ids", "description", "unusable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class LayoutInfo(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    UNUSABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     data: int
     model: int
@@ -28,7 +29,8 @@ class LayoutInfo(_message.Message):
     pool: str
     device_ids: _containers.RepeatedScalarFieldContainer[int]
     description: str
-    def __init__(self, name: _Optional[str] = ..., data: _Optional[int] = ..., model: _Optional[int] = ..., attention: _Optional[str] = ..., weight_bytes_per_device: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., all_reduces_per_layer: _Optional[int] = ..., pool: _Optional[str] = ..., device_ids: _Optional[_Iterable[int]] = ..., description: _Optional[str] = ...) -> None: ...
+    unusable: str
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[int] = ..., model: _Optional[int] = ..., attention: _Optional[str] = ..., weight_bytes_per_device: _Optional[int] = ..., kv_cache_bytes_per_device: _Optional[int] = ..., all_reduces_per_layer: _Optional[int] = ..., pool: _Optional[str] = ..., device_ids: _Optional[_Iterable[int]] = ..., description: _Optional[str] = ..., unusable: _Optional[str] = ...) -> None: ...
 
 class ListLayoutsRequest(_message.Message):
     __slots__ = ()

@@ -63,6 +63,9 @@ def int_in(lo: int, hi: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+uint32 = int_in(0, 2**32 - 1, "uint32")  # a request's uint32 field (min_tokens, logprobs)
+
+
 def seed_value(text: str) -> int:
     """A sampling seed: any 64-bit integer, signed or not; a negative one is taken modulo 2**64,
     as the HTTP API takes it (the gRPC field is uint64).

@@ -21,6 +21,7 @@ from service.arg_types import (
     positive_float,
     positive_int,
     seed_value,
+    uint32,
 )
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -536,14 +537,14 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--min-tokens",
-        type=int_in(0, 2**32 - 1, "uint32"),
+        type=uint32,
         default=None,
         help="EOS and stop strings do not end the answer before this many tokens (default 0)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS, up to --max-tokens")
     p.add_argument(
         "--logprobs",
-        type=int_in(0, 2**32 - 1, "uint32"),
+        type=uint32,
         default=None,
         metavar="N",
         help="after the answer, print each token's log-probability and its N most likely alternatives "

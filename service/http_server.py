@@ -4,7 +4,8 @@ on the same engine pools (``GenerationService.open``).
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (streamed as server-sent events ending with ``data: [DONE]``, or one
 JSON body), ``GET /health`` (200 while health is SERVING, else 503) and ``GET /metrics`` (the
-server's Prometheus registry, as on ``--metrics-port``). Request bodies are ``service.openai_api``'s pydantic models.
+server's Prometheus registry, as on ``--metrics-port``). Request bodies are
+``service.openai_api``'s pydantic models.
 
 Errors are OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``:
 

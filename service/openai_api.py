@@ -320,7 +320,7 @@ class _Choice:
         self.completion_tokens = 0
         self.started = False  # a streamed chat choice's first delta carries the role
         self.offsets: list[int] = []  # completions' text_offset of each token in logprobs (non-streamed)
-        self.chars = 0  # characters of text so far: the text_offset of the next chunk's tokens
+        self.chars = 0  # characters of text so far (completions logprobs only): the next chunk's offset
 
 
 class Responses:
@@ -389,23 +389,29 @@ class Responses:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
-    def _record(self, index: int, chunk: Chunk) -> tuple[_Choice, list[int]]:
-        """Sequence ``index``'s state with ``chunk`` counted in, and the text offsets of the
-        chunk's tokens (each at the characters of text before the chunk)."""
+    def _record(self, index: int, chunk: Chunk) -> _Choice:
         choice = self.choices[index]
         if chunk.finish_reason is not None:
             choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
             choice.completion_tokens = chunk.completion_tokens
+        return choice
+
+    @staticmethod
+    def _offsets(choice: _Choice, chunk: Chunk) -> list[int]:
+        """The completions ``text_offset`` of ``chunk``'s tokens (each at the characters of text
+        before the chunk), counting the chunk's text in. Called for every chunk of a choice whose
+        request asked for completions logprobs, and only then."""
         offsets = [choice.chars] * len(chunk.logprobs)
         choice.chars += len(chunk.text)
-        return choice, offsets
+        return offsets
 
     def add(self, index: int, chunk: Chunk) -> None:
         """Collect one chunk of sequence ``index`` for :meth:`completion`."""
-        choice, offsets = self._record(index, chunk)
+        choice = self._record(index, chunk)
         choice.text.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs)
-        choice.offsets.extend(offsets)
+        if self.want_logprobs and not self.chat:
+            choice.offsets.extend(self._offsets(choice, chunk))
 
     @property
     def completion_tokens(self) -> int:
@@ -443,7 +449,7 @@ class Responses:
         (possibly empty: one event per generated token), its logprobs, and on its last chunk its
         finish_reason. With ``include_usage`` every chunk has ``"usage": null``, as OpenAI sends
         them before the final usage chunk (:meth:`usage_event`)."""
-        choice, offsets = self._record(index, chunk)
+        choice = self._record(index, chunk)
         body: dict[str, Any]
         if self.chat:
             delta: dict[str, Any] = {"content": chunk.text}
@@ -456,7 +462,9 @@ class Responses:
                 "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": choice.finish_reason}],
             }
         else:
-            lps = self._completion_logprobs(chunk.logprobs, offsets) if self.want_logprobs else None
+            lps = (
+                self._completion_logprobs(chunk.logprobs, self._offsets(choice, chunk)) if self.want_logprobs else None
+            )
             body = {
                 **self._head("text_completion"),
                 "choices": [
@@ -477,7 +485,7 @@ class Responses:
         if self._event_prefix is None:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             self._event_prefix = "data: " + json_compact(self._head(obj))[:-1] + ',"choices":[{"index":'
-        choice, _ = self._record(index, chunk)
+        choice = self._record(index, chunk)
         finish = "null" if choice.finish_reason is None else f'"{choice.finish_reason}"'
         text = json_compact(chunk.text)
         if self.chat:

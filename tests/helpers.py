@@ -1,18 +1,21 @@
 """Helpers shared by the test modules (``tests/`` is on ``sys.path`` under pytest):
 ``from helpers import free_port, held_port, status_of, full_queue, scrape, value, wait_for, cpu_flags,
-penalized``."""
+penalized, get, post``."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -98,6 +101,29 @@ def full_queue(loop, client) -> Iterator[None]:  # type: ignore[no-untyped-def]
             assert [f.result() for f in rest] == [(grpc.StatusCode.OK, "")] * waiting
     finally:
         loop.step_hook = None
+
+
+def post(port: int, path: str, body: Any, timeout_s: float = 120.0) -> tuple[int, str]:
+    """POST ``body`` (JSON, or bytes as they are) to 127.0.0.1:``port`` with urllib; (status,
+    response text), an HTTP error status included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    """GET ``path`` on 127.0.0.1:``port``; (status, response text), an HTTP error status included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 def scrape(port: int) -> Samples:

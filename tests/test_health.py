@@ -8,19 +8,16 @@ arms its fault."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import free_port, scrape, value
+from helpers import free_port, get, post, scrape, value
 
 from service.client import Client, make_request
 from service.engine import EngineConfig
@@ -230,26 +227,13 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
         srv.stop()
 
 
-def http_status(port: int, path: str, body: dict | None = None) -> tuple[int, str]:
-    """GET ``path`` (or POST ``body`` as JSON) on 127.0.0.1:``port``: (status, response text)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(tiny_gguf: Path, release: threading.Event) -> None:
     metrics_port, http_port = free_port(), free_port()
     srv = ServerThread(small_config(tiny_gguf, metrics_port=metrics_port, http_port=http_port)).start()
     client = Client(srv.address)
     try:
         assert srv.running.metrics_port == metrics_port
-        assert http_status(http_port, "/health") == (200, '{"status":"SERVING"}')
+        assert get(http_port, "/health") == (200, '{"status":"SERVING"}')
         loop = srv.running.service.loop
         scheduler = loop.scheduler
         armed = threading.Event()
@@ -300,9 +284,9 @@ def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(tiny_gguf: 
         assert code == grpc.StatusCode.UNAVAILABLE and took < 1.0, (code, details, took)
         assert "stalled" in details
         # The HTTP API says the same: /health 503, a completion 503 at once (not a hang).
-        assert http_status(http_port, "/health") == (503, '{"status":"NOT_SERVING"}')
+        assert get(http_port, "/health") == (503, '{"status":"NOT_SERVING"}')
         t0 = time.monotonic()
-        status, text = http_status(http_port, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        status, text = post(http_port, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}, timeout_s=10)
         assert status == 503 and "stalled" in text and time.monotonic() - t0 < 1.0, (status, text)
         samples = scrape(metrics_port)
         assert samples[("meshserve_serving", frozenset())] == 0
@@ -317,7 +301,7 @@ def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(tiny_gguf: 
         assert scheduler.active_slots == 0 and scheduler.queue_depth == 0
         code, details, _ = unary_status(client, timeout_s=60)
         assert code == grpc.StatusCode.OK, (code, details)
-        assert http_status(http_port, "/health") == (200, '{"status":"SERVING"}')
+        assert get(http_port, "/health") == (200, '{"status":"SERVING"}')
     finally:
         release.set()
         client.close()

@@ -27,7 +27,7 @@ from typing import Any
 import openai
 import pytest
 from fastapi.sse import format_sse_event
-from helpers import free_port, full_queue, held_port, scrape, value, wait_for
+from helpers import free_port, full_queue, get, held_port, post, scrape, value, wait_for
 
 from model.sampling import sequence_seed
 from model.tokenizer import Tokenizer
@@ -61,27 +61,6 @@ def api(srv: Any, **kwargs: Any) -> openai.OpenAI:
         timeout=kwargs.pop("timeout", TIMEOUT_S),
         **kwargs,
     )
-
-
-def post(port: int, path: str, body: Any, timeout_s: float = TIMEOUT_S) -> tuple[int, str]:
-    """POST ``body`` (JSON, or bytes as they are) with urllib; (status, response text)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def sse_data(text: str) -> list[str]:

@@ -12,7 +12,7 @@
 * ``benchmarks.multiprocess_channel``: ``python -m benchmarks.multiprocess_channel``, two
   jax.distributed CPU processes: the step plan's channel from process 0, and collectives.
 * ``benchmarks.mirror_cost``: ``python -m benchmarks.mirror_cost``, the per-step cost of
-  ``service.distributed.MirroredEngine`` against a batch-8 SmolLM2-135M decode step.
+  ``service.engine.distributed.MirroredEngine`` against a batch-8 SmolLM2-135M decode step.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

@@ -58,8 +58,8 @@ import grpc
 import numpy as np
 
 from protos.meshserve.v1 import meshserve_pb2 as pb
-from service.arg_types import nonnegative_float, nonnegative_int, positive_float, positive_int
-from service.client import Client, make_request
+from service.server.arg_types import nonnegative_float, nonnegative_int, positive_float, positive_int
+from service.server.client import Client, make_request
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:8000"
@@ -1187,7 +1187,7 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
 
 # ---- ``meshserve bench`` ------------------------------------------------------------------------------
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``meshserve bench`` (``service/cli.py`` makes the subcommand)."""
+    """The flags of ``meshserve bench`` (``service/server/cli.py`` makes the subcommand)."""
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
     p.add_argument(
         "--api",

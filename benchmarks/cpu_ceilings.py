@@ -150,7 +150,7 @@ def build(out_dir: Path, march: str = "native") -> Path:
     Raises:
         RuntimeError: no C++ compiler, or it failed (its message attached).
     """
-    cxx = native_kernels.compiler()
+    cxx = native.compiler()
     src, exe = out_dir / "probe.cc", out_dir / "probe"
     src.write_text(PROBE)
     cmd = [cxx, "-O3", f"-march={march}", "-std=c++17", str(src), "-o", str(exe), "-pthread"]

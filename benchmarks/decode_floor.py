@@ -44,11 +44,11 @@ import jax  # noqa: E402
 
 from benchmarks import cpu_ceilings  # noqa: E402
 from benchmarks.peers import PagedRunner  # noqa: E402
-from model.build import random_block_llama  # noqa: E402
+from model.weights.build import random_block_llama  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.fetch import resolve_model  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.quant_panels import QuantPanels  # noqa: E402
+from model.weights.fetch import resolve_model  # noqa: E402
+from model.weights.loader import load_model  # noqa: E402
+from model.weights.quant_panels import QuantPanels  # noqa: E402
 
 
 def shrunk(cfg: LlamaConfig) -> LlamaConfig:

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import check_writable_file
-from service.arg_types import nonnegative_int, positive_int
+from service.server.arg_types import nonnegative_int, positive_int
 
 DEFAULT_MAX_LENS = (256, 2048, 8192, 32768)
 LAYER_FORMS = ("unrolled", "scan", "paged")  # "paged": service.paged_engine's ragged step
@@ -193,11 +193,11 @@ def measure(
     """
     import jax
 
-    from model.build import random_llama
+    from model.weights.build import random_llama
     from model.sampling import SamplingParams
     from service.engine import Engine, EngineConfig
     from service.paged_engine import PagedEngine
-    from service.request import SamplingOptions
+    from service.engine.request import SamplingOptions
     from sharding.layouts import load_layout
 
     if position >= max_len:
@@ -331,15 +331,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from model import native_kernels
-    from service.kv_pool import host_available_bytes
+    from model import native
+    from service.engine.kv_pool import host_available_bytes
 
     devices = jax.devices()
     free = host_available_bytes()
     print(
         f"{ap.prog}: jax {jax.__version__} on {devices[0].platform} ({devices[0].device_kind}), "
         f"{os.cpu_count()} CPU cores; native kernels: "
-        f"{'built for -march=' + native_kernels.march() + ' (' + native_kernels.isa() + ')' if native_kernels.available() else 'unavailable'}; "
+        f"{'built for -march=' + native.march() + ' (' + native.isa() + ')' if native.available() else 'unavailable'}; "
         f"{args.slots} slots at position {args.position}, {args.calls} timed steps after {args.warmup} + 1"
     )
     for name in args.configs:
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": devices[0].device_kind,
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
-        "native_kernels": native_kernels.available(),
+        "native_kernels": native.available(),
         "args": {k: v for k, v in vars(args).items() if k != "json"},
         "configs": {name: dataclasses.asdict(config(name)) for name in args.configs},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -10,7 +10,7 @@ engine generates ``--tokens`` greedy tokens, and each int8 variant is fed the sa
 |logit - float32's logit| over all positions and the vocabulary, and how many tokens its own
 free-running greedy continuation shares with float32's before the first difference.
 
-* ``int8-block``: the Q8_0 blocks (``model.block_params.quantize_params``) through the engine's
+* ``int8-block``: the Q8_0 blocks (``model.weights.block_params.quantize_params``) through the engine's
   own path (the native kernel where built);
 * ``int8-channel``: symmetric int8 with one float32 scale per output (max |w| / 127 over all K
   inputs), its dequantized values through the float32 path (a reference for the choice, not a
@@ -35,12 +35,12 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from model import block_params  # noqa: E402
-from model.build import llama_from_params  # noqa: E402
-from model.checkpoint import expected_shapes  # noqa: E402
+from model.weights.build import llama_from_params  # noqa: E402
+from model.weights.checkpoint import expected_shapes  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.fetch import default_model_path  # noqa: E402
-from model.gguf_weights import load_gguf_params  # noqa: E402
-from service.request import SamplingOptions  # noqa: E402
+from model.weights.fetch import default_model_path  # noqa: E402
+from model.weights.gguf_weights import load_gguf_params  # noqa: E402
+from service.engine.request import SamplingOptions  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "golden_logits.npz"
 MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")

@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks import check_writable_file, scrape_counters
 from benchmarks.server_process import free_port, start_server, stop_server
-from service.arg_types import positive_int
+from service.server.arg_types import positive_int
 
 
 def preemptions_total(metrics_address: str) -> float:
@@ -49,7 +49,7 @@ def run_workload(address: str, prompts: list[list[int]], max_tokens: int, timeou
     import grpc
 
     from protos.meshserve.v1 import meshserve_pb2 as pb
-    from service.client import Client, make_request
+    from service.server.client import Client, make_request
 
     client = Client(address)
     results: list[dict[str, Any]] = [{} for _ in prompts]
@@ -83,7 +83,7 @@ def run_workload(address: str, prompts: list[list[int]], max_tokens: int, timeou
 def model_info(address: str) -> Any:
     """The default pool's ``GetModelInfo``."""
     from protos.meshserve.v1 import meshserve_pb2 as pb
-    from service.client import Client
+    from service.server.client import Client
 
     client = Client(address)
     try:
@@ -94,9 +94,9 @@ def model_info(address: str) -> Any:
 
 def kv_bytes_per_token(info: Any, serve_args: list[str]) -> int:
     """Bytes of K and V per cached position over all layers and KV heads
-    (``service.kv_pool.bytes_per_token``) in the cache's dtype: ``--kv-dtype`` among
+    (``service.engine.kv_pool.bytes_per_token``) in the cache's dtype: ``--kv-dtype`` among
     ``serve_args``, else the weights' ``dtype`` ("auto")."""
-    from service.kv_pool import bytes_per_token
+    from service.engine.kv_pool import bytes_per_token
 
     kv_dtype = info.dtype
     for flag, value in itertools.pairwise(serve_args):

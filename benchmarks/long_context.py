@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks import check_writable_file
 from benchmarks.server_process import launch_server, stop_server, wait_serving
-from service.arg_types import positive_int
+from service.server.arg_types import positive_int
 
 TARGET_RATIO = 1.1
 

@@ -1,5 +1,5 @@
 """The per-step cost of keeping the processes of a jax.distributed job in step
-(``service.distributed``'s ``MirroredEngine`` and ``StepChannel``) against a batch-8 decode step
+(``service.engine.distributed``'s ``MirroredEngine`` and ``StepChannel``) against a batch-8 decode step
 of SmolLM2-135M: the issue "Past one machine"'s target, <= 1 ms a step and <= 5 % of that step.
 
     python -m benchmarks.mirror_cost                     # 200 messages after 20 of warm-up
@@ -10,7 +10,7 @@ The parent (no JAX in it) runs three jobs, one after the other, each in its own 
 prints one table from them:
 
 1. ``smollm`` (one process, ``JAX_PLATFORMS=cpu``, one CPU device): SmolLM2-135M (the default
-   GGUF, ``model.fetch.default_model_path``, loaded as the server does: blocks as stored where the
+   GGUF, ``model.weights.fetch.default_model_path``, loaded as the server does: blocks as stored where the
    native quantized matmul is built, else float32) in a ``PagedEngine`` on layout ``single``
    (``EngineConfig``'s defaults: max_seq_len 2048, pages of 16; 8 rows, a pool of 8 x 2048
    tokens). Eight requests of ``PROMPT_LEN`` random ids (greedy, EOS ignored, no prefix cache)
@@ -29,7 +29,7 @@ prints one table from them:
    (``replay``: ``engine.step(batch, prev)``, ``prev`` the previous replayed step's output, each
    waited for with ``block_until_ready``). **tiny 1 process**: the replayed steps' median.
 3. ``mirror`` (two processes, each ``JAX_PLATFORMS=cpu
-   XLA_FLAGS=--xla_force_host_platform_device_count=4``): ``service.distributed.initialize``
+   XLA_FLAGS=--xla_force_host_platform_device_count=4``): ``service.engine.distributed.initialize``
    (gloo, ``jax.distributed.initialize``), ``StepChannel.open`` (the real code path), the tiny
    engine of job 2 on layout ``1x8`` over all 8 devices in both, ``MirroredEngine`` on process 0.
 
@@ -48,7 +48,7 @@ prints one table from them:
      ``--gap-ms`` (the follower back in ``recv``, as it is while process 0 plans a step).
    * **bytes**: the frame (8-byte length + pickle) of a message.
    * **tiny mirrored**: process 0 replays job 2's batches through ``MirroredEngine.step`` while
-     process 1 runs ``service.distributed.follow`` (the real follower), each step timed on
+     process 1 runs ``service.engine.distributed.follow`` (the real follower), each step timed on
      process 0 from the call to ``block_until_ready`` of its output. The program spans both
      processes, so this includes the send, the follower's start and the model-axis collectives
      across the processes (gloo over TCP): the extra synchronisation against **tiny 1 process**
@@ -57,7 +57,7 @@ prints one table from them:
 Ratios: send and deliver medians over the SmolLM2 step's median; PASS where a median is <= 1 ms
 and <= 5 % of the step. set_sampling / set_history messages (sent once per admitted request,
 not per step) are not measured. The compiled programs persist in JAX's compilation cache
-(``model.fetch.cache_dir() / "jax"``, as the server's): a rerun compiles less. A worker that
+(``model.weights.fetch.cache_dir() / "jax"``, as the server's): a rerun compiles less. A worker that
 fails ends the run (the others stopped, its stderr shown, exit 1; 3 where
 ``jax.distributed.initialize`` failed). Results: docs/multiprocess.md, "Per-step cost of the
 mirror".
@@ -98,7 +98,7 @@ from benchmarks.multiprocess_channel import (  # noqa: E402
     stop,
     tail,
 )
-from service.arg_types import nonnegative_int, positive_int  # noqa: E402
+from service.server.arg_types import nonnegative_int, positive_int  # noqa: E402
 
 PROG = "benchmarks.mirror_cost"
 ROWS = 8  # the batch: 8 decoding rows
@@ -136,8 +136,8 @@ def record_decode_steps(engine: Any, prompt_len: int, decode_steps: int, seed: i
         (batch, ns) of every step whose rows all decode (no prefill), in order: ``decode_steps``.
     """
     from service.paged_loop import engine_loop
-    from service.request import Request, SamplingOptions
-    from service.text_stream import TextStream
+    from service.engine.request import Request, SamplingOptions
+    from service.engine.text_stream import TextStream
 
     rows = engine.ecfg.num_slots
     loop: Any = engine_loop(engine, max_queue=rows)
@@ -225,7 +225,7 @@ def batch_shapes(b: Any) -> dict[str, Any]:
 
 
 def tiny_engine(devices: list[Any]) -> Any:
-    from model.build import random_llama
+    from model.weights.build import random_llama
     from model.config import LlamaConfig
     from service.engine import EngineConfig
     from service.paged_engine import PagedEngine
@@ -239,7 +239,7 @@ def tiny_engine(devices: list[Any]) -> Any:
 
 def enable_compilation_cache() -> None:
     """The server's persistent compilation cache (``service.server.enable_compilation_cache``)."""
-    from model.fetch import cache_dir
+    from model.weights.fetch import cache_dir
     from service.server import enable_compilation_cache as enable
 
     enable(cache_dir())
@@ -252,9 +252,9 @@ def enable_compilation_cache() -> None:
 def worker_smollm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import jax
 
-    from model import quant_matmul
-    from model.fetch import default_model_path
-    from model.loader import load_model
+    from model.native import quant_matmul
+    from model.weights.fetch import default_model_path
+    from model.weights.loader import load_model
     from service.engine import EngineConfig
     from service.paged_engine import PagedEngine
     from sharding.layouts import load_layout

@@ -71,7 +71,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/multiprocess_channel.py` from a checkout
 
 from benchmarks import check_writable_file  # noqa: E402
-from service.arg_types import nonnegative_int, positive_int  # noqa: E402
+from service.server.arg_types import nonnegative_int, positive_int  # noqa: E402
 
 PROG = "benchmarks.multiprocess_channel"
 CHANNELS = ("broadcast_one_to_all", "kv_store", "tcp")

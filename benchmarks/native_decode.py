@@ -7,7 +7,7 @@ timed alternately, so all see the same machine state:
 * ``xla``: XLA's attention dots and scatters, XLA's matmuls;
 * ``attention``: the native attention + KV-write kernel (``model.cpu_attention``), XLA's matmuls;
 * ``native``: both native kernels: attention and the panel-packed weight matmuls
-  (``model.cpu_matmul``), at every batch size (``Engine`` takes the matmuls only where
+  (``model.native.cpu_matmul``), at every batch size (``Engine`` takes the matmuls only where
   ``cpu_matmul.faster_than_xla`` says they win on this build);
 * ``bf16x3`` (where the CPU has AMX-BF16): native attention and the AMX bf16x3 matmuls
   (``EngineConfig.matmul="bf16x3"``: float32 weights as two bfloat16 halves).
@@ -42,12 +42,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from model import native_kernels  # noqa: E402
-from model.fetch import default_model_path  # noqa: E402
+from model.weights.fetch import default_model_path  # noqa: E402
 from model.kernels import NATIVE_CPU, XLA  # noqa: E402
 from model.kv_cache import BLOCK_LEN, BlockedKVCache  # noqa: E402
 from model.llama import decode_step, unstack_layers  # noqa: E402
-from model.loader import random_llama, read_model_config  # noqa: E402
-from model.packed_weights import panel_weights  # noqa: E402
+from model.weights.loader import random_llama, read_model_config  # noqa: E402
+from model.weights.packed_weights import panel_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds of 3 steps per variant")
     args = ap.parse_args(argv)
 
-    if not native_kernels.available():
+    if not native.available():
         print("the native kernels could not be built (see the warning above)")
         return 1
     cfg = read_model_config(Path(args.model) if args.model else default_model_path())
@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     params = unstack_layers(params)
     panels = panel_weights(nnx.merge(graphdef, params))
     variants = {"xla": (False, None), "attention": (True, None), "native": (True, panels)}
-    if native_kernels.amx_available():
+    if native.amx_available():
         variants["bf16x3"] = (True, panel_weights(nnx.merge(graphdef, params), format="bf16x3"))
     lo = max(0, args.context - 16)
     window = -(-(args.context + 17) // BLOCK_LEN) * BLOCK_LEN
     print(f"{cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.q_per_kv} query heads x {cfg.head_dim}; "
           f"slots at {lo}-{args.context + 16} tokens, window {window}; jax {jax.__version__} on {jax.devices()[0].platform}; "
-          f"kernels built for -march={native_kernels.march()} ({native_kernels.isa()})")  # fmt: skip
+          f"kernels built for -march={native.march()} ({native.isa()})")  # fmt: skip
 
     def compiled(variant: str, cache: BlockedKVCache, tokens: jax.Array, positions: jax.Array):  # type: ignore[no-untyped-def]
         native, packed = variants[variant]

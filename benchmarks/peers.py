@@ -36,10 +36,10 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too;
 * ``meshserve-stored`` (only when named in ``--peers``): the Engine over the GGUF's Q4_1 and Q8_0
   blocks as stored (``load_model(stored=True)``, ``EngineConfig.weights="stored"``), float32
-  activations multiplied at exactly the dequantized values (``model.quant_matmul``). No MBU: its
+  activations multiplied at exactly the dequantized values (``model.native.quant_matmul``). No MBU: its
   weights are not the fp32 bytes the roofline counts.
 * ``meshserve-int8`` (only when named in ``--peers``): the Engine over the float32 weights (the
-  GGUF's, dequantized) quantized to int8 blocks (Q8_0, ``model.block_params.quantize_params``:
+  GGUF's, dequantized) quantized to int8 blocks (Q8_0, ``model.weights.block_params.quantize_params``:
   what ``serve --weights int8`` holds for a float checkpoint), multiplied like stored blocks.
   Not exact (benchmarks/int8_error.py measures what it changes); no MBU.
 * ``meshserve-paged`` (only when named in ``--peers``): what ``serve`` runs by default, the
@@ -116,7 +116,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/peers.py` from a checkout
 
-from service.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
+from service.server.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
 PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored",
          "meshserve-int8", "meshserve-paged", "meshserve-paged-stored", "meshserve-paged-int8")  # fmt: skip
@@ -173,7 +173,7 @@ def english_text() -> str:
 def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Token ids every engine gets: max(batches) windows of ``prompt_len`` tokens (one text, each
     window shifted, no padding) and one ``ttft_prompt_len`` prompt."""
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     text = Path(args.text).read_text() if args.text else english_text()
     ids = Tokenizer.from_gguf(model).backend.encode(text, add_special_tokens=False).ids
@@ -260,9 +260,9 @@ class MeshserveRunner(Runner):
         import jax
         from flax import nnx
 
-        from model.block_params import quantize_params
-        from model.build import llama_from_params
-        from model.loader import load_model
+        from model.weights.block_params import quantize_params
+        from model.weights.build import llama_from_params
+        from model.weights.loader import load_model
 
         loaded = load_model(model, "float32", stored=stored)
         self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
@@ -280,7 +280,7 @@ class MeshserveRunner(Runner):
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
         from service.engine import Engine, EngineConfig
-        from service.request import SamplingOptions
+        from service.engine.request import SamplingOptions
         from sharding.layouts import Layout
 
         self.engine = None  # free the previous cache first
@@ -352,9 +352,9 @@ class PagedRunner(Runner):
         import jax
         from flax import nnx
 
-        from model.block_params import quantize_params
-        from model.build import llama_from_params
-        from model.loader import load_model
+        from model.weights.block_params import quantize_params
+        from model.weights.build import llama_from_params
+        from model.weights.loader import load_model
 
         loaded = load_model(model, "float32", stored=stored)
         self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
@@ -392,8 +392,8 @@ class PagedRunner(Runner):
                 raise RuntimeError(f"paged engine warm-up failed: {self.loop.error!r}")
 
     def generate(self, rows: list[list[int]], n: int) -> list[int]:
-        from service.request import Request, SamplingOptions
-        from service.text_stream import TextStream
+        from service.engine.request import Request, SamplingOptions
+        from service.engine.text_stream import TextStream
 
         ids: list[list[int]] = [[] for _ in rows]
         done = [threading.Event() for _ in rows]
@@ -1045,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args.worker, args.workload)
     from model.config import LlamaConfig
-    from model.fetch import FetchError, resolve_model
+    from model.weights.fetch import FetchError, resolve_model
 
     try:
         model = resolve_model(args.model)

@@ -5,12 +5,12 @@ gate/up, 1536 x 576 down, 576 x 49152 LM head), for each batch size M and each f
 Q8_0 by default; random codes and scales: values do not change speed), these are jitted with the
 weights as arguments and timed alternately, so all see the same machine state:
 
-* ``kernel``: ``model.quant_matmul.matmul`` on the ``QuantPanels`` (its own choice of path);
+* ``kernel``: ``model.native.quant_matmul.matmul`` on the ``QuantPanels`` (its own choice of path);
 * ``direct`` / ``dequant`` (with ``--paths``): the kernel forced onto one of its two paths;
 * ``xla_q``: ``quant_panels.xla_matmul``, XLA's dequantization then its float32 dot (the path
   the engine would take without the kernel);
 * ``xla_f32``: XLA's float32 dot on the weights dequantized beforehand (float32 weights held);
-* ``panels``: ``model.cpu_matmul.matmul`` on the dequantized weights packed as float32 panels.
+* ``panels``: ``model.native.cpu_matmul.matmul`` on the dequantized weights packed as float32 panels.
 
 It prints the kernel's median time per call (ms), each other variant's median over the
 kernel's (above 1: the kernel is faster), and the weight bytes the kernel streams per second
@@ -42,7 +42,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from model import cpu_matmul, native_kernels, quant_matmul, quant_panels  # noqa: E402
+from model import native  # noqa: E402
+from model.native import cpu_matmul, quant_matmul  # noqa: E402
+from model.weights import quant_panels  # noqa: E402
 
 SHAPES = {  # SmolLM2-135M: name -> (K, N)
     "qkv": (576, 960),
@@ -93,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
 
-    if not native_kernels.available():
+    if not native.available():
         print("the native kernels could not be built (see the warning above)")
         return 1
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; kernels built for "
-          f"-march={native_kernels.march()} ({native_kernels.isa()}); median of {args.rounds} rounds; "
+          f"-march={native.march()} ({native.isa()}); median of {args.rounds} rounds; "
           f"ratios: variant's time / kernel's (above 1: the kernel is faster)")  # fmt: skip
     rng = np.random.default_rng(0)
     kernel = jax.jit(quant_matmul.matmul, static_argnames="path")

@@ -13,7 +13,7 @@ shared machine slows all of them, not one:
   positions cached), a window of ``--window`` positions: ``ragged_step`` (``window_pages`` =
   window / page size, every token attended on its own) against ``decode_step`` on a
   ``KVCache`` of ``--seqs`` slots with ``kv_len`` = window, and, where the native CPU kernels
-  are built, ``ragged_step native`` (decode attention by ``model.cpu_paged_attention``);
+  are built, ``ragged_step native`` (decode attention by ``model.native.cpu_paged_attention``);
 * prefill: a first chunk of ``--prompt`` tokens (nothing cached, window = the prompt rounded up
   to whole pages): ``ragged_step`` with the chunk in the blocked region (``prefill_from`` = 0,
   ``seq_block`` from ``--seq-blocks``; 0 there means no blocked region, every token attended on
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import check_writable_file
-from service.arg_types import nonnegative_int, positive_int
+from service.server.arg_types import nonnegative_int, positive_int
 
 
 def config(name: str) -> Any:
@@ -104,12 +104,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from model import cpu_paged_attention
-    from model.build import random_llama
+    from model.native import cpu_paged_attention
+    from model.weights.build import random_llama
     from model.kernels import NATIVE_CPU, XLA
     from model.kv_cache import KVCache
     from model.llama import decode_step, prefill, ragged_step
-    from model.paged_kv import PagedKVCache
+    from model.attention.pages import PagedKVCache
 
     cfg = config(args.config)
     native_kernels = cpu_paged_attention.supports(cfg.q_per_kv, cfg.head_dim, jnp.float32) and (

@@ -82,7 +82,8 @@ import yaml
 
 from model.config import LlamaConfig
 from model.config import itemsize as _itemsize
-from service.arg_types import WEIGHT_MODES, nonnegative_float, positive_int
+from service.engine.config import WEIGHT_MODES
+from service.server.arg_types import nonnegative_float, positive_int
 
 HARDWARE_FILE = Path(__file__).resolve().parent.parent / "configs" / "hardware.yaml"
 ATTENTION_MODES = ("heads", "replicated")
@@ -909,7 +910,7 @@ def format_table(rows: list[tuple[str, Roofline]], hosts: bool = False) -> str:
 
 # ---- ``meshserve roofline`` -----------------------------------------------------------------------
 def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``meshserve roofline`` (``service/cli.py`` makes the subcommand)."""
+    """The flags of ``meshserve roofline`` (``service/server/cli.py`` makes the subcommand)."""
     p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     p.add_argument(
@@ -975,8 +976,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown hardware preset or dtype, or a ``--json`` path that cannot be written.
     """
     from benchmarks import check_writable_file
-    from model.fetch import FetchError, resolve_model
-    from model.loader import held_formats, read_model_config
+    from model.weights.fetch import FetchError, resolve_model
+    from model.weights.loader import held_formats, read_model_config
     from sharding.layouts import Layout, LayoutError, load_layout
     from sharding.plan import make_plan
 

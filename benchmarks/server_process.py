@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def start_server(args: list[str], log_path: Path, timeout_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    """Start ``python -m service.cli serve --port 0 ARGS`` (add ``--metrics-port`` to ARGS for
+    """Start ``python -m service.server.cli serve --port 0 ARGS`` (add ``--metrics-port`` to ARGS for
     metrics; else they are off) with its output in ``log_path``; return the process and its
     gRPC port once its log says SERVING.
 
@@ -37,7 +37,7 @@ def launch_server(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """``start_server``'s process, not waited for (start several, then ``wait_serving`` each)."""
     if "--metrics-port" not in args:
         args = [*args, "--metrics-port", "0"]
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *args]
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--port", "0", *args]
     with open(log_path, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 

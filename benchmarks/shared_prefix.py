@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import check_writable_file, scrape_counters
-from service.arg_types import positive_int
+from service.server.arg_types import positive_int
 
 TARGET_RATIO = 0.25
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         check_writable_file(args.json, ap.prog)
 
-    from service.client import Client, make_request
+    from service.server.client import Client, make_request
 
     client = Client(args.address)
     client.wait_serving()

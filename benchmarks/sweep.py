@@ -1,20 +1,23 @@
-"""``meshserve sweep``: time the Engine directly (no gRPC) over layouts x batch sizes x prompt lengths.
+"""``meshserve-bench sweep``: time the served engine directly (no gRPC) over layer loops x layouts
+x batch sizes x prompt lengths.
 
-For every point (layout, batch B, prompt length P) a fresh ``Engine`` with B slots is built on the
-devices present (fake CPU devices included: ``--cpu-devices 8`` or
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``), and:
+For every point (layer loop, layout, batch B, prompt length P) a fresh ``Runner`` with B rows is
+built on the devices present (fake CPU devices included: ``--cpu-devices 8`` or
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``), each row with pages of its own, and its
+steps are the flat batches the engine loop builds (``service.engine.batch``):
 
-1. the prompt's prefill program is compiled (the first call, timed as the prefill compile);
-2. B prompts of P ids (a fixed seeded RNG: the same prompts for every layout and batch) are
-   prefilled one after the other, each blocking on its one host copy: the median is the prefill
-   time per prompt, a proxy for TTFT on an idle server;
-3. every decode window the timed steps use is compiled (timed as the decode compile), then
-   ``warmup_steps`` + ``steps`` greedy decode steps run for all B slots, each blocking on its host
-   copy as the engine loop's postprocess does: the median of the last ``steps`` is the TPOT, and
-   B / TPOT the decode throughput. ``decode_call_ms`` is the median time of the ``Engine.decode``
-   call alone, until it returns, before the step's host copy waits for the device: its arguments,
-   the dispatch, and whatever the runtime does before returning (on a GPU it can be most of the step).
-   The engine loop overlaps that call with the step before; the sweep does not.
+1. unless ``--no-prefill``, B prompts of P ids (a fixed seeded RNG: the same prompts for every
+   layout and batch) are prefilled one after the other, each alone in its step and blocking on
+   its one host copy: the median is the prefill time per prompt, a proxy for TTFT on an idle
+   server (the first call compiles the program; timed as the prefill compile);
+2. the decode program (every row decoding, the window of the last timed position) is compiled,
+   then ``warmup_steps`` + ``steps`` greedy decode steps run for all B rows twice: serially,
+   each dispatched then waited for (``step_ms``, and ``decode_call_ms``, the ``Runner.step``
+   call alone before its host copy waits: its arguments, the dispatch, and whatever the runtime
+   does before returning), and pipelined as the engine loop runs them, step i + 1 dispatched
+   before step i's ids are read on the host, each decode token reading its id on the device:
+   the median interval between two steps' ids landing is the TPOT, and B / TPOT the decode
+   throughput.
 
 Compile times are the first calls' times less one steady-state run of the same program.
 
@@ -54,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from service.arg_types import nonnegative_int, positive_int
+from service.server.arg_types import nonnegative_int, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ FIELDS = [
     "tpot_ms",
     "tpot_min_ms",
     "tpot_max_ms",
+    "step_ms",
     "decode_call_ms",
     "decode_tok_s",
     "predicted_tpot_ms",
@@ -109,7 +113,10 @@ class SweepConfig:
         warmup_steps: decode steps run before the timed ones, not counted.
         dtype: parameter dtype.
         kv_dtype: ``EngineConfig.kv_dtype``: "auto" (= ``dtype``), "float32" or "bfloat16".
-        layers: ``EngineConfig.layers``: "auto", "scan" or "unrolled".
+        layers: ``EngineConfig.layer_loop`` forms to time, each of "auto", "scan" or "unrolled"
+            (the outermost loop: every point once per form).
+        prefill: time each point's prompts' prefill (TTFT's proxy; one more program to compile
+            per point); without it the rows are decoded from zeroed pages, which times the same.
         seed: seeds the prompt ids.
         max_seq_len: KV-cache tokens per slot; None = just enough (P + warmup_steps + steps + 1).
     """
@@ -121,7 +128,8 @@ class SweepConfig:
     warmup_steps: int = 2
     dtype: str = "float32"
     kv_dtype: str = "auto"
-    layers: str = "auto"
+    layers: tuple[str, ...] = ("auto",)
+    prefill: bool = True
     seed: int = 0
     max_seq_len: int | None = None
 
@@ -153,72 +161,124 @@ def _ms(seconds: float) -> float:
     return 1e3 * seconds
 
 
-def measure_point(engine: Any, prompts: np.ndarray, steps: int, warmup_steps: int) -> dict[str, Any]:
-    """Prefill ``prompts`` (one per slot, B = the engine's slot count), then decode; see the module
-    docstring. Returns the timing fields of one row."""
-    from service.engine import pick_bucket
-    from service.request import SamplingOptions
+def _page_tables(runner: Any, batch: int) -> np.ndarray:
+    """[batch, max_pages] int32: each row's own ``max_pages`` pages of its replica's pool, in order."""
+    g = runner.geometry
+    per = g.rows_per_replica
+    return np.stack([(row % per) * g.max_pages + np.arange(g.max_pages) for row in range(batch)]).astype(np.int32)
+
+
+def _prompt_batch(runner: Any, ids: np.ndarray, row: int, tables: np.ndarray, installs: tuple = ()) -> Any:
+    """``ids`` as row ``row``'s first and only chunk, sampling at its last token, over the rows'
+    page tables ``tables``: the flat batch the loop builds for a prompt arriving at an idle
+    server (``installs``: the rows' sampling parameters to install with it)."""
+    import dataclasses as dc
+
+    g = runner.geometry
+    n = len(ids)
+    b = g.empty_batch(g.decode_buckets[0], g.prefill_bucket(g.padded(n)))
+    start = g.replica_of(row) * len(b.tokens) // g.replicas + g.decode_buckets[0]
+    b.tokens[start : start + n], b.positions[start : start + n], b.rows[start : start + n] = ids, np.arange(n), row
+    b.last_index[row] = start + n - 1
+    b.page_tables[: len(tables)] = tables
+    return dc.replace(b, num_real=n, max_position=n - 1, installs=installs)
+
+
+def measure_point(
+    runner: Any, prompts: np.ndarray, steps: int, warmup_steps: int, prefill: bool = True
+) -> dict[str, Any]:
+    """Prefill ``prompts`` (one per row, B = the runner's row count), then decode every row at
+    once, as the served engine runs them (``Runner.step`` on the flat batches the loop builds);
+    see the module docstring. Returns the timing fields of one row."""
+    import dataclasses as dc
+
+    from service.engine.batch import RowInstall
+    from service.engine.request import SamplingOptions
 
     B, P = prompts.shape
-    if engine.ecfg.num_slots != B:
-        raise ValueError(f"the engine has {engine.ecfg.num_slots} slots; the sweep fills exactly B = {B}")
-    greedy = SamplingOptions(temperature=0.0)
-    for slot in range(B):
-        engine.set_sampling(slot, greedy)
+    if runner.ecfg.num_slots != B:
+        raise ValueError(f"the runner has {runner.ecfg.num_slots} rows; the sweep fills exactly B = {B}")
+    g = runner.geometry
+    greedy = tuple(RowInstall(row, SamplingOptions(temperature=0.0), False, ()) for row in range(B))
+    tables = _page_tables(runner, B)
 
-    t0 = time.perf_counter()
-    engine.prefill(0, prompts[0].tolist(), 0).host()
-    first_prefill = time.perf_counter() - t0
-    prefill_s = []
-    tokens = np.zeros(B, np.int32)
-    for slot in range(B):
+    # Prompts one at a time, each alone in its step (the first call compiles): TTFT's proxy.
+    first_prefill, prefill_s = 0.0, []
+    tokens = prompts[:, -1].copy()  # without prefill: decode from zeroed pages
+    if prefill:
         t0 = time.perf_counter()
-        host = engine.prefill(slot, prompts[slot].tolist(), 0).host()
-        prefill_s.append(time.perf_counter() - t0)
-        tokens[slot] = host.ids[0]
+        runner.step(_prompt_batch(runner, prompts[0], 0, tables, greedy)).host()
+        first_prefill = time.perf_counter() - t0
+        for row in range(B):
+            t0 = time.perf_counter()
+            host = runner.step(_prompt_batch(runner, prompts[row], row, tables)).host()
+            prefill_s.append(time.perf_counter() - t0)
+            tokens[row] = host.ids[row]
 
-    # Compile each decode window the steps will use. The step at position p writes p before it
-    # attends to it, so these throwaway steps' writes are overwritten before anything reads them.
+    def decode_batch(position: int, from_prev: bool, installs: tuple = ()) -> Any:
+        b = g.empty_batch(g.decode_bucket(B // g.replicas), 0)
+        n = len(b.tokens) // g.replicas
+        for row in range(B):  # row r of replica d: d's region, at r's rank among d's rows
+            i = g.replica_of(row) * n + row % g.rows_per_replica
+            b.positions[i], b.rows[i], b.generated[i], b.last_index[row] = position, row, True, i
+            if from_prev:
+                b.source[i] = 1
+            else:
+                b.tokens[i] = tokens[row]
+        b.page_tables[:B] = tables
+        return dc.replace(b, num_real=B, max_position=position, installs=installs)
+
+    # Compile the decode program (its window covers the last timed position); the throwaway
+    # step's writes at that position are overwritten before anything reads them.
     last = P + warmup_steps + steps - 1
-    first_pos: dict[int, int] = {}
-    for p in range(P, last + 1):
-        first_pos.setdefault(pick_bucket(p + 1, engine.decode_windows), p)
-    first_decode: dict[int, float] = {}
-    for window, p in first_pos.items():
-        t0 = time.perf_counter()
-        engine.decode(tokens, np.full(B, p, np.int32)).host()
-        first_decode[window] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner.step(decode_batch(last, False, () if prefill else greedy)).host()
+    first_decode = time.perf_counter() - t0
+    batches = [decode_batch(P + i, i > 0) for i in range(warmup_steps + steps)]
+    for i, b in enumerate(batches):  # every step at the last one's window: one program
+        batches[i] = dc.replace(b, max_position=last)
 
-    positions = np.full(B, P, np.int32)
-    step_s, call_s = [], []
-    for i in range(warmup_steps + steps):
+    # Serial: each step dispatched, then waited for (its call's time, and the step's).
+    call_s, step_s, prev = [], [], None
+    for i, b in enumerate(batches):
         t0 = time.perf_counter()
-        out = engine.decode(tokens, positions)
+        out = runner.step(b, prev)
         t1 = time.perf_counter()
-        host = out.host()
-        dt = time.perf_counter() - t0
-        tokens, positions = host.ids, positions + 1
+        out.host()
         if i >= warmup_steps:
-            step_s.append(dt)
             call_s.append(t1 - t0)
+            step_s.append(time.perf_counter() - t0)
+        prev = out
+    # Pipelined, as the engine loop runs: step i+1 dispatched before step i's ids are read.
+    landed, prev = [], None
+    for b in batches:
+        out = runner.step(b, prev)
+        if prev is not None:
+            prev.host()
+            landed.append(time.perf_counter())
+        prev = out
+    prev.host()
+    landed.append(time.perf_counter())
+    gaps = np.diff(landed)[warmup_steps:].tolist() or [landed[-1] - landed[0]]
 
-    prefill = statistics.median(prefill_s)
-    tpot = statistics.median(step_s)
-    compile_prefill = max(0.0, first_prefill - prefill)
-    compile_decode = sum(max(0.0, t - tpot) for t in first_decode.values())
+    prefill_med = statistics.median(prefill_s) if prefill_s else None
+    tpot = statistics.median(gaps)
+    step = statistics.median(step_s)
+    compile_prefill = max(0.0, first_prefill - prefill_med) if prefill_med is not None else 0.0
     return {
-        "decode_window": max(first_pos),
+        "decode_window": last + 1,
         "compile_prefill_s": compile_prefill,
-        "compile_decode_s": compile_decode,
-        "compile_s": compile_prefill + compile_decode,
-        "prefill_ms": _ms(prefill),
-        "prefill_min_ms": _ms(min(prefill_s)),
-        "prefill_tok_s": P / prefill,
+        "compile_decode_s": max(0.0, first_decode - step),
+        "compile_s": compile_prefill + max(0.0, first_decode - step),
+        "prefill_ms": _ms(prefill_med) if prefill_med is not None else None,
+        "prefill_min_ms": _ms(min(prefill_s)) if prefill_s else None,
+        "prefill_tok_s": P / prefill_med if prefill_med else None,
         "warmup_steps": warmup_steps,
         "steps": steps,
         "tpot_ms": _ms(tpot),
-        "tpot_min_ms": _ms(min(step_s)),
-        "tpot_max_ms": _ms(max(step_s)),
+        "tpot_min_ms": _ms(min(gaps)),
+        "tpot_max_ms": _ms(max(gaps)),
+        "step_ms": _ms(step),
         "decode_call_ms": _ms(statistics.median(call_s)),
         "decode_tok_s": B / tpot,
     }
@@ -294,7 +354,9 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
         held = rl.held_weights(cfg, plan, wl.itemsize, formats) if formats else None
         r = rl.roofline(cfg, hw, par, wl, held)
         decode = rl.decode_utilization(cfg, hw, par, B, context_len, dtype, tpot_s, kv_dtype=kv_dtype, held=held)
+        timed = prefill_s == prefill_s  # NaN: the point timed no prefill
         prefill = rl.prefill_utilization(cfg, hw, par, prompt_len, dtype, prefill_s, kv_dtype=kv_dtype, held=held)
+        prefill_mfu = prefill.mfu if timed else None
         return {
             "predicted_tpot_ms": _ms(r.tpot_s),
             "predicted_ttft_ms": _ms(r.ttft_s),
@@ -302,7 +364,7 @@ def roofline_predictor(hardware: str | None, platform_name: str, device_kind: st
             "predicted_regime": r.regime,
             "mbu": decode.mbu,
             "mfu": decode.mfu,
-            "prefill_mfu": prefill.mfu,
+            "prefill_mfu": prefill_mfu,
         }
 
     return predict, line
@@ -322,19 +384,19 @@ def model_to_time(
 
     ``tiny``: random weights at ``LlamaConfig.tiny()``'s shapes; ``random``: random weights at the
     model's shapes (reads only its config); else the model's own weights (GGUF, Hugging Face
-    directory, or converted checkpoint, by ``model.loader.load_model``: a checkpoint restored
+    directory, or converted checkpoint, by ``model.weights.loader.load_model``: a checkpoint restored
     onto the first device, the others read on the host for the engine to place). ``weights``
-    "int8": the matmul weights as Q8_0 blocks (random ones, ``model.build.random_block_llama``,
+    "int8": the matmul weights as Q8_0 blocks (random ones, ``model.weights.build.random_block_llama``,
     or the model's quantized at load, ``load_model(quantize="int8")``); "float": as ``dtype``.
 
     Raises:
-        FileNotFoundError, ValueError: see ``model.loader.load_model``.
+        FileNotFoundError, ValueError: see ``model.weights.loader.load_model``.
     """
     import jax.numpy as jnp
 
-    from model.build import random_block_llama
     from model.config import LlamaConfig
-    from model.loader import load_model, random_llama, read_model_config
+    from model.weights.build import random_block_llama, random_llama
+    from model.weights.loader import load_model, read_model_config
 
     def make_random(cfg: LlamaConfig) -> tuple[Any, Any]:
         if weights == "int8":
@@ -345,7 +407,7 @@ def model_to_time(
     if tiny:
         cfg = LlamaConfig.tiny()
         return (cfg, *make_random(cfg), f"random weights, LlamaConfig.tiny(){held}")
-    from model.fetch import resolve_model
+    from model.weights.fetch import resolve_model
 
     path = resolve_model(model, cache_dir)
     if random:
@@ -374,13 +436,31 @@ def run_sweep(
     are rows with ``status`` "skipped: <why>"; failures are "error: <what>"."""
     from flax import nnx
 
-    from model.block_params import block_formats
-    from service.engine import Engine, EngineConfig
-    from sharding.layouts import LayoutError, load_layout
-    from sharding.plan import make_plan
+    from model.weights.block_params import block_formats
 
     # The weights held as blocks (every layout's engine keeps them so), for the roofline's bytes.
     formats = {path.rsplit("/", 1)[-1]: fmt for path, fmt in block_formats(nnx.to_pure_dict(params)).items()}
+    rows = []
+    for form in scfg.layers:
+        rows += _sweep_form(scfg, form, cfg, graphdef, params, formats, predictor, progress)
+    return rows
+
+
+def _sweep_form(
+    scfg: SweepConfig,
+    form: str,
+    cfg: Any,
+    graphdef: Any,
+    params: Any,
+    formats: dict[str, str],
+    predictor: Predictor | None,
+    progress: Callable[[dict[str, Any]], None] | None,
+) -> list[dict[str, Any]]:
+    from service.engine.config import EngineConfig
+    from service.engine.runner import Runner
+    from sharding.layouts import LayoutError, load_layout
+    from sharding.plan import make_plan
+
     rows = []
     for name in scfg.layouts:
         for P in scfg.prompt_lens:
@@ -394,20 +474,23 @@ def run_sweep(
                     row.update(data=layout.data, model=layout.model, devices=layout.num_devices)
                     plan = make_plan(layout, cfg, B)
                     row["attention"] = plan.attention
+                    seq = scfg.seq_len(P)
                     ecfg = EngineConfig(
                         num_slots=B,
-                        max_seq_len=scfg.seq_len(P),
+                        max_seq_len=seq,
                         chunk_size=P,
+                        max_num_batched_tokens=P,
                         dtype=scfg.dtype,
                         kv_dtype=scfg.kv_dtype,
-                        layers=scfg.layers,
+                        layer_loop=form,
+                        kv_cache_tokens=B * -(-seq // 16) * 16,
                     )
                     t0 = time.perf_counter()
-                    engine = Engine(cfg, graphdef, params, layout, ecfg)
+                    engine = Runner(cfg, graphdef, params, layout, ecfg)
                     row["setup_s"] = time.perf_counter() - t0
-                    row["layers"] = engine.ecfg.layers  # "auto" resolved
+                    row["layers"] = engine.ecfg.layer_loop  # "auto" resolved
                     row["kv_dtype"] = engine.ecfg.kv_dtype  # "auto" resolved
-                    row.update(measure_point(engine, prompts[:B], scfg.steps, scfg.warmup_steps))
+                    row.update(measure_point(engine, prompts[:B], scfg.steps, scfg.warmup_steps, scfg.prefill))
                     row["status"] = "ok"
                 except LayoutError as exc:
                     row["status"] = f"skipped: {exc}"
@@ -419,7 +502,8 @@ def run_sweep(
                     gc.collect()
                 if row["status"] == "ok" and predictor is not None:
                     try:
-                        tpot_s, prefill_s = row["tpot_ms"] / 1e3, row["prefill_ms"] / 1e3
+                        tpot_s = row["tpot_ms"] / 1e3
+                        prefill_s = row["prefill_ms"] / 1e3 if row["prefill_ms"] is not None else float("nan")
                         kv, window = row["kv_dtype"], row["decode_window"]
                         row.update(predictor(cfg, plan, B, P, window, scfg.dtype, kv, tpot_s, prefill_s, formats))
                         row["roofline_fraction"] = row["predicted_tpot_ms"] / row["tpot_ms"]
@@ -442,10 +526,12 @@ def format_row(row: dict[str, Any]) -> str:
         return f"{head} {row['status']}"
     prefill = tpot = ""
     if row["predicted_tpot_ms"] is not None:
-        prefill = f" (roofline {row['predicted_ttft_ms']:.2f} ms, MFU {row['prefill_mfu']:.1%})"
         tpot = f" (roofline {row['predicted_tpot_ms']:.2f} ms, MBU {row['mbu']:.1%}, MFU {row['mfu']:.1%})"
+        if row["prefill_mfu"] is not None:
+            prefill = f" (roofline {row['predicted_ttft_ms']:.2f} ms, MFU {row['prefill_mfu']:.1%})"
+    prefill = f"prefill {row['prefill_ms']:8.2f} ms/prompt{prefill}  " if row["prefill_ms"] is not None else ""
     return (
-        f"{head} prefill {row['prefill_ms']:8.2f} ms/prompt{prefill}  TPOT {row['tpot_ms']:8.2f} ms{tpot}  "
+        f"{head} {row['layers']:>8s} {prefill}TPOT {row['tpot_ms']:8.2f} ms{tpot}  step {row['step_ms']:.2f} ms  "
         f"{row['decode_tok_s']:8.1f} tok/s  decode call {row['decode_call_ms']:.2f} ms  compile {row['compile_s']:.1f} s"
     )
 
@@ -565,9 +651,17 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--layers",
+        nargs="+",
         choices=["auto", "scan", "unrolled"],
-        default="auto",
-        help="EngineConfig.layers (%(default)s: scan on CPU, unrolled on accelerators)",
+        default=["auto"],
+        help="EngineConfig.layer_loop forms, each timed at every point (%(default)s: scan on CPU, unrolled "
+        "on accelerators)",
+    )
+    p.add_argument(
+        "--no-prefill",
+        dest="prefill",
+        action="store_false",
+        help="time decode only, from zeroed pages (one program less to compile per point)",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the prompt ids and random weights (%(default)s)")
     p.add_argument(
@@ -620,7 +714,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             warmup_steps=args.warmup_steps,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
-            layers=args.layers,
+            layers=tuple(args.layers),
+            prefill=args.prefill,
             seed=args.seed,
             max_seq_len=args.max_seq_len,
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 import gguf
 
-from model.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
+from model.weights.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Bytes per element of each dtype name the server, the layouts' byte counts and the roofline use.

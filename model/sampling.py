@@ -91,7 +91,7 @@ class SamplingParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TokenHistory:
-    """What each slot's request has seen, for the penalties (device state of the engine).
+    """What each row's request has seen, for the penalties (device state of the runner).
 
     Attributes:
         counts: [S, V] int32, how many times each id was generated (the prompt not included).
@@ -109,51 +109,20 @@ class TokenHistory:
             in_prompt=jnp.zeros((num_slots, vocab_size), bool),
         )
 
-    def row(self, slot: jax.Array) -> TokenHistory:
-        """Slot ``slot``'s history as a one-row history ([1, V] arrays); ``slot`` int32 scalar."""
+    def with_row(self, slot: jax.Array, counts: jax.Array, in_prompt: jax.Array) -> TokenHistory:
+        """This history with row ``slot`` (int32 scalar) replaced: counts [V] int32 (the ids its
+        request already generated), in_prompt [V] bool (its prompt's ids)."""
         return TokenHistory(
-            counts=jax.lax.dynamic_slice_in_dim(self.counts, slot, 1),
-            in_prompt=jax.lax.dynamic_slice_in_dim(self.in_prompt, slot, 1),
+            counts=jax.lax.dynamic_update_slice_in_dim(self.counts, counts[None], slot, 0),
+            in_prompt=jax.lax.dynamic_update_slice_in_dim(self.in_prompt, in_prompt[None], slot, 0),
         )
 
-
-def record_prompt(
-    history: TokenHistory, slot: jax.Array, tokens: jax.Array, true_len: jax.Array, first: jax.Array
-) -> TokenHistory:
-    """Add one prefill chunk's real tokens to ``slot``'s prompt mask; a request's first chunk
-    (``first``) clears the slot's row (prompt mask and counts) first, so nothing of the slot's
-    previous request is left.
-
-    Args:
-        history: every slot's history.
-        slot: int32 scalar.
-        tokens: [T] int32, the chunk padded to its bucket; only tokens[:true_len] are real.
-        true_len: int32 scalar in [1, T].
-        first: bool scalar, the chunk starts the prompt (position 0).
-    """
-    V = history.counts.shape[-1]
-    real = jnp.arange(tokens.shape[0]) < true_len
-    # Padding goes to index V, which mode="drop" discards.
-    chunk = jnp.zeros(V, bool).at[jnp.where(real, tokens, V)].set(True, mode="drop")
-    old = history.row(slot)
-    in_prompt = jnp.where(first, chunk, old.in_prompt[0] | chunk)
-    counts = jnp.where(first, 0, old.counts[0])
-    return TokenHistory(
-        counts=jax.lax.dynamic_update_slice_in_dim(history.counts, counts[None], slot, 0),
-        in_prompt=jax.lax.dynamic_update_slice_in_dim(history.in_prompt, in_prompt[None], slot, 0),
-    )
-
-
-def count_generated(history: TokenHistory, tokens: jax.Array, active: jax.Array) -> TokenHistory:
-    """Add one generated id per active slot to its counts.
-
-    Args:
-        tokens: [S] int32, one id per slot.
-        active: [S] bool; inactive slots' ids are not counted.
-    """
-    S = tokens.shape[0]
-    counts = history.counts.at[jnp.arange(S), tokens].add(active.astype(jnp.int32), mode="drop")
-    return TokenHistory(counts=counts, in_prompt=history.in_prompt)
+    def counted(self, rows: jax.Array, tokens: jax.Array, generated: jax.Array) -> TokenHistory:
+        """This history with each generated token counted in its row: rows, tokens [N] int32,
+        generated [N] bool (tokens not generated, padding among them, are not counted)."""
+        S = self.counts.shape[0]
+        counts = self.counts.at[jnp.where(generated, rows, S), tokens].add(1, mode="drop")  # row S: dropped
+        return TokenHistory(counts=counts, in_prompt=self.in_prompt)
 
 
 def uses_penalties(sp: SamplingParams) -> jax.Array:
@@ -290,7 +259,7 @@ def sample(
         positions: [S] int32, the position the sampled token will occupy (folded into the key,
             so the draw depends only on the request's seed and the position).
         argmax: [S, V] float32 -> [S] int32 with :func:`first_argmax`'s contract, for the
-            greedy ids and the Gumbel-max draw; ``model.cpu_argmax.first_argmax`` on one CPU
+            greedy ids and the Gumbel-max draw; ``model.native.cpu_argmax.first_argmax`` on one CPU
             device, where XLA's reductions are slow.
         history: the ids each row's request has seen ([S, V] arrays, one row per row of
             ``logits``), for the penalties; None: nothing seen (the penalties change nothing).

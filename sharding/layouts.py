@@ -23,7 +23,8 @@ class Layout:
     Attributes:
         name: preset name (the file stem in ``configs/layouts``).
         description: one line for ``meshserve layouts``.
-        data: size of the ``data`` mesh axis (slots of the KV cache are split over it).
+        data: size of the ``data`` mesh axis (the engine's rows and the KV pool's pages are split
+            over it: one replica each).
         model: size of the ``model`` mesh axis (tensor parallelism, Megatron-style:
             Shoeybi et al. 2019, §3).
         attention: ``"heads"`` splits Q/K/V/O and the KV cache over attention heads on

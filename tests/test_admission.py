@@ -8,7 +8,7 @@ import grpc
 import pytest
 from helpers import full_queue, scrape, status_of, value, wait_for
 
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 
 
 @pytest.fixture()
@@ -20,7 +20,7 @@ def client(tiny_server):  # type: ignore[no-untyped-def]
 
 def test_a_full_queue_is_refused_before_any_tokenizing(tiny_server, client: Client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     service = tiny_server.running.service
-    loop = service.pools[0].loop
+    loop = service.server.pools[0].loop
     tok = service.tokenizer
     encoded: list[str] = []
     rendered: list[object] = []
@@ -74,7 +74,7 @@ def test_a_rejection_before_a_pool_is_chosen_has_an_empty_pool_label(tiny_server
 
 
 def test_a_cancelled_stream_frees_its_slot_and_counts_as_cancelled(tiny_server, client: Client) -> None:  # type: ignore[no-untyped-def]
-    """Through service.wire's wrapper around Generate: the servicer's cleanup runs on cancel."""
+    """Through service.server.wire's wrapper around Generate: the servicer's cleanup runs on cancel."""
     import time
 
     loop = tiny_server.running.service.pools[0].loop
@@ -110,7 +110,7 @@ def test_admission_tells_the_server_before_a_request_is_submitted(tiny_server, c
         tok, "encode", lambda text: threads.append(threading.current_thread().name) or real_encode(text)
     )
     monkeypatch.setattr(
-        service, "on_admit", lambda: calls.append((threading.current_thread().name, len(service.pools[0].loop._inbox)))
+        service, "on_admit", lambda: calls.append((threading.current_thread().name, len(service.server.pools[0].loop._inbox)))
     )
     assert status_of(client, make_request(prompt="hi", max_tokens=0))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert calls == []  # refused: not admitted

@@ -1,4 +1,4 @@
-"""The AMX bf16x3 matmul (``model.cpu_matmul.pack_bf16x3``, ``native/amx_matmul.cc``): the
+"""The AMX bf16x3 matmul (``model.native.cpu_matmul.pack_bf16x3``, ``native/amx_matmul.cc``): the
 split and the packed layout against numpy definitions (everywhere), the kernel against numpy
 float64 and the engine against XLA's float32 steps (on CPUs with AMX-BF16), and the engine's
 refusal where it cannot run (simulated on CPUs that have AMX). Logits and greedy ids against
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from test_cpu_matmul import kernel_against_float64
 
-from model import cpu_matmul
+from model.native import cpu_matmul
 from model.config import LlamaConfig
-from model.loader import random_llama
+from model.weights.loader import random_llama
 from service.engine import Engine, EngineConfig
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 from sharding.layouts import Layout
 
 AMX = cpu_matmul.available() and cpu_matmul.amx_available()
@@ -128,7 +128,7 @@ def test_engine_refuses_bf16x3_without_amx(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_serve_flag_reaches_the_server_config() -> None:
-    from service.cli import _serve_config, build_parser
+    from service.server.cli import _serve_config, build_parser
 
     args = build_parser().parse_args(["serve", "--layers", "unrolled", "--matmul", "bf16x3"])
     cfg = _serve_config(args)

@@ -24,14 +24,14 @@ from flax import nnx
 from test_stored_weights import greedy
 from tiny_gguf import write_tiny_llama_gguf
 
-from model import block_params, quant_panels
-from model.checkpoint import CheckpointError, read_checkpoint_config, save_checkpoint
+from model.weights import block_params, quant_panels
+from model.weights.checkpoint import CheckpointError, read_checkpoint_config, save_checkpoint
 from model.config import LlamaConfig
-from model.gguf_weights import load_gguf_params
-from model.loader import load_model
-from model.quant_panels import QuantPanels
+from model.weights.gguf_weights import load_gguf_params
+from model.weights.loader import load_model
+from model.weights.quant_panels import QuantPanels
 from protos.meshserve.v1 import meshserve_pb2 as pb
-from service.client import Client
+from service.server.client import Client
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
 from service.server import ServerConfig, ServerThread
@@ -113,7 +113,7 @@ def test_a_checkpoint_keeps_its_blocks_and_restores_them_or_their_values(
 
 
 def shapes(cfg: LlamaConfig) -> dict:
-    from model.checkpoint import expected_shapes
+    from model.weights.checkpoint import expected_shapes
 
     return expected_shapes(cfg)
 
@@ -131,7 +131,7 @@ def q41_checkpoint(files: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     """The Q4_1 tiny model converted by the real CLI (blocks kept: the default)."""
     out = tmp_path_factory.mktemp("cli") / "q41"
     done = subprocess.run(
-        [sys.executable, "-m", "service.cli", "convert", str(files["Q4_1"]), str(out)],
+        [sys.executable, "-m", "service.server.cli", "convert", str(files["Q4_1"]), str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -143,7 +143,7 @@ def q41_checkpoint(files: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 def test_convert_quantizes_dequantizes_and_refuses_both(files: dict[str, Path], tmp_path: Path) -> None:
     def convert(src: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "service.cli", "convert", str(src), str(out), *flags]
+        cmd = [sys.executable, "-m", "service.server.cli", "convert", str(src), str(out), *flags]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
     done = convert(files["F32"], tmp_path / "int8", "--quantize", "int8")
@@ -157,9 +157,9 @@ def test_convert_quantizes_dequantizes_and_refuses_both(files: dict[str, Path], 
 
 
 def test_held_formats_of_a_checkpoint_are_what_it_restores(q41_checkpoint: Path, files: dict[str, Path]) -> None:
-    """``model.loader.held_formats`` (what ``meshserve layouts`` and the Admin service price) reads
+    """``model.weights.loader.held_formats`` (what ``meshserve layouts`` and the Admin service price) reads
     a converted checkpoint's blocks from its config alone: the formats the restored state holds."""
-    from model.loader import held_formats
+    from model.weights.loader import held_formats
     from service.server import stored_formats
 
     restored = stored_formats(load_model(q41_checkpoint, stored=True).state)
@@ -171,7 +171,7 @@ def test_held_formats_of_a_checkpoint_are_what_it_restores(q41_checkpoint: Path,
 def test_a_block_checkpoint_on_every_mesh_gives_one_devices_ids(q41_checkpoint: Path, files: dict[str, Path]) -> None:
     """Blocks restored straight into a layout's shardings (panels split over the model axis)
     give the GGUF's stored ids; one device's blocks get the native kernel where it is built."""
-    from model import quant_matmul
+    from model.native import quant_matmul
     from sharding.mesh import make_mesh
     from sharding.plan import make_plan
     from sharding.rules import param_shardings
@@ -218,7 +218,7 @@ def test_int8_serving_matches_the_dequantized_int8_model(files: dict[str, Path])
     (what the quantization changed is the weights, not the arithmetic)."""
     cfg = LlamaConfig.from_gguf(files["F32"])
     int8 = block_params.quantize_params(load_gguf_params(files["F32"], cfg))
-    from model.build import llama_from_params
+    from model.weights.build import llama_from_params
 
     graphdef, state = llama_from_params(cfg, int8)
     got = greedy(PagedEngine(cfg, graphdef, state, Layout("1x1"), ECFG))
@@ -318,7 +318,7 @@ def test_info_reports_each_pools_weight_bytes_and_int8_only_when_it_quantized(
 def test_a_bfloat16_kv_cache_works_with_blocks(files: dict[str, Path], source: str) -> None:
     """``kv_dtype`` is independent of how the weights are held: blocks (stored, or int8) with a
     bfloat16 cache give the ids of the float model over the same values with that cache."""
-    from model.build import llama_from_params
+    from model.weights.build import llama_from_params
 
     path = files[source.split("-")[0]]
     cfg = LlamaConfig.from_gguf(path)
@@ -342,7 +342,7 @@ def test_a_bfloat16_kv_cache_works_with_blocks(files: dict[str, Path], source: s
 def test_smollm2_converts_to_its_files_blocks(smollm2_gguf: Path, tmp_path: Path) -> None:
     """The default model's checkpoint (``convert``'s default) holds the GGUF's Q4_1 and Q8_0
     blocks bit for bit, in about the file's bytes (float32: 538 MB)."""
-    from service.cli import main
+    from service.server.cli import main
 
     out = tmp_path / "smollm2-blocks"
     assert main(["convert", str(smollm2_gguf), str(out)]) == 0

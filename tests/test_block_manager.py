@@ -10,7 +10,7 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from service.block_manager import BlockManager, HashFn, OutOfPages, chained_hash
+from service.engine.block_manager import BlockManager, HashFn, OutOfPages, chained_hash
 
 
 def const_hash(parent: int | None, ids: tuple[int, ...]) -> int:

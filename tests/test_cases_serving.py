@@ -20,10 +20,10 @@ import grpc
 import pytest
 from helpers import scrape, status_of
 
-from model.gguf_file import field_value, open_gguf
-from model.tokenizer import Tokenizer
+from model.weights.gguf_file import field_value, open_gguf
+from model.text.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
-from service.client import Client, StreamResult, make_request
+from service.server.client import Client, StreamResult, make_request
 
 pytestmark = pytest.mark.slow
 

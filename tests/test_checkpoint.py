@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
+from model.weights.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
 from model.config import LlamaConfig
-from model.loader import abstract_llama, model_format, random_llama
-from model.tokenizer import Tokenizer
+from model.weights.loader import abstract_llama, model_format, random_llama
+from model.text.tokenizer import Tokenizer
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
 from sharding.layouts import load_layout
@@ -125,11 +125,11 @@ def test_service_serves_a_checkpoint(converted: Path, gguf_logits, smollm2_gguf:
     try:
         service.load()
     finally:
-        for pool in service.pools:
+        for pool in service.server.pools:
             pool.loop.stop(5.0)
     assert set(service.startup_seconds) == {"restore", "place", "compile", "warmup"}
     assert service.info is not None and service.info.name == converted.name
-    engine = service.pools[0].loop.engine
+    engine = service.server.pools[0].loop.engine
     reference = gguf_logits(type(engine), "1x4")
     np.testing.assert_array_equal(prefill_logits(engine), reference)
 
@@ -207,9 +207,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from model.checkpoint import CheckpointError, restore_checkpoint
+from model.weights.checkpoint import CheckpointError, restore_checkpoint
 from model.config import LlamaConfig
-from model.loader import abstract_llama
+from model.weights.loader import abstract_llama
 mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
 _, state = abstract_llama(LlamaConfig.tiny(vocab_size=49152, tie_word_embeddings=False))
 shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), nnx.to_pure_dict(state))
@@ -287,7 +287,7 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_logits
     )
     try:
         service.load()
-        old = service.pools[0].loop.engine
+        old = service.server.pools[0].loop.engine
         layout = load_layout("1x4")
         restored = service.restore_for_layout(layout, jax.devices())
         assert restored is not None
@@ -298,5 +298,5 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_logits
         reference = gguf_logits(type(switched), "1x4")
         np.testing.assert_array_equal(prefill_logits(switched), reference)
     finally:
-        for pool in service.pools:
+        for pool in service.server.pools:
             pool.loop.stop(5.0)

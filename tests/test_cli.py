@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import held_port
 
-from service.cli import _end_line, build_parser, main
+from service.server.cli import _end_line, build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
 COMMANDS = ("serve", "health", "generate", "chat", "fetch", "convert", "layouts", "roofline", "bench", "sweep")
@@ -78,7 +78,7 @@ def test_fetch_of_a_gguf_prints_its_path(tiny_gguf: Path, capsys: pytest.Capture
 
 
 def test_generate_ends_stdout_with_a_newline(tiny_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    from service.client import Client, make_request
+    from service.server.client import Client, make_request
 
     # At temperature 100 the tiny model's answer is random bytes; this seed's ends without a newline.
     req = make_request(chat=[("user", "hi")], max_tokens=6, temperature=100.0, seed=2)
@@ -100,7 +100,7 @@ def test_generate_passes_every_sampling_flag_and_prints_logprobs(
 ) -> None:  # type: ignore[no-untyped-def]
     """The penalties, min_p, min_tokens, ignore_eos and logprobs flags reach the request: the CLI's
     answer equals the client's for the same fields, and its logprob table lists the stream's."""
-    from service.client import Client, make_request
+    from service.server.client import Client, make_request
 
     fields = dict(
         max_tokens=5, temperature=0.0, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.25,
@@ -169,7 +169,7 @@ def taken_port() -> Iterator[int]:
 
 
 def serve(tiny_gguf: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_gguf), *flags]
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(tiny_gguf), *flags]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -197,7 +197,7 @@ def test_a_cpu_only_start_logs_no_backend_it_could_not_start() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     code = (
         "import logging\n"
-        "from service.cli import configure_serve_logging\n"
+        "from service.server.cli import configure_serve_logging\n"
         "configure_serve_logging()\n"
         "import jax\n"
         "print(jax.devices()[0].platform)\n"
@@ -277,8 +277,8 @@ def test_a_negative_seed_is_taken_modulo_2_64_as_over_http() -> None:
 
 
 def test_no_prefix_cache_sets_the_requests_field_and_its_absence_leaves_it_unset() -> None:
-    from service.cli import _sampling
-    from service.client import make_request
+    from service.server.cli import _sampling
+    from service.server.client import make_request
 
     opted_out = make_request(
         prompt="hi", **_sampling(build_parser().parse_args(["generate", "hi", "--no-prefix-cache"]))
@@ -307,12 +307,12 @@ def test_health_says_whether_anything_answered(capsys: pytest.CaptureFixture[str
 def test_ctrl_c_in_a_client_ends_the_line_without_a_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import service.cli
+    import service.server.cli
 
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(service.cli, "_stream_to_terminal", interrupted)
+    monkeypatch.setattr(service.server.cli, "_stream_to_terminal", interrupted)
     assert main(["generate", "hi", "--address", "127.0.0.1:1"]) == 130
     out, err = capsys.readouterr()
     assert out == "\n" and "Traceback" not in err

@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import cpu_argmax, cpu_attention
+from model import cpu_attention
+from model.native import cpu_argmax
 from model.config import LlamaConfig
 from model.kernels import NATIVE_CPU, XLA
 from model.kv_cache import BlockedKVCache
 from model.llama import prefill, unstack_layers
-from model.loader import random_llama
+from model.weights.loader import random_llama
 from model.sampling import first_argmax
 from service.engine import Engine, EngineConfig
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 from sharding.layouts import Layout
 
 
@@ -255,7 +256,7 @@ def test_engine_uses_the_kernel_where_it_applies_and_agrees_with_xla() -> None:
     scan = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan"))
     two = Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2])
     assert not scan.kernels.native and not two.kernels.native
-    # The greedy argmax's kernel goes with them (model.cpu_argmax; tested in test_sampling).
+    # The greedy argmax's kernel goes with them (model.native.cpu_argmax; tested in test_sampling).
     assert native.argmax is cpu_argmax.first_argmax
     assert scan.argmax is first_argmax and two.argmax is first_argmax
 

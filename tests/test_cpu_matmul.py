@@ -1,4 +1,4 @@
-"""The native CPU panel matmul (``model.cpu_matmul``) against numpy float64, the packing of the
+"""The native CPU panel matmul (``model.native.cpu_matmul``) against numpy float64, the packing of the
 model's weights for it, prefill and decode over the packed weights against XLA's matmuls, and
 the engine's choice of it."""
 
@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import cpu_matmul, native_kernels
+from model import native
+from model.native import cpu_matmul
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
 from model.llama import decode_step, prefill, unstack_layers
-from model.loader import random_llama
-from model.packed_weights import panel_weights
+from model.weights.loader import random_llama
+from model.weights.packed_weights import panel_weights
 from service.engine import Engine, EngineConfig
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 from sharding.layouts import Layout
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from helpers import cpu_flags
 
-from model import native_kernels
+from model import native
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-RUNS_AVX2 = platform.machine() in native_kernels.SUPPORTED_MACHINES and {"avx2", "fma"} <= cpu_flags()
+RUNS_AVX2 = platform.machine() in native.SUPPORTED_MACHINES and {"avx2", "fma"} <= cpu_flags()
 
 # The kernel-level checks (no engine, no real model): every kernel, each tile-size branch.
 CHECKS = [
@@ -44,41 +44,41 @@ WHICH_BUILD = "from model import native_kernels as n; print(n.available(), n.isa
 
 
 def test_march_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(native_kernels.MARCH_ENV, raising=False)
-    assert native_kernels.march() == "native" and "-march=native" in native_kernels.flags()
-    default = native_kernels.library_path()
-    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v3")
-    assert native_kernels.march() == "x86-64-v3" and "-march=x86-64-v3" in native_kernels.flags()
-    assert native_kernels.library_path() != default  # the target is part of the cache key
-    monkeypatch.setenv(native_kernels.MARCH_ENV, "native; rm -rf /")
+    monkeypatch.delenv(native.MARCH_ENV, raising=False)
+    assert native.march() == "native" and "-march=native" in native.flags()
+    default = native.library_path()
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.march() == "x86-64-v3" and "-march=x86-64-v3" in native.flags()
+    assert native.library_path() != default  # the target is part of the cache key
+    monkeypatch.setenv(native.MARCH_ENV, "native; rm -rf /")
     with pytest.raises(ValueError, match="not a -march value"):
-        native_kernels.march()
+        native.march()
 
 
 @pytest.mark.skipif(
-    platform.machine() not in native_kernels.SUPPORTED_MACHINES, reason="x86-64 -march names need an x86-64 compiler"
+    platform.machine() not in native.SUPPORTED_MACHINES, reason="x86-64 -march names need an x86-64 compiler"
 )
 def test_isa_is_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v3")
-    assert native_kernels.isa() == "avx2"
-    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64-v4")
-    assert native_kernels.isa() == "avx512"  # asked of the compiler: no AVX-512 CPU needed
-    monkeypatch.setenv(native_kernels.MARCH_ENV, "x86-64")
-    assert native_kernels.isa() == "other"  # SSE2 only
-    monkeypatch.delenv(native_kernels.MARCH_ENV)
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v3")
+    assert native.isa() == "avx2"
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64-v4")
+    assert native.isa() == "avx512"  # asked of the compiler: no AVX-512 CPU needed
+    monkeypatch.setenv(native.MARCH_ENV, "x86-64")
+    assert native.isa() == "other"  # SSE2 only
+    monkeypatch.delenv(native.MARCH_ENV)
     flags = cpu_flags()
-    assert native_kernels.isa() == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
+    assert native.isa() == ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
 
 
 @pytest.mark.skipif(not RUNS_AVX2, reason="an x86-64 CPU with AVX2 and FMA runs x86-64-v3 code; this one does not")
 def test_kernels_built_for_x86_64_v3_pass_their_checks() -> None:
-    env = {**os.environ, native_kernels.MARCH_ENV: "x86-64-v3"}
+    env = {**os.environ, native.MARCH_ENV: "x86-64-v3"}
     which = subprocess.run(
         [sys.executable, "-c", WHICH_BUILD], cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=900
     )
     available, isa, name = which.stdout.split()
     assert (available, isa) == ("True", "avx2"), which.stderr[-2000:]
-    assert name != native_kernels.library_path().name  # not this process's -march=native build
+    assert name != native.library_path().name  # not this process's -march=native build
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CHECKS],
         cwd=ROOT,

@@ -21,7 +21,7 @@ def venv(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     script = bin_dir / "meshserve"
-    script.write_text(f'#!/bin/sh\ncd "{REPO}" && exec "{sys.executable}" -m service.cli "$@"\n')
+    script.write_text(f'#!/bin/sh\ncd "{REPO}" && exec "{sys.executable}" -m service.server.cli "$@"\n')
     script.chmod(0o755)
     (bin_dir / "python").symlink_to(sys.executable)
     return bin_dir.parent

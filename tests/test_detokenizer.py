@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from model.detokenizer import IncrementalDetokenizer
-from model.tokenizer import Tokenizer, bytes_to_unicode
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.tokenizer import Tokenizer, bytes_to_unicode
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "tokenizer_cases.json").read_text(encoding="utf-8"))
 FFFD = "\ufffd"
@@ -29,7 +29,7 @@ def tok(smollm2_gguf: Path) -> Tokenizer:
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    detok = tok.detokenizer()
+    detok = IncrementalDetokenizer(tok)
     pieces = [detok.push(i) for i in ids]
     pieces.append(detok.flush())
     return pieces
@@ -58,7 +58,7 @@ def test_stream_round_trip_arbitrary_ids(tok: Tokenizer, case: dict) -> None:
 
 
 def test_special_tokens_give_no_text(tok: Tokenizer) -> None:
-    detok = tok.detokenizer()
+    detok = IncrementalDetokenizer(tok)
     assert [detok.push(i) for i in (2, 1, 0, 2)] == ["", "", "", ""]
     assert detok.flush() == ""
     ids = tok.encode("<|im_start|>assistant\nThe capital<|im_end|>")
@@ -82,7 +82,7 @@ def _byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
 def test_invalid_bytes_are_released_not_held_forever(tok: Tokenizer) -> None:
     data = b"\x80" * 20 + "🙂".encode() + b"\xe4" + b"ok"
     ids = _byte_ids(tok, data)
-    detok = tok.detokenizer()
+    detok = IncrementalDetokenizer(tok)
     pieces = [detok.push(i) for i in ids]
     assert "".join(pieces[:20]).count(FFFD) >= 16  # lone continuation bytes come out as they are known bad
     assert len(detok._ids) < 8  # the window stays short

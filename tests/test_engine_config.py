@@ -12,9 +12,9 @@ import pytest
 
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache, KVCache
-from model.loader import random_llama
+from model.weights.loader import random_llama
 from service.engine import Engine, EngineConfig, resolve_layers
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 from sharding.layouts import Layout
 
 

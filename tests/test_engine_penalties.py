@@ -17,15 +17,15 @@ import pytest
 from flax import nnx
 from helpers import penalized
 
-from model.build import random_llama
+from model.weights.build import random_llama
 from model.config import LlamaConfig
 from model.kv_cache import KVCache
 from model.llama import prefill
 from service.engine import Engine, EngineConfig
 from service.loop import EngineLoop
-from service.request import Chunk, FinishReason, Request, SamplingOptions
+from service.engine.request import Chunk, FinishReason, Request, SamplingOptions
 from service.scheduler import Scheduler
-from service.text_stream import TextStream
+from service.engine.text_stream import TextStream
 from sharding.layouts import Layout
 
 CFG = LlamaConfig.tiny()

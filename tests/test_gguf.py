@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from model.config import LlamaConfig
-from model.gguf_file import GGUFMetadataError, field_value, open_gguf
-from model.gguf_weights import unpermute_rope_rows
+from model.weights.gguf_file import GGUFMetadataError, field_value, open_gguf
+from model.weights.gguf_weights import unpermute_rope_rows
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model import cpu_matmul
+from model.native import cpu_matmul
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import PagedEngineLoop, engine_loop
-from service.request import Chunk, Request, SamplingOptions
-from service.text_stream import TextStream
+from service.engine.request import Chunk, Request, SamplingOptions
+from service.engine.text_stream import TextStream
 from sharding.layouts import Layout
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.npz"

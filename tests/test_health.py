@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from helpers import free_port, get, post, scrape, value
 
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 from service.engine import EngineConfig
 from service.scheduler import StepPlan
 from service.server import SERVICE_NAME, GenerationService, ServerConfig, ServerThread
@@ -168,7 +168,7 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
         assert srv.running.metrics_port is None and srv.running.metrics_httpd is None  # metrics_port=0: off
 
         service = srv.running.service
-        registry = service.metrics.registry
+        registry = service.server.metrics.registry
         assert registry.get_sample_value("meshserve_serving") == 1
 
         # Watch for the service name from now on.

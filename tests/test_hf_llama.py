@@ -22,12 +22,12 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from model.config import LlamaConfig, RopeScaling
-from model.gguf_weights import WeightError
-from model.hf_weights import HFConfigError, config_from_hf, load_hf_llama, load_hf_params
+from model.weights.gguf_weights import WeightError
+from model.weights.hf_weights import HFConfigError, config_from_hf, load_hf_llama, load_hf_params
 from model.kv_cache import KVCache
 from model.llama import decode_step, prefill
-from model.loader import abstract_llama, load_hf_model, model_format
-from model.tokenizer import Tokenizer
+from model.weights.loader import abstract_llama, load_hf_model, model_format
+from model.text.tokenizer import Tokenizer
 
 TORCH_REASON = "needs torch==2.13.0 and transformers (pip install -e '.[hf]')"
 SEQ = [3, 17, 99, 42, 5, 77, 8, 120, 64, 1, 33, 90, 11, 2, 50, 127, 6, 71, 29, 100]
@@ -133,8 +133,8 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
 
 def test_converted_hf_checkpoint_restores_the_same_weights(tmp_path: Path) -> None:
     """HF -> ``meshserve convert`` (bfloat16) -> restore equals the HF weights rounded to bfloat16."""
-    from model.checkpoint import read_checkpoint_config, restore_checkpoint
-    from service.cli import main
+    from model.weights.checkpoint import read_checkpoint_config, restore_checkpoint
+    from service.server.cli import main
     from sharding.layouts import load_layout
     from sharding.mesh import make_mesh
     from sharding.plan import make_plan

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (service/http_server.py, service/openai_api.py) through the
+"""The OpenAI-compatible HTTP API (service/server/http_api.py, service/server/openai_api.py) through the
 official ``openai`` client and raw HTTP.
 
 Fast tests use the tiny session server (2 slots x 128 tokens, queue of 4, random weights: its
@@ -30,11 +30,11 @@ from fastapi.sse import format_sse_event
 from helpers import free_port, full_queue, get, held_port, post, scrape, value, wait_for
 
 from model.sampling import sequence_seed
-from model.tokenizer import Tokenizer
-from service.client import Client, make_request
+from model.text.tokenizer import Tokenizer
+from service.server.client import Client, make_request
 from service.engine import EngineConfig
-from service.http_server import bind
-from service.openai_api import (
+from service.server.http_api import bind
+from service.server.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     Responses,
@@ -42,10 +42,10 @@ from service.openai_api import (
     completion_request,
     sse_event,
 )
-from service.request import Chunk, FinishReason, TokenLogprob
+from service.engine.request import Chunk, FinishReason, TokenLogprob
 from service.scheduler import StepPlan
 from service.server import GenerationService, PortInUse, ServerConfig, ServerThread, start_server
-from service.validation import InvalidRequest
+from service.server.validation import InvalidRequest
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120.0
@@ -428,7 +428,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_whole(tiny_server) -> No
     parses is served (its padding is in a field the server ignores)."""
     import http.client
 
-    from service.http_server import max_body_bytes
+    from service.server.http_api import max_body_bytes
 
     port = tiny_server.running.http_port
     most = max_body_bytes(128)  # the tiny server's length limit
@@ -769,7 +769,7 @@ def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_p
     stops the HTTP server too, and the process exits 0."""
     http_port = free_port()
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_gguf), "--port", "0",
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(tiny_gguf), "--port", "0",
            "--metrics-port", "0", "--http-port", str(http_port), "--num-slots", "2", "--max-seq-len", "128",
            "--chunk-size", "32", "--grace-period", "5"]  # fmt: skip
     with log_path.open("wb") as log:

@@ -18,7 +18,7 @@ import pytest
 from helpers import scrape, status_of, value, wait_for
 from test_http_api import get, post, sse_data
 
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 
 PROBE = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
 CHAT = "/v1/chat/completions"
@@ -295,13 +295,13 @@ def test_an_internal_error_is_a_500_in_openais_shape(
     port: int, still_serving: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Was: Starlette's text/plain "Internal Server Error", which clients cannot parse as an error.
-    import service.http_server
+    import service.server.http_api
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected")
 
     with monkeypatch.context() as m:  # undone before still_serving checks
-        m.setattr(service.http_server, "completion_request", broken)
+        m.setattr(service.server.http_api, "completion_request", broken)
         err = error_of(*post(port, COMPLETIONS, {"model": "tiny", "prompt": "hi"}), 500)
     assert err["type"] == "server_error" and "injected" in err["message"], err
 

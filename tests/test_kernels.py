@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from test_quant_matmul import random_blocks
 
-from model import cpu_attention, cpu_matmul, cpu_paged_attention, kernels, quant_matmul, quant_panels
+from model import cpu_attention, kernels
+from model.native import cpu_matmul, cpu_paged_attention, quant_matmul
+from model.weights import quant_panels
 from model.config import LlamaConfig
 from model.kernels import NATIVE_CPU, XLA, choose_attention, choose_quant_kernel, matmul
-from model.loader import random_llama
+from model.weights.loader import random_llama
 
 CFG = LlamaConfig.tiny()
 

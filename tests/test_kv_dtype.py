@@ -23,7 +23,7 @@ from test_golden import FIXTURE, greedy_run
 from benchmarks import roofline as rl
 from model.config import LlamaConfig
 from model.kv_cache import BlockedKVCache
-from service.cli import _serve_config, build_parser, main
+from service.server.cli import _serve_config, build_parser, main
 from service.engine import Engine, EngineConfig, resolve_kv_dtype
 from sharding.layouts import Layout
 

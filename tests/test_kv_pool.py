@@ -1,4 +1,4 @@
-"""The paged pool's size (service/kv_pool.py): asked in tokens or bytes, or from the devices'
+"""The paged pool's size (service/engine/kv_pool.py): asked in tokens or bytes, or from the devices'
 memory; and how an engine and the serve flags carry it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from test_engine_penalties import CFG, GRAPHDEF, PARAMS
 
 from service import kv_pool
-from service.arg_types import byte_size
+from service.server.arg_types import byte_size
 from service.engine import EngineConfig
 from service.paged_engine import PagedEngine
 from sharding.layouts import Layout

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from model.config import LlamaConfig
-from model.loader import abstract_llama, load_gguf_model
+from model.weights.loader import abstract_llama, load_gguf_model
 from service import engine as engine_module
 from service import kv_pool
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine, RaggedBatch
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 from sharding.plan import make_plan
 
@@ -220,7 +220,7 @@ def test_serve_with_heads_at_tp2_exits_at_startup_naming_the_head_counts(smollm2
     layout = tmp_path / "heads2.yaml"
     layout.write_text("name: heads2\ndata: 1\nmodel: 2\nattention: heads\n")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(smollm2_gguf), "--layout", str(layout),
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(smollm2_gguf), "--layout", str(layout),
            "--port", "0", "--metrics-port", "0"]  # fmt: skip
     r = subprocess.run(
         cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300

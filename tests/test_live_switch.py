@@ -16,7 +16,7 @@ import pytest
 
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 

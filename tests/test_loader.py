@@ -1,4 +1,4 @@
-"""model.loader.load_model: one function for a GGUF file, a Hugging Face directory and a
+"""model.weights.loader.load_model: one function for a GGUF file, a Hugging Face directory and a
 checkpoint written by ``meshserve convert``, on tiny random models (no download)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from safetensors.numpy import save_file
 from tiny_gguf import write_tiny_llama_gguf
 
 from model.config import LlamaConfig
-from model.gguf_weights import load_gguf_params
-from model.hf_weights import _expected_shapes, load_hf_llama
-from model.loader import load_model, load_tokenizer, model_format, num_tensors, read_model_config
-from model.tokenizer import Tokenizer
+from model.weights.gguf_weights import load_gguf_params
+from model.weights.hf_weights import _expected_shapes, load_hf_llama
+from model.weights.loader import load_model, load_tokenizer, model_format, num_tensors, read_model_config
+from model.text.tokenizer import Tokenizer
 from sharding.layouts import load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
@@ -33,7 +33,7 @@ def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny GGUF converted by the real CLI, stored as bfloat16."""
-    from service.cli import main
+    from service.server.cli import main
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     assert main(["convert", str(gguf_path), str(out), "--dtype", "bfloat16"]) == 0
@@ -57,7 +57,7 @@ def hf_dir(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         "tie_word_embeddings": False,
     }
     (out / "config.json").write_text(json.dumps(hf))
-    from model.hf_weights import config_from_hf
+    from model.weights.hf_weights import config_from_hf
 
     rng = np.random.default_rng(1)
     shapes = _expected_shapes(config_from_hf(hf))

@@ -8,13 +8,13 @@ import threading
 import numpy as np
 
 from model.config import LlamaConfig
-from model.loader import random_llama
+from model.weights.loader import random_llama
 from service import engine as engine_module
 from service.engine import Engine, EngineConfig
 from service.loop import EngineLoop
-from service.request import Chunk, Request, SamplingOptions
+from service.engine.request import Chunk, Request, SamplingOptions
 from service.scheduler import Scheduler
-from service.text_stream import TextStream
+from service.engine.text_stream import TextStream
 from sharding.layouts import Layout
 
 CFG = LlamaConfig.tiny()

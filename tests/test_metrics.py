@@ -9,8 +9,8 @@ import grpc
 import pytest
 from helpers import scrape, value, wait_for
 
-from service.client import Client, make_request
-from service.metrics import FINISH_REASONS, Metrics
+from service.server.client import Client, make_request
+from service.server.metrics import FINISH_REASONS, Metrics
 from service.server import ServerConfig
 
 TIMEOUT_S = 120.0
@@ -116,11 +116,11 @@ def test_gauges_follow_a_running_stream_and_its_cancellation(server, client: Cli
 
 
 def test_the_docstring_lists_every_metric_with_its_labels_and_every_finish_reason() -> None:
-    """service/metrics.py's docstring (the source of the docs) names each metric the registry
+    """service/server/metrics.py's docstring (the source of the docs) names each metric the registry
     exports as ``name{labels}`` with exactly its labels, and each finish_reason value."""
-    import service.metrics
+    import service.server.metrics
 
-    doc = service.metrics.__doc__ or ""
+    doc = service.server.metrics.__doc__ or ""
     documented: dict[str, list[str]] = {}
     for line in doc.splitlines():
         if line.strip().startswith("meshserve_"):

@@ -14,7 +14,7 @@ from benchmarks.mirror_cost import ROWS, batches_equal, record_decode_steps, rep
 
 
 def test_decode_batches_have_the_engine_shapes_and_replay() -> None:
-    from model.build import random_llama
+    from model.weights.build import random_llama
     from model.config import LlamaConfig
     from service.engine import EngineConfig
     from service.paged_engine import PagedEngine

@@ -14,7 +14,7 @@ from model.config import LlamaConfig
 from model.kernels import NATIVE_CPU, XLA
 from model.kv_cache import BlockedKVCache, KVCache
 from model.llama import decode_step, prefill, unstack_layers
-from model.loader import random_llama
+from model.weights.loader import random_llama
 
 CFG = LlamaConfig.tiny()
 SLOTS, MAX_LEN = 4, 64

@@ -1,5 +1,5 @@
 """The paged engine over two jax.distributed processes of 4 CPU devices each (one 8-device mesh):
-process 0 drives ``service.paged_loop.engine_loop`` over a ``service.distributed.MirroredEngine``,
+process 0 drives ``service.paged_loop.engine_loop`` over a ``service.engine.distributed.MirroredEngine``,
 process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary) and seeded ones
 must be the ids this process (8 CPU devices, no jax.distributed) gives for the same requests on
 the same layout: 1x8 and 8x1 here, one after the other in one job (2x4 is served through
@@ -23,11 +23,11 @@ from helpers import free_port, job_process_env
 from mp_engine_worker import EXIT_NO_DISTRIBUTED, build_engine, run_requests
 
 from benchmarks.multiprocess_channel import stop
-from service.distributed import PREVIOUS, STOP, MirroredEngine, StepChannel, follow
+from service.engine.distributed import PREVIOUS, STOP, MirroredEngine, StepChannel, follow
 from service.engine import StepOutput
 from service.paged_engine import PagedEngine, RaggedBatch
 from service.paged_loop import engine_loop
-from service.request import SamplingOptions
+from service.engine.request import SamplingOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "mp_engine_worker.py"

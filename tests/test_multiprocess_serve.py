@@ -30,7 +30,7 @@ from helpers import free_port, job_process_env
 from benchmarks.multiprocess_channel import stop
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 from service.engine import EngineConfig
 from service.server import ServerConfig, ServerThread
 
@@ -53,7 +53,7 @@ REQUESTS = (
 
 
 class Job:
-    """Two ``python -m service.cli serve`` processes of one job, and a client to process 0."""
+    """Two ``python -m service.server.cli serve`` processes of one job, and a client to process 0."""
 
     def __init__(self, model: Path, folder: Path, grace_s: float = 30.0):
         self.port, self.admin_port = free_port(), free_port()
@@ -62,7 +62,7 @@ class Job:
         self.logs = [folder / f"process{i}.log" for i in range(2)]
         self.procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
         for i in range(2):
-            cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--layout", LAYOUT,
+            cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(model), "--layout", LAYOUT,
                    "--port", str(self.port), "--metrics-port", "0", "--num-slots", str(SLOTS),
                    "--max-seq-len", str(MAX_LEN), "--kv-cache-tokens", str(POOL), "--grace-period", str(grace_s),
                    "--watchdog-interval", str(WATCHDOG_S), "--process-timeout", str(PROCESS_TIMEOUT_S),
@@ -219,7 +219,7 @@ def test_a_follower_lost_mid_stream_ends_the_stream_unavailable(
     """``kill -9`` of process 1 (its connection closes: seen at once) or ``kill -STOP`` (it hangs:
     seen when no heartbeat came for ``--process-timeout``)."""
     # Served from a converted checkpoint: each process restores it (orbax) into the job's shardings.
-    from service.cli import main
+    from service.server.cli import main
 
     checkpoint = tmp_path / "tiny-checkpoint"
     assert main(["convert", str(tiny_gguf), str(checkpoint)]) == 0
@@ -253,7 +253,7 @@ def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: py
     see process 0 go and exit). The same layout rule refuses a live switch (Admin)."""
     import jax
 
-    from service.distributed import job_layout_problem
+    from service.engine.distributed import job_layout_problem
     from service.server import ConfigError, GenerationService
     from sharding.layouts import load_layout
 
@@ -283,7 +283,7 @@ def test_serve_distributed_with_nothing_to_join_is_one_clear_error() -> None:
     exit 1 with one line, no traceback, no hang."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "SLURM_", "OMPI_"))}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--distributed", "--port", "0", "--metrics-port", "0"]
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--distributed", "--port", "0", "--metrics-port", "0"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "meshserve serve: error: could not join the job:" in done.stderr

@@ -1,4 +1,4 @@
-"""The paged KV cache (``model/paged_kv.py``) and ragged paged attention (``model/paged_attention.py``)
+"""The paged KV cache (``model/attention/pages.py``) and ragged paged attention (``model/attention/xla.py``)
 against a dense reference: numpy float64 softmax attention over each sequence's whole K/V, built
 independently of the pages.
 
@@ -24,10 +24,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model import cpu_paged_attention
+from model.native import cpu_paged_attention
 from model.config import LlamaConfig
-from model.paged_attention import ragged_paged_attention, ragged_paged_attention_blocks
-from model.paged_kv import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
+from model.attention.xla import ragged_paged_attention, ragged_paged_attention_blocks
+from model.attention.pages import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
 
 CFG = LlamaConfig.tiny(num_heads=6)  # K = 2 KV heads, G = 3 query heads each, H = 16
 K, G, H = CFG.num_kv_heads, CFG.q_per_kv, CFG.head_dim
@@ -137,7 +137,7 @@ def run_step(
 ) -> tuple[np.ndarray, jax.Array, jax.Array]:
     """Write the history, then the step's tokens, through ``write_kv`` at ``slot_mapping``'s
     slots; attend (``ragged_paged_attention``, ``ragged_paged_attention_blocks`` with
-    ``block``, or with ``native`` the CPU kernel of ``model.cpu_paged_attention``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
+    ``block``, or with ``native`` the CPU kernel of ``model.native.cpu_paged_attention``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
     ``stacked``: the pages are layer ``LAYER`` of a stacked array whose other layers are
     filled with 7s (so reading the wrong layer shows)."""
     shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)[1:]
@@ -218,7 +218,7 @@ def test_float32_matches_dense_attention(page_size: int, stacked: bool) -> None:
 
 
 needs_kernels = pytest.mark.skipif(
-    not cpu_paged_attention.available() or jax.devices()[0].platform != "cpu", reason="native CPU kernels not built"
+    jax.devices()[0].platform != "cpu" or not cpu_paged_attention.available(), reason="native CPU kernels not built"
 )
 
 

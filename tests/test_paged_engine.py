@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from test_engine_penalties import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, T, make, reference, run
 
-from model import cpu_matmul, cpu_paged_attention
+from model.native import cpu_matmul, cpu_paged_attention
 from service.engine import EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import PagedEngineLoop, engine_loop
-from service.request import FinishReason
+from service.engine.request import FinishReason
 from sharding.layouts import Layout
 
 _rng = np.random.default_rng(7)
@@ -126,7 +126,7 @@ def ids_of_a_and_c(loop: PagedEngineLoop) -> list:
 
 def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
     """The module's loop attends decode tokens through the native CPU kernel where it is built
-    (``model.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
+    (``model.native.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
     reference's ids."""
     assert loop.engine.kernels.native is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
     xla = paged(decode_attention="xla")

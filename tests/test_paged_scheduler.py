@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from test_scheduler import EOS, make_request
 
-from service.block_manager import BlockManager
+from service.engine.block_manager import BlockManager
 from service.paged_scheduler import PagedScheduler, RaggedPlan
-from service.request import FinishReason, Request, RequestState
+from service.engine.request import FinishReason, Request, RequestState
 from service.scheduler import QueueFull
 
 
@@ -487,7 +487,7 @@ def test_the_step_observer_counts_across_a_repartition() -> None:
     to new pools they keep counting (they once went negative and stopped)."""
     import types
 
-    from service.metrics import Metrics
+    from service.server.metrics import Metrics
     from service.server import GenerationService
 
     def total(m: Metrics, name: str) -> float:

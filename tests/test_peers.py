@@ -239,10 +239,10 @@ def test_the_int8_row_serves_q8_0_blocks_of_the_float_weights(tmp_path: Path) ->
     from flax import nnx
     from tiny_gguf import write_tiny_llama_gguf
 
-    from model import block_params
-    from model.build import llama_from_params
-    from model.checkpoint import expected_shapes
-    from model.quant_panels import QuantPanels
+    from model.weights import block_params
+    from model.weights.build import llama_from_params
+    from model.weights.checkpoint import expected_shapes
+    from model.weights.quant_panels import QuantPanels
 
     path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
     wl = {"model": str(path), "threads": 2, "layers": "scan"}
@@ -287,7 +287,7 @@ def test_the_paged_stored_and_int8_rows_hold_blocks_and_give_the_per_slot_rows_i
     per-slot rows over the same blocks."""
     from tiny_gguf import write_tiny_llama_gguf
 
-    from model.quant_panels import QuantPanels
+    from model.weights.quant_panels import QuantPanels
 
     path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
     wl = {"model": str(path), "threads": 2, "layers": "scan"}

@@ -14,10 +14,8 @@ from helpers import penalized
 from model.sampling import (
     SamplingParams,
     TokenHistory,
-    count_generated,
     min_p_filter,
     penalize,
-    record_prompt,
     sample,
     seed_to_key,
     sequence_seed,
@@ -207,22 +205,25 @@ def test_eos_ban_only_where_set() -> None:
         assert out[0] not in (5, 9) and out[1] != 5
 
 
-def test_history_records_prompts_and_counts_active_slots() -> None:
+def test_history_rows_are_replaced_whole_and_generated_tokens_counted() -> None:
     S = 3
     history = TokenHistory.zeros(S, V)
-    history = record_prompt(history, jnp.int32(1), jnp.array([4, 7, 4, 0, 0], jnp.int32), jnp.int32(3), True)
-    history = record_prompt(history, jnp.int32(1), jnp.array([8, 60, 0, 0], jnp.int32), jnp.int32(2), False)
-    history = count_generated(history, jnp.array([3, 9, 9], jnp.int32), jnp.array([True, True, False]))
-    history = count_generated(history, jnp.array([3, 9, 2], jnp.int32), jnp.array([True, True, False]))
-    counts, in_prompt = np.asarray(history.counts), np.asarray(history.in_prompt)
-    assert set(np.flatnonzero(in_prompt[1]).tolist()) == {4, 7, 8, 60}  # padding (id 0) not recorded
-    assert not in_prompt[[0, 2]].any()
-    assert (counts[0, 3], counts[1, 9]) == (2, 2) and counts.sum() == 4  # slot 2 inactive
-    # A new request's first chunk clears its slot (prompt and counts); other slots keep theirs.
-    history = record_prompt(history, jnp.int32(1), jnp.array([5, 0], jnp.int32), jnp.int32(1), True)
-    counts, in_prompt = np.asarray(history.counts), np.asarray(history.in_prompt)
-    assert np.flatnonzero(in_prompt[1]).tolist() == [5] and not counts[1].any()
-    assert counts[0, 3] == 2
+    in_prompt = np.zeros(V, bool)
+    in_prompt[[4, 7, 8, 60]] = True
+    history = history.with_row(jnp.int32(1), jnp.zeros(V, jnp.int32).at[3].set(1), jnp.asarray(in_prompt))
+    rows = jnp.array([0, 1, 1, 2, -1], jnp.int32)
+    generated = jnp.array([True, True, True, False, True])  # row 2's token is a prompt token; -1 padding
+    history = history.counted(rows, jnp.array([3, 9, 9, 5, 6], jnp.int32), generated)
+    counts, prompt = np.asarray(history.counts), np.asarray(history.in_prompt)
+    assert set(np.flatnonzero(prompt[1]).tolist()) == {4, 7, 8, 60} and not prompt[[0, 2]].any()
+    assert (counts[0, 3], counts[1, 3], counts[1, 9]) == (1, 1, 2) and counts.sum() == 4
+    # A new request in row 1 replaces the row whole (prompt and counts); other rows keep theirs.
+    fresh = np.zeros(V, bool)
+    fresh[5] = True
+    history = history.with_row(jnp.int32(1), jnp.zeros(V, jnp.int32), jnp.asarray(fresh))
+    counts, prompt = np.asarray(history.counts), np.asarray(history.in_prompt)
+    assert np.flatnonzero(prompt[1]).tolist() == [5] and not counts[1].any()
+    assert counts[0, 3] == 1
 
 
 def test_sequence_seed() -> None:

@@ -1,4 +1,4 @@
-"""The native matmul over GGUF-quantized weights (``model.quant_matmul``) against float64 products
+"""The native matmul over GGUF-quantized weights (``model.native.quant_matmul``) against float64 products
 of the dequantized weights, for Q8_0, Q4_0 and Q4_1, both of the kernel's paths, odd shapes and
 batch sizes, stacked weights with a traced layer index (jit and lax.scan), and its errors."""
 
@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import native_kernels, quant_matmul, quant_panels
-from model.quant_panels import BLOCK_BYTES, FORMATS, GGML_TYPES, QuantPanels
+from model import native
+from model.native import quant_matmul
+from model.weights import quant_panels
+from model.weights.quant_panels import BLOCK_BYTES, FORMATS, GGML_TYPES, QuantPanels
 
 pytestmark = pytest.mark.skipif(
-    not native_kernels.available(), reason="the native kernels are not built here (not x86-64, or no compiler)"
+    not native.available(), reason="the native kernels are not built here (not x86-64, or no compiler)"
 )
 
 

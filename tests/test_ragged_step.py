@@ -23,8 +23,8 @@ from flax import nnx
 from model.config import LlamaConfig
 from model.kv_cache import KVCache
 from model.llama import decode_step, prefill, ragged_step, unstack_layers
-from model.loader import random_llama
-from model.paged_kv import PagedKVCache
+from model.weights.loader import random_llama
+from model.attention.pages import PagedKVCache
 
 CFG = LlamaConfig.tiny()
 GRAPHDEF, PARAMS = random_llama(CFG, seed=0)
@@ -382,6 +382,23 @@ def test_bad_arguments() -> None:
     ):
         with pytest.raises(ValueError, match=match):
             ragged_step(model, cache, z, z, z, tables, last, **kwargs)  # type: ignore[arg-type]
-    per_layer = nnx.merge(GRAPHDEF, unstack_layers(PARAMS))
-    with pytest.raises(AssertionError, match="stacked"):
-        ragged_step(per_layer, cache, z, z, z, tables, last, window_pages=1)
+
+
+def test_unrolled_layers_give_the_scanned_result(alone_logits: np.ndarray) -> None:
+    """The per-layer weights (``unstack_layers``: an unrolled loop over the layers, a static
+    layer index into the stacked pages) give the scanned form's logits on the mixed batch."""
+    wp = WINDOW_POSITIONS // 8
+    pool = Pool.make(rows=4, max_pages=wp + 1, page_size=8)
+    per_layer = unstack_layers(PARAMS)
+
+    def step(batch: Batch) -> np.ndarray:
+        logits, pool.cache = RAGGED(
+            per_layer, pool.cache, batch.tokens, batch.positions, batch.seq, pool.tables, batch.last,
+            wp, batch.prefill_from, batch.block,
+        )  # fmt: skip
+        return np.asarray(logits)
+
+    step(flat_batch(4, [], [(0, PROMPTS[0][:FIRST_CHUNK_0], 0), (2, PROMPTS[2], 0), (3, PROMPTS[3], 0)], 4))
+    decode = [(r, DECODED[r], len(PROMPTS[r])) for r in (2, 3)]
+    got = step(flat_batch(4, decode, [(0, PROMPTS[0][FIRST_CHUNK_0:], FIRST_CHUNK_0), (1, PROMPTS[1], 0)], 4, 1))
+    np.testing.assert_allclose(got, alone_logits, **TOL)

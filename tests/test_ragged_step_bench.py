@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from benchmarks.ragged_step import config, main
-from model import cpu_paged_attention
+from model.native import cpu_paged_attention
 
 
 def test_a_tiny_run_measures_every_variant(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``model.build.random_block_llama``: a random model with its matmul weights as blocks (the GPU
+"""``model.weights.build.random_block_llama``: a random model with its matmul weights as blocks (the GPU
 check's int8 sweep at Llama 3 8B's shapes), laid out as ``block_params.quantize_params`` lays out
 a float model's, with weights of about ``random_llama``'s spread; and ``meshserve sweep
 --weights int8`` times it."""
@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from benchmarks.sweep import model_to_time
-from model import block_params, quant_panels
-from model.build import random_block_llama, random_llama
+from model.weights import block_params, quant_panels
+from model.weights.build import random_block_llama, random_llama
 from model.config import LlamaConfig
-from model.quant_panels import QuantPanels
+from model.weights.quant_panels import QuantPanels
 
 
 def shapes(tree: dict) -> dict:  # type: ignore[type-arg]

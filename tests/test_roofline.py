@@ -229,7 +229,7 @@ def test_measure_cpu_is_positive_and_cached() -> None:
 def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.cli import main
+    from service.server.cli import main
 
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "r.json"
@@ -257,7 +257,7 @@ def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     ],
 )
 def test_cli_rejects_nonsense_numbers(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from service.cli import main
+    from service.server.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["roofline", "--hardware", "h200", *flags])
@@ -269,7 +269,7 @@ def test_cli_errors_on_bad_model_json_path_and_no_usable_layout(
 ) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.cli import main
+    from service.server.cli import main
 
     not_gguf = tmp_path / "notes.txt"
     not_gguf.write_text("hello")
@@ -380,7 +380,7 @@ def test_layouts_that_do_not_tile_hosts_or_lack_a_link() -> None:
 def test_cli_prints_inside_and_across_host_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.cli import main
+    from service.server.cli import main
 
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "r.json"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import cpu_argmax
+from model.native import cpu_argmax
 from model.sampling import SamplingParams, first_argmax, sample, seed_to_key
 
 V = 50
@@ -107,7 +107,7 @@ def test_same_seed_same_position_same_token_in_any_row() -> None:
 
 @pytest.fixture(params=["xla", "native"])
 def argmax(request: pytest.FixtureRequest) -> Callable[[jax.Array], jax.Array]:
-    """``first_argmax`` in XLA and as the native CPU kernel (``model.cpu_argmax``)."""
+    """``first_argmax`` in XLA and as the native CPU kernel (``model.native.cpu_argmax``)."""
     if request.param == "xla":
         return first_argmax
     assert cpu_argmax.available(), "the kernel must build on a machine with g++ (CI has it)"

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.request import Chunk, FinishReason, Request, RequestState, SamplingOptions
+from service.engine.request import Chunk, FinishReason, Request, RequestState, SamplingOptions
 from service.scheduler import PrefillChunk, QueueFull, Scheduler, StepPlan
-from service.text_stream import TextStream
+from service.engine.text_stream import TextStream
 
 EOS = 2
 # id -> text; the EOS id maps to its special-token spelling so a leak would show.

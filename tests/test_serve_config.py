@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import _serve_config, build_parser, main
+from service.server.cli import _serve_config, build_parser, main
 from service.engine import EngineConfig
 from service.server import ConfigError, ServerConfig, read_server_config, server_config
 
@@ -107,7 +107,7 @@ def test_the_command_exits_1_with_one_line_and_no_traceback(tmp_path: Path) -> N
     (tmp_path / "bad.yaml").write_text("port: abc\n")
     for path in (tmp_path / "absent.yaml", tmp_path / "bad.yaml"):
         run = subprocess.run(
-            [sys.executable, "-m", "service.cli", "serve", "--config", str(path)],
+            [sys.executable, "-m", "service.server.cli", "serve", "--config", str(path)],
             cwd=ROOT,
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
             capture_output=True,

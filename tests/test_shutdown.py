@@ -1,4 +1,4 @@
-"""Graceful shutdown, for real: ``python -m service.cli serve`` in a subprocess gets SIGTERM
+"""Graceful shutdown, for real: ``python -m service.server.cli serve`` in a subprocess gets SIGTERM
 mid-stream (2 slots x 256 tokens to keep start-up short). The server serves SmolLM2 from its
 converted checkpoint (``smollm2_checkpoint``, shared with test_checkpoint.py): it restores in
 about a second where the GGUF dequantizes for 6-13 s, and the model decodes at the real
@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from helpers import free_port
 
-from service.client import Client, make_request
+from service.server.client import Client, make_request
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ class Served:
         self.port = free_port()
         self.log_path = log_path
         self._log = log_path.open("wb")
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(model), "--port", str(self.port),
                "--metrics-port", "0", "--num-slots", "2", "--max-seq-len", "256",
                "--grace-period", str(grace_s)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)

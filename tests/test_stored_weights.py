@@ -18,13 +18,13 @@ import pytest
 from test_engine_penalties import make, run
 from tiny_gguf import write_tiny_llama_gguf
 
-from model import quant_panels
-from model.build import llama_from_params
+from model.weights import quant_panels
+from model.weights.build import llama_from_params
 from model.config import LlamaConfig
-from model.gguf_weights import WeightError, load_gguf_params, stored_matmuls
-from model.loader import load_model
-from model.quant_panels import QuantPanels
-from service.client import Client
+from model.weights.gguf_weights import WeightError, load_gguf_params, stored_matmuls
+from model.weights.loader import load_model
+from model.weights.quant_panels import QuantPanels
+from service.server.client import Client
 from service.engine import Engine, EngineConfig
 from service.paged_engine import PagedEngine
 from service.paged_loop import engine_loop
@@ -165,7 +165,7 @@ def test_every_mesh_gives_one_devices_ids(tiny_q41: Path, data: int, tp: int) ->
 def test_a_relayout_moves_the_blocks_and_rechooses_their_kernel(tiny_q41: Path) -> None:
     """A live switch's engine (``relayout``) takes the placed blocks to the new mesh, still
     blocks, and back on one device they are the native kernel's again where it is built."""
-    from model import quant_matmul
+    from model.native import quant_matmul
 
     cfg = LlamaConfig.from_gguf(tiny_q41)
     graphdef, state = llama_from_params(cfg, load_gguf_params(tiny_q41, cfg, stored=True))

@@ -1,7 +1,7 @@
 """The imports point one way: benchmarks -> service -> sharding -> model (an AST scan of every
 import statement, so a lazy import inside a function counts too).
 
-The one exception: ``service/cli.py`` dispatches ``meshserve bench|sweep|roofline`` to
+The one exception: ``service/server/cli.py`` dispatches ``meshserve bench|sweep|roofline`` to
 ``benchmarks`` from inside its functions, never at module level.
 """
 
@@ -19,9 +19,9 @@ FORBIDDEN = {
     "sharding": {"service", "benchmarks"},
     "service": {"benchmarks"},
 }
-LAZY_DISPATCH = {"service/cli.py": {"benchmarks"}}
+LAZY_DISPATCH = {"service/server/cli.py": {"benchmarks"}}
 # The format readers and the module builder never import the loader that dispatches to them.
-READERS = ("model/build.py", "model/checkpoint.py", "model/gguf_weights.py", "model/hf_weights.py")
+READERS = ("model/weights/build.py", "model/weights/checkpoint.py", "model/weights/gguf_weights.py", "model/weights/hf_weights.py")
 
 
 def imports(path: Path) -> list[tuple[str, int, bool]]:
@@ -47,8 +47,8 @@ def sources(package: str) -> list[Path]:
 
 def test_the_scan_sees_lazy_and_module_level_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("import os\nfrom benchmarks import roofline\n\ndef f():\n    from service.cli import main\n")
-    assert imports(probe) == [("os", 1, True), ("benchmarks", 2, True), ("service.cli", 5, False)]
+    probe.write_text("import os\nfrom benchmarks import roofline\n\ndef f():\n    from service.server.cli import main\n")
+    assert imports(probe) == [("os", 1, True), ("benchmarks", 2, True), ("service.server.cli", 5, False)]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -69,13 +69,13 @@ def test_a_package_imports_nothing_above_it(package: str) -> None:
 
 
 def test_the_cli_dispatches_to_every_measurement_tool_lazily() -> None:
-    lazy = {m for m, _, at_top in imports(ROOT / "service/cli.py") if m.startswith("benchmarks") and not at_top}
+    lazy = {m for m, _, at_top in imports(ROOT / "service/server/cli.py") if m.startswith("benchmarks") and not at_top}
     assert {"benchmarks", "benchmarks.bench", "benchmarks.roofline", "benchmarks.sweep"} <= lazy
 
 
 @pytest.mark.parametrize("reader", READERS)
 def test_readers_do_not_import_the_loader(reader: str) -> None:
-    assert "model.loader" not in {m for m, _, _ in imports(ROOT / reader)}
+    assert "model.weights.loader" not in {m for m, _, _ in imports(ROOT / reader)}
 
 
 def test_the_measurement_tools_live_in_benchmarks() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sweep import FIELDS, SweepConfig, make_prompts, pareto_front
-from service.cli import main
+from service.server.cli import main
 
 LAYOUTS = ["1x1", "1x2"]
 BATCHES = [1, 2]
@@ -145,7 +145,7 @@ def test_helpers() -> None:
 
 
 def test_the_model_to_time_loads_through_load_model(tmp_path: Path) -> None:
-    """A GGUF path is read by model.loader.load_model (host float32 weights); --random reads only
+    """A GGUF path is read by model.weights.loader.load_model (host float32 weights); --random reads only
     its config; --tiny reads nothing."""
     import numpy as np
     from flax import nnx
@@ -153,7 +153,7 @@ def test_the_model_to_time_loads_through_load_model(tmp_path: Path) -> None:
 
     from benchmarks.sweep import model_to_time
     from model.config import LlamaConfig
-    from model.gguf_weights import load_gguf_params
+    from model.weights.gguf_weights import load_gguf_params
 
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     cfg, _, params, source = model_to_time(str(path), None, random=False, tiny=False)

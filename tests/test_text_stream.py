@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from service.text_stream import StopStringMatcher, TextStream
+from service.engine.text_stream import StopStringMatcher, TextStream
 
 
 class FakeDetokenizer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 
 CASES = json.loads((Path(__file__).parent / "fixtures" / "tokenizer_cases.json").read_text(encoding="utf-8"))
 

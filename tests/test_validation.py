@@ -1,4 +1,4 @@
-"""service.validation.validate with the tiny model's byte-level BPE tokenizer (``tests/tiny_gguf.py``,
+"""service.server.validation.validate with the tiny model's byte-level BPE tokenizer (``tests/tiny_gguf.py``,
 264 ids, ChatML template): every bad field is rejected with an InvalidRequest naming it, and unset
 fields get the documented defaults."""
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tiny_gguf import VOCAB_SIZE
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
-from service.client import make_request
-from service.validation import (
+from service.server.client import make_request
+from service.server.validation import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from tiny_gguf import write_tiny_llama_gguf
 
-from model import block_params
-from model.build import llama_from_params
+from model.weights import block_params
+from model.weights.build import llama_from_params
 from model.config import LlamaConfig
-from model.gguf_weights import load_gguf_params
-from model.loader import held_formats
+from model.weights.gguf_weights import load_gguf_params
+from model.weights.loader import held_formats
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.engine import EngineConfig, bytes_per_device, place_params
@@ -136,7 +136,7 @@ def test_admin_reports_the_stored_bytes(files: dict[str, Path]) -> None:
 
 
 def test_layouts_prints_the_stored_bytes(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    from service.cli import main
+    from service.server.cli import main
 
     path = files["Q4_1"]
     cfg = LlamaConfig.from_gguf(path)
@@ -158,7 +158,7 @@ def test_layouts_prints_the_stored_bytes(files: dict[str, Path], capsys: pytest.
 def test_roofline_streams_the_blocks_bytes(files: dict[str, Path], tmp_path: Path) -> None:
     """A decode step on 1x1 reads every weight once: with the blocks as stored, the file's bytes
     (tied embedding: no rows looked up apart); float32, 4 bytes per parameter. Same FLOPs."""
-    from service.cli import main
+    from service.server.cli import main
 
     path = files["Q4_1"]
     cfg = LlamaConfig.from_gguf(path)
@@ -187,7 +187,7 @@ def test_roofline_streams_the_blocks_bytes(files: dict[str, Path], tmp_path: Pat
 
 
 def test_roofline_weights_and_dtype_must_agree(files: dict[str, Path]) -> None:
-    from service.cli import main
+    from service.server.cli import main
 
     with pytest.raises(SystemExit, match="--weights float32 and --dtype bfloat16 contradict"):
         main(

@@ -11,7 +11,7 @@ For tests that need a real server without the 93 MB SmolLM2 download or its comp
 The file has the ``llama.*`` keys ``LlamaConfig.from_gguf`` reads, the ``tokenizer.ggml.*`` keys
 ``Tokenizer.from_gguf`` needs (a byte-level BPE vocabulary: 3 control tokens, the 256 byte
 symbols, a few merges; EOS ``<|im_end|>``) plus a ChatML template, and float32 tensors named as
-``model.gguf_weights`` expects, each stored [out, in] as numpy sees GGUF matrices.
+``model.weights.gguf_weights`` expects, each stored [out, in] as numpy sees GGUF matrices.
 
 The special tokens' embedding rows are zero, so with tied embeddings their logits are exactly 0
 while the largest of the other ~260 random logits is positive: greedy decoding never emits EOS
@@ -37,7 +37,7 @@ VOCAB_SIZE = len(SPECIALS) + 256 + len(MERGES)
 
 def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the tiny byte-level BPE vocabulary."""
-    from model.tokenizer import bytes_to_unicode
+    from model.text.tokenizer import bytes_to_unicode
 
     tokens = [*SPECIALS, *(bytes_to_unicode()[b] for b in range(256)), *(a + b for a, b in MERGES)]
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))

@@ -1,0 +1,180 @@
+"""The paged KV cache: one key and one value array of fixed-size pages for all layers, and the
+write of a flat batch of new tokens' keys and values into it.
+
+A sequence's page table lists its pages in order, so its position ``i`` lives in page
+``page_table[i // page_size]`` at offset ``i % page_size``: the flat *slot*
+``page * page_size + offset`` (Kwon et al. 2023, "PagedAttention", §4.2; the same numbering as
+``service/engine/block_manager.py``). Page tables are step inputs, never part of the cache, so a jitted
+step's cache arguments are 2 arrays whatever the number of layers, of pages or the longest
+sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from model.config import LlamaConfig
+
+# Logical axes of the stacked page arrays, in order. sharding/plan.py's rules map "layers" to
+# no mesh axis (the scan over layers indexes it), "kv_heads" to the ``model`` mesh axis (with
+# attention="heads") and "pages" to the ``data`` axis (each data replica holds its own range of
+# pages, which only its own rows' page tables name), and leave "page_len" and "head_dim" whole.
+PAGE_AXES = ("layers", "pages", "kv_heads", "page_len", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """Keys and values of every layer, in pages shared by all sequences.
+
+    Attributes:
+        k: [L, P, K, page_size, H] (L layers, P pages, K KV heads, H head dim), keys already
+            rotated by RoPE, dtype = the cache dtype.
+        v: [L, P, K, page_size, H], values, same shape and dtype.
+
+    Stacked over layers, one array each for keys and values: a jitted step's cache arguments
+    are 2 leaves whatever L (the per-layer form's 2 x L leaves cost dispatch time per leaf,
+    docs/performance.md, "Dispatch cost"), and the ``lax.scan`` over layers
+    (``model.llama.Llama.run_layers_paged``) carries both buffers, writing layer l's new
+    tokens into them in place (a scatter at [l, page, :, offset, :]) and gathering layer l's
+    pages straight out of them (``k[l, pages]``). Neither slices out a whole layer first: a
+    dynamic slice of one layer is a copy of that layer's whole pool on XLA:CPU.
+
+    Layout within a layer, [pages, kv_heads, page_len, head_dim]: one (page, KV head) is a
+    contiguous [page_size, H] tile, so attention for one KV head walks a sequence's pages tile
+    by tile, each a whole contiguous read that the G query heads of the group share (the
+    grouping of jax-llm-examples' ``PagedKVCache``, [kv_heads, pages, page_size, head_dim],
+    whose tiles are the same); pages lead, rather than heads, so a page's K heads are one
+    contiguous block and writing a token touches one [K, H] slice of one page (vLLM's original
+    PagedAttention kernel orders its blocks the same way, heads right after blocks: keys
+    [blocks, K, H/x, block_size, x], values [blocks, K, H, block_size]). tpu-inference's ragged
+    paged attention interleaves K and V in one [pages, page_size, 2K, H] array (packed into
+    32-bit words) and vLLM's FlashAttention backend is token-major ([2, blocks, block_size, K,
+    H]): positions before heads, which suits kernels reading all heads of a position at once,
+    not this per-head walk. Pages hold stale values until overwritten; attention masks every
+    position past a token's own, so they are never read into a result (and are finite: the
+    pool starts as zeros).
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def page_size(self) -> int:
+        """Token positions per page."""
+        return int(self.k.shape[3])
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions in the whole pool (per layer): num_pages x page_size."""
+        return self.num_pages * self.page_size
+
+    @staticmethod
+    def shape(cfg: LlamaConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int, int]:
+        """[L, P, K, page_size, H] of the key (or value) array; ``shape(...)[1:]`` is one layer's.
+
+        Raises:
+            ValueError: num_pages or page_size below 1.
+        """
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
+        return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+
+    @classmethod
+    def zeros(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> PagedKVCache:
+        """A zero-filled cache (never ``jnp.empty``: uninitialised memory may hold NaN, and
+        0 * NaN = NaN would leak through the attention mask).
+
+        Raises:
+            ValueError: num_pages or page_size below 1.
+        """
+        shape = cls.shape(cfg, num_pages, page_size)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @classmethod
+    def abstract(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> PagedKVCache:
+        """Shape-and-dtype structs of the cache, for ahead-of-time lowering and shardings.
+
+        Raises:
+            ValueError: num_pages or page_size below 1.
+        """
+        struct: Any = jax.ShapeDtypeStruct(cls.shape(cfg, num_pages, page_size), dtype)
+        return cls(k=struct, v=struct)
+
+    def nbytes(self) -> int:
+        """Total bytes of K and V over all layers: 2 x L x P x K x page_size x H x itemsize."""
+        return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in (self.k, self.v))
+
+
+def slot_mapping(page_tables: jax.Array, seq_of_token: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """Each token's flat cache slot, ``page_tables[s, p // page_size] * page_size + p % page_size``
+    for token n of sequence s = ``seq_of_token[n]`` at position p = ``positions[n]``; -1 for a
+    padding token (``seq_of_token`` outside [0, B), or a negative position), which
+    ``write_kv`` drops.
+
+    Shapes: page_tables [B, max_pages] int32; seq_of_token, positions [N] int32. Returns [N]
+    int32. A position at or past ``max_pages * page_size`` is the caller's error (its page
+    index is clipped to the last column, as JAX clips out-of-range gathers).
+    """
+    B = page_tables.shape[0]
+    pad = (seq_of_token < 0) | (seq_of_token >= B) | (positions < 0)
+    s = jnp.clip(seq_of_token, 0, B - 1)
+    p = jnp.maximum(positions, 0)
+    page = page_tables[s, p // page_size]
+    return jnp.where(pad, -1, page * page_size + p % page_size).astype(jnp.int32)
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    slots: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    layer: jax.Array | int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter N new tokens' keys and values into one layer's pages at flat slots.
+
+    Args:
+        k_pages, v_pages: one layer's pages [P, K, page_size, H] when ``layer`` is None, else
+            the stacked pages of every layer [L, P, K, page_size, H] (``PagedKVCache.k``/``v``),
+            of which only layer ``layer`` is written. Donate them in the jitted step (or carry
+            them through a ``lax.scan``) and XLA updates them in place.
+        slots: [N] int32, token n's slot ``page * page_size + offset`` (``slot_mapping``). A
+            slot outside [0, P * page_size), e.g. -1 or P * page_size, marks a padding token:
+            its write is dropped, never clamped onto a real slot (negative slots are mapped past
+            the end first, since a scatter would otherwise wrap -1 onto the last page). Real
+            slots must be distinct: which of two writes to one slot lands is unspecified.
+        k_new, v_new: [N, K, H], rounded to the pages' dtype (nearest even) when written.
+        layer: None, or an int32 scalar in [0, L), static or traced (a scan's layer index).
+
+    Returns:
+        (k_pages, v_pages) with the N tokens written, shapes as given.
+    """
+    stacked = layer is not None
+    P, _, page_size, _ = k_pages.shape[1:] if stacked else k_pages.shape
+    valid = (slots >= 0) & (slots < P * page_size)
+    page = jnp.where(valid, slots // page_size, P)  # P: out of range, dropped by mode="drop"
+    offset = jnp.where(valid, slots % page_size, 0)
+    k_new, v_new = k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype)
+    if stacked:
+        # pages[layer, page, :, offset, :] has shape [N, K, H]: the scalar layer broadcasts
+        # against the [N] pages and offsets, and the advanced indices' axis goes first.
+        k_pages = k_pages.at[layer, page, :, offset, :].set(k_new, mode="drop")
+        v_pages = v_pages.at[layer, page, :, offset, :].set(v_new, mode="drop")
+        return k_pages, v_pages
+    # pages[page, :, offset, :] has shape [N, K, H] (the two advanced indices go first).
+    k_pages = k_pages.at[page, :, offset, :].set(k_new, mode="drop")
+    v_pages = v_pages.at[page, :, offset, :].set(v_new, mode="drop")
+    return k_pages, v_pages

@@ -1,0 +1,259 @@
+"""One step's inputs on the host (``RaggedBatch``), built from the scheduler's plan by ``build``:
+the flat batch of tokens, the rows' page tables and the per-row state the step installs. The
+batch carries everything the runner needs for the step, so the runner keeps no request state
+and a job over several processes mirrors the step alone.
+
+The flat batch (``Geometry``) is one region of n = D + P tokens for each of the engine's data
+replicas (N = replicas x n). A region's decode region [0, D) holds its replica's decode tokens
+(each attends on its own), then padding, D a decode bucket; its prefill region [D, n) holds
+prefill chunks, each starting at a multiple of ``seq_block`` from D and padded to whole blocks,
+P a prefill bucket, so that attention may read a sequence's keys once per block. Region r holds
+only tokens of replica r's rows, whose page tables number the pages of replica r's pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from model.attention.base import power_of_two_buckets
+from service.engine.request import SamplingOptions
+from service.engine.scheduler import StepPlan
+
+SEQ_BLOCK = 64  # tokens per block of the prefill region (one read of a sequence's keys each)
+MIN_DECODE = 8  # the smallest decode region (all rows when there are fewer)
+MIN_WINDOW = 128  # tokens: the smallest attention window a windowed backend compiles
+
+
+@dataclasses.dataclass(frozen=True)
+class RowInstall:
+    """A request's per-row state, installed in row ``row`` with the first step after its
+    admission: its sampling parameters, whether it wants log-probabilities, its EOS ids, and,
+    when it uses penalties, its token history (the prompt's ids and the ids it already
+    generated, which a preempted request brings back)."""
+
+    row: int
+    sampling: SamplingOptions
+    logprobs: bool
+    eos_ids: tuple[int, ...]
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """One step's inputs, laid out as the module docstring says.
+
+    Attributes:
+        tokens: [N] int32 input ids (those with ``source`` 1 are read on the device).
+        positions: [N] int32, each token's position in its sequence; -1 for padding.
+        rows: [N] int32, each token's row (its sequence); -1 for padding.
+        source: [N] int32: 0 the id is ``tokens``'s, 1 it is the id the previous step sampled
+            for the token's row (still on the device).
+        generated: [N] bool, the token is a decode token (its id is a generated one, counted
+            in the row's history for the penalties).
+        last_index: [S] int32, for each row the index in [0, N) of the token whose logits it
+            samples from, within its replica's region (that region's first index for rows that
+            sample nothing).
+        ban_eos: [S] bool, the row's sampled id may not be one of its EOS ids.
+        page_tables: [S, max_pages] int32, each row's pages in order, numbered within its
+            replica's pool.
+        num_real: real tokens (the rest are padding).
+        max_position: the largest position of a real token (-1: none).
+        decode_tokens: D, each region's decode region's length.
+        installs: rows whose state the step installs first (``RowInstall``).
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    rows: np.ndarray
+    source: np.ndarray
+    generated: np.ndarray
+    last_index: np.ndarray
+    ban_eos: np.ndarray
+    page_tables: np.ndarray
+    num_real: int
+    max_position: int
+    decode_tokens: int
+    installs: tuple[RowInstall, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The shapes one engine's steps take: S rows over ``replicas`` data replicas, pages of
+    ``page_size`` positions, up to ``max_pages`` per sequence, the buckets of each region and of
+    the attention window (the backend's: ``AttentionBackend.window_buckets``).
+
+    Programs = decode x prefill x window buckets; the decode region is a power of two from
+    ``MIN_DECODE`` up to the rows of a replica; the prefill region 0 tokens or a power of two
+    times ``seq_block`` up to ``max_num_batched_tokens`` (rounded up to a block), or up to one
+    chunk per row where that is less.
+    """
+
+    num_slots: int
+    replicas: int
+    page_size: int
+    max_pages: int
+    seq_block: int
+    decode_buckets: tuple[int, ...]
+    prefill_buckets: tuple[int, ...]
+    window_buckets: tuple[int, ...]
+
+    @classmethod
+    def make(
+        cls,
+        num_slots: int,
+        replicas: int,
+        page_size: int,
+        max_seq_len: int,
+        chunk_size: int,
+        max_num_batched_tokens: int,
+        window_buckets: list[int] | None = None,
+    ) -> Geometry:
+        """The geometry of an engine of these sizes; ``window_buckets`` None = the XLA
+        backend's ladder (powers of two from ``MIN_WINDOW`` tokens' pages)."""
+        max_pages = -(-max_seq_len // page_size)
+        seq_block = min(SEQ_BLOCK, chunk_size)  # a chunk pads to a whole block: no bigger than a chunk
+
+        def blocks_of(n: int) -> int:
+            return -(-n // seq_block) * seq_block
+
+        rows = num_slots // replicas
+        region = min(blocks_of(max_num_batched_tokens), rows * blocks_of(chunk_size))
+        if window_buckets is None:
+            window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // page_size), max_pages), max_pages)
+        return cls(
+            num_slots=num_slots,
+            replicas=replicas,
+            page_size=page_size,
+            max_pages=max_pages,
+            seq_block=seq_block,
+            decode_buckets=tuple(power_of_two_buckets(min(MIN_DECODE, rows), rows)),
+            prefill_buckets=(0, *power_of_two_buckets(seq_block, region)),
+            window_buckets=tuple(window_buckets),
+        )
+
+    @property
+    def rows_per_replica(self) -> int:
+        return self.num_slots // self.replicas
+
+    def replica_of(self, row: int) -> int:
+        """The data replica serving ``row`` (rows [r S/d, (r + 1) S/d) are replica r's)."""
+        return row // self.rows_per_replica
+
+    def decode_bucket(self, num_tokens: int) -> int:
+        """The decode region's length for ``num_tokens`` decode tokens (<= a replica's rows)."""
+        return pick_bucket(num_tokens, self.decode_buckets)
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        """The prefill region's length for ``num_tokens`` (chunks already padded to blocks)."""
+        return pick_bucket(num_tokens, self.prefill_buckets)
+
+    def window(self, max_position: int) -> int:
+        """The window bucket covering positions up to ``max_position`` (-1: none)."""
+        return pick_bucket(max(max_position, 0) // self.page_size + 1, self.window_buckets)
+
+    def padded(self, length: int) -> int:
+        """A chunk of ``length`` tokens padded to whole blocks."""
+        return -(-length // self.seq_block) * self.seq_block
+
+    def empty_batch(self, decode_tokens: int, prefill_tokens: int) -> RaggedBatch:
+        """All padding: ``replicas`` regions of ``decode_tokens`` + ``prefill_tokens`` tokens,
+        every row sampling from its region's first token, page tables all page 0."""
+        S, n = self.num_slots, decode_tokens + prefill_tokens
+        N = self.replicas * n
+        return RaggedBatch(
+            tokens=np.zeros(N, np.int32),
+            positions=np.full(N, -1, np.int32),
+            rows=np.full(N, -1, np.int32),
+            source=np.zeros(N, np.int32),
+            generated=np.zeros(N, bool),
+            last_index=(np.arange(S, dtype=np.int32) // self.rows_per_replica * n).astype(np.int32),
+            ban_eos=np.zeros(S, bool),
+            page_tables=np.zeros((S, self.max_pages), np.int32),
+            num_real=0,
+            max_position=-1,
+            decode_tokens=decode_tokens,
+        )
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...] | list[int]) -> int:
+    """The smallest bucket >= n.
+
+    Raises:
+        ValueError: n exceeds the largest.
+    """
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight: int | None = None) -> RaggedBatch:
+    """The flat batch of ``plan``: each replica's decode tokens, then each chunk from a block
+    boundary of its prefill region; the rows' page tables (``page_tables``, the scheduler's,
+    copied); each admitted request's ``RowInstall``.
+
+    Args:
+        plan: the scheduler's plan.
+        geometry: the runner's shapes.
+        page_tables: [S, max_pages] int32, the scheduler's.
+        in_flight: the number of the dispatched step whose ids are not on the host yet (None:
+            every sampled id is): a decode token fed by it reads its id on the device.
+
+    Raises:
+        ValueError: a region does not fit the largest bucket.
+    """
+    d, S_r = geometry.replicas, geometry.rows_per_replica
+    decode_of, padded_of = [0] * d, [0] * d  # each replica's region holds its own rows' tokens
+    for t in plan.decode:
+        decode_of[t.slot // S_r] += 1
+    for c in plan.prefills:
+        padded_of[c.slot // S_r] += geometry.padded(c.length)
+    D = geometry.decode_bucket(max(decode_of))
+    batch = geometry.empty_batch(D, geometry.prefill_bucket(max(padded_of)))
+    n = len(batch.tokens) // d
+    tokens, positions, rows, source = batch.tokens, batch.positions, batch.rows, batch.source
+    last_index, ban = batch.last_index, batch.ban_eos
+    at = [replica * n for replica in range(d)]  # the next free decode position of each region
+    for t in plan.decode:
+        j = t.slot // S_r
+        i, at[j] = at[j], at[j] + 1
+        positions[i], rows[i], batch.generated[i] = t.position, t.slot, True
+        if in_flight is not None and t.fed_by == in_flight:
+            source[i] = 1
+        else:
+            tokens[i] = t.request.output_ids[-1]
+        last_index[t.slot], ban[t.slot] = i, t.ban_eos
+    at = [replica * n + D for replica in range(d)]  # each region's next chunk start
+    for c in plan.prefills:
+        j = c.slot // S_r
+        i, at[j] = at[j], at[j] + geometry.padded(c.length)
+        tokens[i : i + c.length] = c.request.prefill_ids(c.start, c.length)
+        positions[i : i + c.length] = np.arange(c.start, c.start + c.length, dtype=np.int32)
+        rows[i : i + c.length] = c.slot
+        if c.is_last:
+            last_index[c.slot], ban[c.slot] = i + c.length - 1, c.ban_eos
+    installs = tuple(
+        RowInstall(
+            row=r.slot,
+            sampling=r.sampling,
+            logprobs=r.logprobs is not None,
+            eos_ids=tuple(sorted(r.eos_ids)),
+            history=(tuple(r.prompt_ids), tuple(r.output_ids)) if uses_history(r.sampling) else None,
+        )
+        for r in sorted(plan.admitted, key=lambda r: r.slot or 0)
+        if r.slot is not None
+    )
+    return dataclasses.replace(
+        batch,
+        page_tables=page_tables.copy(),
+        num_real=plan.num_tokens,
+        max_position=int(positions.max()),
+        installs=installs,
+    )
+
+
+def uses_history(options: SamplingOptions) -> bool:
+    """Whether a request's sampling reads its token history (any penalty set)."""
+    return bool(options.presence_penalty or options.frequency_penalty or options.repetition_penalty != 1)

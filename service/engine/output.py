@@ -1,0 +1,73 @@
+"""A step's results: packed on the device into one array (``pack_step``), brought to the host in
+one copy (``StepOutput.host``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOP_LOGPROBS = 20  # most alternatives a request may ask for
+
+
+def pack_step(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool = True) -> jax.Array:
+    """Pack a step's host-bound results into one float32 array, so each step makes a single
+    device-to-host copy.
+
+    Args:
+        logits: [R, V] float32. ids: [R] int32 sampled ids.
+        want_logprobs: scalar bool; when False the log-softmax and top-k over the vocabulary
+            are skipped (``lax.cond``) and those columns are 0.
+
+    Returns:
+        [R, 2 + 2 * TOP_LOGPROBS] float32: the id (exact in float32 below 2**24), its
+        log-probability under the model's raw distribution (log-softmax of the logits, before
+        temperature and filtering), the TOP_LOGPROBS highest log-probabilities, and their ids.
+    """
+
+    def with_logprobs(_: None) -> jax.Array:
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+        return jnp.concatenate([chosen, top_lp, top_ids.astype(jnp.float32)], axis=-1)
+
+    def without(_: None) -> jax.Array:
+        return jnp.zeros((ids.shape[0], 1 + 2 * TOP_LOGPROBS), jnp.float32)
+
+    extra = jax.lax.cond(jnp.asarray(want_logprobs), with_logprobs, without, None)
+    return jnp.concatenate([ids[:, None].astype(jnp.float32), extra], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+    """A step's results on the host, one row per slot (or one row for a prefill).
+
+    Attributes: ids [R] int32; logprob [R] float32 (of each sampled id); top_logprobs
+    [R, TOP_LOGPROBS] float32, descending; top_ids [R, TOP_LOGPROBS] int32.
+    """
+
+    ids: np.ndarray
+    logprob: np.ndarray
+    top_logprobs: np.ndarray
+    top_ids: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Device results of one compiled step: ``packed`` (see ``pack_step``) and logits [R, V]."""
+
+    packed: jax.Array
+    logits: jax.Array
+
+    def host(self) -> HostStep:
+        """The one device-to-host copy of the step (blocks until the step is done)."""
+        a = np.asarray(self.packed)
+        n = TOP_LOGPROBS
+        return HostStep(
+            ids=a[:, 0].astype(np.int32),
+            logprob=a[:, 1],
+            top_logprobs=a[:, 2 : 2 + n],
+            top_ids=a[:, 2 + n :].astype(np.int32),
+        )

@@ -1,0 +1,214 @@
+"""Request state: plain Python, no JAX, so the scheduler is testable without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+from service.engine.text_stream import TextStream
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped; values match ``meshserve.v1.FinishReason``."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP_STRING = 3
+    CANCELLED = 4
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, no row yet
+    PREFILLING = "prefilling"  # holds a row; prompt chunks still being written to the KV cache
+    DECODING = "decoding"  # prompt cached; one token per engine step
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (see ``model.sampling``).
+
+    The penalties follow their sources: ``presence_penalty`` and ``frequency_penalty`` are
+    OpenAI's (subtracted from the logit of every id already generated: once, and once per
+    occurrence), ``repetition_penalty`` is CTRL's (Keskar et al. 2019, §4.1, as Hugging Face's
+    ``RepetitionPenaltyLogitsProcessor``: the logit of every id in the prompt or the output is
+    divided by it when positive, multiplied when negative; 1 disables it). ``min_p`` keeps the
+    ids whose probability is at least ``min_p`` times the most likely one's (0 disables it).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated id under the model's raw distribution (log-softmax of
+    the logits, before temperature and filtering), with the ``top`` most likely alternatives as
+    (id, log-probability) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One streamed event: the text delta and the ids generated since the last chunk.
+
+    ``finish_reason`` and the usage counts are set on the last chunk only. ``error`` is set
+    when the engine failed and the request cannot complete (the server maps it to UNAVAILABLE).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A generation request as the engine loop sees it.
+
+    Attributes:
+        request_id: id used in logs and responses.
+        prompt_ids: the prompt's token ids (non-empty, each < vocab size).
+        max_tokens: most ids to generate (>= 1); prompt + max_tokens <= the engine's max length.
+        sampling: sampling parameters.
+        text: detokenizer and stop-string matcher for this request's output.
+        emit: called from the engine thread with each Chunk (must not block).
+        eos_ids: ids that end generation (excluded from the output), unless ``ignore_eos``.
+        logprobs: None, or how many top alternatives (0..TOP_LOGPROBS) to return with each
+            generated id's log-probability.
+        min_tokens: EOS ids are not sampled (and stop strings do not end the request) before
+            this many ids are generated: the engine loop bans the ``eos_ids`` on the device
+            while ``sampled < min_tokens``, and the text of the first ``min_tokens - 1`` ids
+            is not searched for stop strings (vLLM's rule: a stop string can end the request
+            from its ``min_tokens``-th id on).
+        ignore_eos: generation goes on past EOS ids (they are then ordinary output ids,
+            counted and detokenized like any other: a special id's text is empty), to
+            ``max_tokens`` or a stop string.
+        prefix_cache: the request may reuse cached pages of an equal prefix and registers its
+            own full pages for later requests; False opts out of both.
+        group: the sequences of one request with n > 1 share it (None for n = 1): the
+            scheduler admits one of them first and the others once its prompt is prefilled, so
+            they reuse its prompt's pages instead of computing them n times.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    text: TextStream
+    emit: Callable[[Chunk], None]
+    eos_ids: frozenset[int]
+    logprobs: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    prefix_cache: bool = True
+    group: str | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    slot: int | None = None  # its row of the step's per-row arrays while it runs
+    num_cached: int = 0  # tokens whose K/V are in the cache (prompt chunks, then fed-back ids)
+    sampled: int = 0  # ids sampled by dispatched steps (EOS included), known before they land
+    sampled_by: int | None = None  # the number of the step that sampled the newest id (None: none yet)
+    preemptions: int = 0  # times the scheduler preempted it (it was recomputed as often)
+    finish_reason: FinishReason | None = None
+    arrival_s: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _finish_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (thread-safe); it frees its row within one step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill writes before the next id is sampled: the prompt, plus the ids already
+        generated when a preempted request is recomputed (they are fixed during its prefill)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def prefill_ids(self, start: int, length: int) -> list[int]:
+        """Ids [start, start + length) of the prompt followed by the generated ids."""
+        n = len(self.prompt_ids)
+        if start + length <= n:
+            return self.prompt_ids[start : start + length]
+        return (self.prompt_ids + self.output_ids)[start : start + length]
+
+    def accept_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Record one sampled id: check EOS (unless ``ignore_eos``), stop strings (from the
+        ``min_tokens``-th id on) and max_tokens, and emit a chunk (with ``logprob`` attached
+        when the request asked for log-probabilities)."""
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
+        if token_id in self.eos_ids and not self.ignore_eos:
+            self.finish(FinishReason.EOS)
+            return
+        self.output_ids.append(token_id)
+        delta, stopped = self.text.push(token_id, check_stop=len(self.output_ids) >= self.min_tokens)
+        lps = [logprob] if logprob is not None and self.logprobs is not None else []
+        if stopped:
+            self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id], logprobs=lps)
+        else:
+            self.emit(Chunk(text=delta, token_ids=[token_id], logprobs=lps))
+
+    def finish(
+        self,
+        reason: FinishReason,
+        last_text: str = "",
+        last_ids: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        """Mark finished and emit the final chunk (held-back text is flushed unless a stop
+        string matched, in which case nothing of it is sent)."""
+        with self._finish_lock:
+            if self.state is RequestState.FINISHED:
+                return
+            self.state = RequestState.FINISHED
+        if reason is not FinishReason.STOP_STRING:
+            last_text += self.text.finish()
+        self.finish_reason = reason
+        self.finished_s = time.monotonic()
+        self.emit(
+            Chunk(
+                text=last_text,
+                token_ids=list(last_ids or []),
+                finish_reason=reason,
+                prompt_tokens=self.prompt_len,
+                completion_tokens=len(self.output_ids),
+                logprobs=list(logprobs or []),
+            )
+        )
+
+    def fail(self, message: str) -> None:
+        """End the request because the engine failed (thread-safe; only the first end counts)."""
+        with self._finish_lock:
+            if self.state is RequestState.FINISHED:
+                return
+            self.state = RequestState.FINISHED
+        self.finished_s = time.monotonic()
+        self.emit(Chunk(text="", token_ids=[], error=message))

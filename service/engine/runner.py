@@ -1,0 +1,577 @@
+"""The runner: one model on one mesh, with its placed parameters, its paged KV pool, the rows'
+device state (sampling parameters, token history) and the compiled step (``Runner.step``).
+
+Each step runs a flat batch of tokens (``service.engine.batch.RaggedBatch``; the model's
+``ragged_step``): one token for every decoding sequence and prefill chunks of any number of
+prompts, and samples one id for every row whose token is a decode token or the last of its
+prefill. Its jit arguments are the weights, the two cache arrays, the token history, the
+sampling parameters and eleven small metadata arrays: their number is the same whatever the pool
+size, the longest sequence or the number of rows, so the call's dispatch does not grow with them.
+
+What runs where is chosen once, by ``model.kernels.choose`` for the mesh's devices: the
+attention backend, the weights' form (packed panels, stored blocks' kernel), the argmax and the
+layer loop. The attention backend says which windows to compile (``window_buckets``).
+
+Data parallelism (a layout's ``data`` axis, d replicas): the pool's pages and the rows are split
+over ``data``, each replica serving its rows from its own range of pages; the flat batch is d
+equal regions, one per replica, and the step runs ``ragged_step`` as one ``jax.vmap`` over them
+(``_per_replica``), so no replica reads another's pages.
+
+A job over several processes (``service.engine.distributed``): process 0's runner sends each
+call that launches JAX work (``MIRRORED``) over its ``channel`` before making it, and the other
+processes make the same calls on their own runners, in the same order.
+
+Programs = decode x prefill x window buckets (``Geometry``); ``warmup`` compiles the ones short
+sequences need (``warm_programs``); the rest compile on first use (and land in JAX's persistent
+compilation cache).
+
+The token history (``model.sampling.TokenHistory``, for the penalties): a row is written whole
+when its request is admitted (``RowInstall.history``: the prompt's ids and the ids it already
+generated, which a preempted request brings back), and each step counts its decode tokens,
+whose inputs are generated ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Collection
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model import kernels as kernel_choice
+from model.attention.base import StepMeta
+from model.attention.pages import PagedKVCache
+from model.config import LlamaConfig
+from model.llama import ragged_step
+from model.sampling import SamplingParams, TokenHistory, sample, seed_to_key
+from model.weights.build import abstract_llama
+from model.weights.quant_panels import QuantPanels
+from service.engine import kv_pool
+from service.engine.batch import MIN_WINDOW, Geometry, RaggedBatch, RowInstall, pick_bucket
+from service.engine.config import EngineConfig, resolve_kv_dtype
+from service.engine.output import TOP_LOGPROBS, StepOutput, pack_step
+from sharding.layouts import Layout
+from sharding.mesh import make_mesh
+from sharding.plan import make_plan
+from sharding.rules import cache_shardings, param_shardings, replicated
+
+if TYPE_CHECKING:
+    from service.engine.distributed import StepChannel
+
+log = logging.getLogger(__name__)
+
+# The calls process 0's runner mirrors to its followers: a step's, and a live switch's (made on
+# the runner being built).
+MIRRORED = ("step", "warmup", "relayout", "warmup_to_replace", "adopt_state")
+PREVIOUS = "meshserve:previous-step-output"  # a mirrored step's ``prev``: the previous step's own output
+STOP = "stop"  # process 0's last message: the followers leave
+WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-full
+
+Program = tuple[int, int, int]  # (decode bucket, prefill bucket, window pages)
+
+
+class Runner:
+    """Owns the placed params, the KV pool, the rows' device state and the compiled steps of one
+    layout.
+
+    Not thread-safe: one engine-loop thread calls every method after construction (``relayout``
+    may run on another thread: it only reads the weights).
+
+    Args:
+        cfg: model hyperparameters.
+        graphdef: the Llama module's graph (``nnx.split``).
+        params: host or device state of the parameters (placed here, in the form the kernels
+            take, with the layout's shardings).
+        layout: the mesh layout.
+        engine_cfg: sizes, dtypes and kernel modes.
+        devices: devices to build the mesh on (default: all).
+
+    Raises:
+        LayoutError: the layout does not fit the devices or does not divide the model's axes.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        graphdef: nnx.GraphDef,
+        params: Any,
+        layout: Layout,
+        engine_cfg: EngineConfig,
+        devices: list[jax.Device] | None = None,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.plan = make_plan(layout, cfg, engine_cfg.num_slots)
+        self.mesh = make_mesh(layout, devices)
+        mesh_devices = list(self.mesh.devices.flat)
+        self.kv_dtype = jnp.dtype(resolve_kv_dtype(engine_cfg.kv_dtype, engine_cfg.dtype))
+        self.kernels = kernel_choice.choose(
+            mesh_devices, cfg, self.dtype, self.kv_dtype, attention=engine_cfg.attention, matmul=engine_cfg.matmul,
+            layer_loop=engine_cfg.layer_loop,
+        )  # fmt: skip
+        engine_cfg = dataclasses.replace(engine_cfg, kv_dtype=self.kv_dtype.name, layer_loop=self.kernels.layer_loop)
+        rules = self.plan.rules
+        S, ps = engine_cfg.num_slots, engine_cfg.page_size
+        self.graphdef, self.params, self.param_sharding = place_params(
+            graphdef, params, self.dtype, self.kernels, self.mesh, rules
+        )
+        self.repl = replicated(self.mesh)
+        # Data parallelism: each data replica serves its own rows from its own pool (pages split
+        # over ``data``: replica r holds pages [r P/d, (r + 1) P/d), numbered 0.. in its tables).
+        self.replicas = d = layout.data
+        # The pool's size, from what was asked or from the memory left once the weights are placed.
+        one_page = cache_shardings(PagedKVCache.abstract(cfg, d, ps, self.kv_dtype), self.mesh, rules).k
+        per_token = 2 * math.prod(one_page.shard_shape(PagedKVCache.shape(cfg, d, ps))) * self.kv_dtype.itemsize // ps
+        tokens = kv_pool.pool_tokens(
+            kv_cache_tokens=engine_cfg.kv_cache_tokens,
+            kv_cache_memory=engine_cfg.kv_cache_memory,
+            num_slots=S,
+            max_seq_len=engine_cfg.max_seq_len,
+            page_size=ps,
+            per_token=per_token,
+            num_devices=len(mesh_devices),
+            device_free=kv_pool.device_free_bytes(mesh_devices),
+            host_available=kv_pool.host_available_bytes(),
+            replicas=d,
+        )
+        if jax.process_count() > 1 and not engine_cfg.kv_cache_tokens:
+            # Sized from each process's own memory: every process must build the same pool.
+            tokens = kv_pool.agreed_tokens(tokens)
+        # The resolved size replaces the ask, so a relayout (live switch) keeps the same pages.
+        self.ecfg = dataclasses.replace(engine_cfg, kv_cache_tokens=tokens, kv_cache_memory=0)
+        self.num_pages = self.ecfg.num_pages
+        self.pages_per_replica = self.num_pages // d
+        self.pool_bytes_per_device = tokens // d * per_token
+        self._cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
+        log.info(
+            "KV pool: %d pages of %d positions (%d tokens, %.1f MB per device, as `meshserve layouts` counts) "
+            "in %d data replica(s)",
+            self.num_pages, ps, tokens, self.pool_bytes_per_device / 1e6, d,
+        )  # fmt: skip
+        self.cache = jax.jit(
+            partial(PagedKVCache.zeros, cfg, self.num_pages, ps, self.kv_dtype), out_shardings=self._cache_sh
+        )()
+        self.history = jax.jit(partial(TokenHistory.zeros, S, cfg.vocab_size), out_shardings=self.repl)()
+        log.info("kernels: %s", self.kernels.describe())
+        max_pages = -(-self.ecfg.max_seq_len // ps)
+        self.geometry = Geometry.make(
+            S, d, ps, self.ecfg.max_seq_len, self.ecfg.chunk_size, self.ecfg.max_num_batched_tokens,
+            self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)),
+        )  # fmt: skip
+        self._programs: dict[Program, Any] = {}
+        self.warmed = False  # after warmup(): a program compiled later is logged (it stalls a step)
+        # The rows' sampling parameters: host arrays written by the batches' installs, uploaded
+        # once before the next step that follows a change (not on every step).
+        self._sp = SamplingParams.host(S)
+        self._sp_device: SamplingParams | None = None
+        # Step inputs split by replica: token regions, page tables and rows over ``data``.
+        self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
+        self._no_prev = global_array(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
+        self._set_row = jax.jit(TokenHistory.with_row, out_shardings=self.repl, donate_argnums=(0,))
+        self.channel: StepChannel | None = None  # process 0 of a job: the followers' (MIRRORED)
+
+    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Send call ``name`` to the followers first (process 0 of a job; else nothing)."""
+        if self.channel is not None:
+            self.channel.send((name, args, kwargs))
+
+    # ---- the compiled step -----------------------------------------------------------------
+    def _program(self, key: Program) -> Any:
+        if key not in self._programs:
+            self._programs[key] = self._compile(*key)
+        return self._programs[key]
+
+    def _compile(self, decode_tokens: int, prefill_tokens: int, window_pages: int) -> Any:
+        # Locals, not ``self``: a jitted function closing over its runner is a reference cycle
+        # that kept old runners (weights, KV pool) alive until a full garbage collection.
+        graphdef, argmax, attention = self.graphdef, self.kernels.argmax, self.kernels.attention
+        d, ps, seq_block = self.replicas, self.ecfg.page_size, self.geometry.seq_block
+
+        def run(params, cache, history, sp, host_tokens, source, prev, positions, rows, generated, page_tables, last_index, ban):  # type: ignore[no-untyped-def]  # noqa: E501
+            S = page_tables.shape[0]
+            from_prev = prev[jnp.clip(rows, 0, S - 1), 0].astype(jnp.int32)
+            tokens = jnp.where(source == 1, from_prev, host_tokens)
+            # A decode token's id is one its row generated: count it.
+            history = history.counted(rows, tokens, generated & (rows >= 0) & (positions >= 0))
+            model = nnx.merge(graphdef, params)
+
+            def step(cache, tokens, positions, rows, tables, last):  # type: ignore[no-untyped-def]
+                meta = StepMeta.build(
+                    tables, rows, positions, ps, window_pages=window_pages, decode_tokens=decode_tokens,
+                    seq_block=seq_block,
+                )  # fmt: skip
+                return ragged_step(model, cache, tokens, meta, last, attention)
+
+            if d == 1:
+                logits, cache = step(cache, tokens, positions, rows, page_tables, last_index)
+            else:
+                logits, cache = _per_replica(step, d, cache, tokens, positions, rows, page_tables, last_index)
+            sp = dataclasses.replace(sp, ban_eos=ban)
+            next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)
+            return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
+
+        r, by = self.repl, self.by_replica
+        return jax.jit(
+            run,
+            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, r),
+            # Logits stay with their replica's devices (read by tests, not by the loop).
+            out_shardings=(r, by, self._cache_sh, r),
+            donate_argnums=(1, 2),
+        )
+
+    def step(self, batch: RaggedBatch, prev: StepOutput | None = None) -> StepOutput:
+        """Install the batch's rows (``batch.installs``), then dispatch one ragged step
+        (asynchronous).
+
+        Args:
+            batch: the inputs, laid out as ``service.engine.batch`` says.
+            prev: the previous step's output, when ``batch.source`` reads from it.
+
+        Returns:
+            One row per row of the batch (rows that sample nothing are meaningless).
+
+        Raises:
+            ValueError: a position past ``max_seq_len``, or regions no bucket holds.
+        """
+        self._program_of(batch)  # a bad batch raises here, before the followers see it
+        self._mirror("step", batch, PREVIOUS if prev is not None else None)
+        return self._dispatch(batch, prev)
+
+    def _program_of(self, batch: RaggedBatch) -> Program:
+        """The program ``batch`` runs: its regions' buckets and its window.
+
+        Raises:
+            ValueError: a position past ``max_seq_len``, or regions no bucket holds.
+        """
+        if batch.max_position >= self.ecfg.max_seq_len:
+            raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
+        g = self.geometry
+        if len(batch.tokens) % self.replicas:
+            raise ValueError(f"{len(batch.tokens)} tokens do not split into {self.replicas} equal regions")
+        decode = batch.decode_tokens
+        prefill = len(batch.tokens) // self.replicas - decode
+        if decode not in g.decode_buckets or prefill not in g.prefill_buckets:
+            raise ValueError(
+                f"regions of {decode} decode and {prefill} prefill tokens: buckets are "
+                f"{g.decode_buckets} and {g.prefill_buckets}"
+            )
+        return decode, prefill, g.window(batch.max_position)
+
+    def _dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
+        """``step`` without mirroring."""
+        key = self._program_of(batch)
+        for install in batch.installs:
+            self._install(install)
+        cold = self.warmed and key not in self._programs
+        program = self._program(key)
+        t0 = time.perf_counter() if cold else 0.0
+        host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
+        split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
+        if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
+            split = tuple(global_array(a, self.by_replica) for a in split)
+        tokens, source, positions, rows, generated, page_tables, last_index = split
+        packed, logits, self.cache, self.history = program(
+            self.params,
+            self.cache,
+            self.history,
+            self._sampling(),
+            tokens,
+            source,
+            prev.packed if prev is not None else self._no_prev,
+            positions,
+            rows,
+            generated,
+            page_tables,
+            last_index,
+            batch.ban_eos,
+        )
+        if cold:  # compiled in the call: the step (and every stream) waited for it
+            log.info(
+                "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages on first use "
+                "in %.1f s (serve --warmup-full compiles %d programs before SERVING)",
+                *key, time.perf_counter() - t0, len(self.warm_programs(full=True)),
+            )  # fmt: skip
+        return StepOutput(packed, logits)
+
+    # ---- per-row state ---------------------------------------------------------------------
+    def _install(self, install: RowInstall) -> None:
+        """A request's row: its sampling parameters (uploaded before the step; more EOS ids than
+        any request so far widen the per-row array to the next power of two, one recompile),
+        and, when it uses penalties, its token history, written whole (asynchronously)."""
+        write_sampling_row(self._sp, install)
+        self._sp_device = None
+        if install.history is not None:
+            prompt_ids, generated_ids = install.history
+            V = self.cfg.vocab_size
+            in_prompt = np.zeros(V, bool)
+            in_prompt[np.asarray(prompt_ids, np.int64)] = True
+            counts = np.bincount(np.asarray(generated_ids, np.int64), minlength=V).astype(np.int32)
+            self.history = self._set_row(self.history, np.int32(install.row), counts, in_prompt)
+
+    def _sampling(self) -> SamplingParams:
+        if self._sp_device is None:
+            self._sp_device = SamplingParams(**upload_host_arrays(self._sp, self.repl))
+        return self._sp_device
+
+    # ---- compiling ahead -------------------------------------------------------------------
+    def idle_batch(self, program: Program) -> RaggedBatch:
+        """A batch of ``program``'s shapes, all padding but one token of row 0 at the window's
+        last position (or ``max_seq_len``'s: the largest window's last page may reach past it),
+        page table all page 0: for warm-up (it writes one position of page 0, which no sequence
+        has yet)."""
+        decode, prefill, window = program
+        b = self.geometry.empty_batch(decode, prefill)
+        position = min(window * self.ecfg.page_size, self.ecfg.max_seq_len) - 1
+        real = decode if prefill else 0
+        b.positions[real], b.rows[real] = position, 0
+        return dataclasses.replace(b, num_real=1, max_position=position)
+
+    def warm_programs(self, full: bool = False) -> list[Program]:
+        """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
+        decode and prefill bucket at the smallest window (new prompts while sequences are
+        short), and decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
+        growing); with ``full``, every prefill bucket and window with all rows decoding, and
+        decode-only steps of every decode bucket and window. A backend with one window compiles
+        one program per (decode, prefill) pair."""
+        ps, g = self.ecfg.page_size, self.geometry
+        D, Pb, W = g.decode_buckets, g.prefill_buckets, g.window_buckets
+        if full:
+            return list(dict.fromkeys([(D[-1], p, w) for p in Pb for w in W] + [(d, 0, w) for d in D[:-1] for w in W]))
+        warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
+        return list(dict.fromkeys([(d, p, W[0]) for d in D for p in Pb] + [(d, 0, w) for d in D for w in warm]))
+
+    def warmup(self, full: bool = False, also: Collection[Program] = ()) -> float:
+        """Compile (and run once) ``warm_programs(full)`` and the programs ``also`` names; the rest
+        compile on first use. Returns the seconds spent."""
+        self._mirror("warmup", full=full, also=tuple(also))
+        return self._warm([*self.warm_programs(full), *also])
+
+    def _warm(self, programs: list[Program]) -> float:
+        t0 = time.perf_counter()
+        programs = list(dict.fromkeys(programs))
+        for program in programs:
+            self._dispatch(self.idle_batch(program), None).host()
+        elapsed = time.perf_counter() - t0
+        log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
+        self.warmed = True
+        return elapsed
+
+    # ---- layout switch -----------------------------------------------------------------------
+    def warmup_to_replace(self, old: Runner) -> float:
+        """Before this runner takes over from ``old`` (a live switch): compile the programs
+        ``warmup`` does and ``replacement_programs(old)``, so traffic like ``old``'s compiles
+        nothing after the switch. Returns the seconds spent."""
+        self._mirror("warmup_to_replace")
+        return self._warm([*self.warm_programs(), *self.replacement_programs(old)])
+
+    def replacement_programs(self, old: Runner) -> list[Program]:
+        """The programs here that serve the steps ``old`` has compiled: each of its (decode,
+        prefill, window) buckets as this runner's buckets take it (sizes past the largest
+        clipped to it), and, where this runner has fewer data replicas, also the regions that
+        hold ``old``'s replicas' tokens together (sizes x old replicas / these)."""
+        g = self.geometry
+
+        def fit(n: int, buckets: tuple[int, ...]) -> int:
+            return pick_bucket(min(n, buckets[-1]), buckets)
+
+        scales = [1] if old.replicas <= self.replicas else [1, -(-old.replicas // self.replicas)]
+        return list(
+            dict.fromkeys(
+                (fit(d * k, g.decode_buckets), fit(p * k, g.prefill_buckets), fit(w, g.window_buckets))
+                for d, p, w in old._programs
+                for k in scales
+            )
+        )
+
+    def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> Runner:
+        """A new runner with this runner's weights on ``layout``'s mesh over ``devices``.
+
+        The weights move device to device (``jax.device_put`` to the new shardings, after taking
+        the form the new devices' kernels run), unless ``params`` (e.g. restored from a
+        checkpoint into the new shardings) are given; the new runner has its own empty pool and
+        history until ``adopt_state``. Safe to call from another thread while this runner keeps
+        stepping (it only reads the weights).
+
+        Raises:
+            LayoutError: the layout does not fit ``devices`` or the model's axes.
+            ValueError: ``params`` given in a job over several processes (restored on this
+                process alone, they cannot be mirrored).
+        """
+        if params is not None and self.channel is not None:
+            raise ValueError("a job over several processes moves the live weights; restored ones cannot be mirrored")
+        self._mirror("relayout", layout, [d.id for d in devices])
+        if params is None:
+            new = Runner(self.cfg, self.graphdef, self.params, layout, self.ecfg, devices)
+        else:
+            new = Runner(self.cfg, abstract_llama(self.cfg)[0], params, layout, self.ecfg, devices)  # as loaded
+        new.channel = self.channel
+        return new
+
+    def adopt_state(self, old: Runner) -> None:
+        """Take over ``old``'s token history and sampling state (moved to this mesh) and, when
+        both have as many data replicas, its pages: the page numbers stay, so the scheduler's
+        tables remain valid. With another replica count the pages are not taken (each replica's
+        pool is another range of them): the scheduler must have recomputed every sequence
+        (``Scheduler.repartition``). Call between two steps."""
+        self._mirror("adopt_state")
+        if old.replicas == self.replicas:
+            self.cache = jax.device_put(old.cache, self._cache_sh)
+        self.history = jax.device_put(old.history, self.repl)
+        self._sp = {k: v.copy() for k, v in old._sp.items()}
+        self._sp_device = None
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may hold here: ``max_seq_len``, and no more than one
+        replica's pool (a sequence's pages all come from its replica's)."""
+        return min(self.ecfg.max_seq_len, self.pages_per_replica * self.ecfg.page_size)
+
+    def weight_bytes_per_device(self) -> dict[str, int]:
+        """Bytes of parameters held by each device, keyed by device id string."""
+        return bytes_per_device(self.params)
+
+
+# ---- placement ------------------------------------------------------------------------------------
+def place_params(
+    graphdef: nnx.GraphDef, params: Any, dtype: jnp.dtype, kernels: kernel_choice.Kernels, mesh: jax.sharding.Mesh,
+    rules: Any,
+) -> tuple[nnx.GraphDef, Any, Any]:  # fmt: skip
+    """A model's parameters on a layout's mesh: float host arrays cast to ``dtype``, put in the
+    form ``kernels`` run (``model.kernels.to_form``), placed by ``param_shardings``.
+
+    Returns:
+        (the graph of that form, the placed state, its tree of shardings).
+
+    Raises:
+        LayoutError: a split axis does not divide (``param_shardings``).
+    """
+    params = jax.tree.map(  # blocks kept as stored keep their dtypes
+        lambda a: np.asarray(a, dtype) if isinstance(a, np.ndarray) else a,
+        params,
+        is_leaf=lambda x: isinstance(x, QuantPanels),
+    )
+    graphdef, params = kernel_choice.to_form(graphdef, params, kernels)
+    sharding = param_shardings(params, mesh, rules)
+    if mesh.is_multi_process:
+        # Each process places only its own shards of the host copy it read (``global_array``):
+        # no collective per weight comparing whole arrays across processes.
+        def place(s: jax.sharding.Sharding, sub: Any) -> Any:  # ``sharding`` is a prefix of ``params``
+            return jax.tree.map(lambda a: global_array(a, s) if isinstance(a, np.ndarray) else jax.device_put(a, s), sub)
+
+        return graphdef, jax.tree.map(place, sharding, params), sharding
+    return graphdef, jax.device_put(params, sharding), sharding
+
+
+def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``host`` on ``sharding``: ``jax.device_put`` where the sharding's devices are all this
+    process's; where it spans several processes (jax.distributed,
+    ``service.engine.distributed``), built from this process's own shards of ``host``, which
+    every process must hold alike (not checked: ``device_put`` would compare it across the
+    processes, a collective per array, and ``jit`` refuses numpy inputs for a sharding there
+    that is not fully replicated)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def upload_host_arrays(host: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Device copies of host arrays (the sampling parameters), shapes and dtypes kept. Copies
+    first: ``write_sampling_row`` writes the host arrays in place, and a CPU ``device_put`` may
+    alias numpy memory."""
+    return {k: global_array(v.copy(), sharding) for k, v in host.items()}
+
+
+def bytes_per_device(tree: Any) -> dict[str, int]:
+    """Bytes of ``tree``'s array shards held by each device, keyed by device id string."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device.id)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
+
+
+def write_sampling_row(sp: dict[str, np.ndarray], install: RowInstall) -> None:
+    """Write one request's sampling parameters into row ``install.row`` of the host arrays
+    ``sp`` (``SamplingParams.host``'s, in place). More EOS ids than the per-row width replaces
+    ``sp["eos_ids"]`` with one widened to the next power of two (-1 padding)."""
+    slot, options = install.row, install.sampling
+    sp["temperature"][slot] = options.temperature
+    sp["top_k"][slot] = options.top_k
+    sp["top_p"][slot] = options.top_p
+    sp["keys"][slot] = seed_to_key(options.seed)
+    sp["logprobs"][slot] = install.logprobs
+    sp["presence_penalty"][slot] = options.presence_penalty
+    sp["frequency_penalty"][slot] = options.frequency_penalty
+    sp["repetition_penalty"][slot] = options.repetition_penalty
+    sp["min_p"][slot] = options.min_p
+    ids = install.eos_ids
+    rows, width = sp["eos_ids"].shape
+    if len(ids) > width:
+        wider = np.full((rows, 1 << (len(ids) - 1).bit_length()), -1, np.int32)
+        wider[:, :width] = sp["eos_ids"]
+        sp["eos_ids"] = wider
+    sp["eos_ids"][slot] = -1
+    sp["eos_ids"][slot, : len(ids)] = ids
+
+
+def _per_replica(
+    step: Any,
+    replicas: int,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    rows: jax.Array,
+    page_tables: jax.Array,
+    last_index: jax.Array,
+) -> tuple[jax.Array, PagedKVCache]:
+    """``step`` (``ragged_step`` with its static arguments bound) run by each data replica on its
+    own region, rows and pool, as one ``jax.vmap`` over a leading replica axis that the SPMD
+    partitioner keeps on the ``data`` mesh axis (``spmd_axis_name``), so no replica reads
+    another's pages.
+
+    Args: the whole flat batch (``RaggedBatch``'s layout): tokens, positions, rows [N] (rows
+        global, N = replicas x n), page_tables [S, max_pages] (pages numbered within each
+        replica's pool), last_index [S] (global indices), cache [L, P, ...] (replica r's pool:
+        pages [r P/d, (r + 1) P/d)).
+
+    Returns:
+        logits [S, V] and the cache, as ``ragged_step``'s.
+    """
+    d, S = replicas, page_tables.shape[0]
+    n, S_r = tokens.shape[0] // d, S // d
+    replica = jnp.arange(d, dtype=jnp.int32)[:, None]
+
+    def split(a: jax.Array) -> jax.Array:
+        return a.reshape(d, a.shape[0] // d, *a.shape[1:])
+
+    local_rows = jnp.where(split(rows) >= 0, split(rows) - replica * S_r, -1)
+    local_last = split(last_index) - replica * n
+
+    def pages(a: jax.Array) -> jax.Array:  # [L, P, ...] -> [L, d, P/d, ...]
+        return a.reshape(a.shape[0], d, a.shape[1] // d, *a.shape[2:])
+
+    def one(k, v, tokens, positions, rows, tables, last):  # type: ignore[no-untyped-def]
+        logits, c = step(PagedKVCache(k=k, v=v), tokens, positions, rows, tables, last)
+        return logits, c.k, c.v
+
+    logits, k, v = jax.vmap(one, in_axes=(1, 1, 0, 0, 0, 0, 0), out_axes=(0, 1, 1), spmd_axis_name="data")(
+        pages(cache.k), pages(cache.v), split(tokens), split(positions), local_rows, split(page_tables), local_last
+    )
+
+    def whole(a: jax.Array) -> jax.Array:
+        return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+
+    return logits.reshape(S, logits.shape[-1]), PagedKVCache(k=whole(k), v=whole(v))

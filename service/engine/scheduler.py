@@ -1,0 +1,486 @@
+"""The scheduler: which decode tokens and prefill chunks each step runs, under a token budget,
+with admission by pages, prefix hits and preemption; and the one owner of request state.
+
+Plain Python and no JAX, so it is testable without a model. A step is ``schedule()`` (choose,
+reserve pages, and advance each chosen request by what the step will compute: cached tokens,
+sampled ids, prefill -> decode) and, once the step's ids are on the host,
+``postprocess(plan, host)`` (hand each sampled id to its request, which checks EOS, stop strings
+and ``max_tokens``; register full pages in the prefix cache; free finished requests). Nothing
+else changes a request. Policy, as vLLM's V1 scheduler
+(Kwon et al. 2023, §4.5; the token budget of Sarathi, Agrawal et al. 2023):
+
+* each step first gives every decoding sequence its one token, oldest first; a sequence whose
+  next token needs a page when none is free or evictable preempts the newest running sequence
+  (its pages go back at once, it waits at the head of the queue and is recomputed later: its
+  prompt and the ids it already streamed are prefilled again, so the client sees nothing of
+  it), or, when it is the newest itself, is preempted;
+* then prompts fill ``max_num_batched_tokens`` (decode tokens have their own region): the
+  chunks of prompts already being prefilled, then new requests in arrival order (preempted ones
+  first), each chunk at most ``chunk_size`` tokens, while a row is free and the block manager
+  can hold the whole prompt; admission never preempts, and a replica that preempted in a step
+  admits nothing in it. The sequences of one request with n > 1 (``Request.group``) are
+  admitted one first, the rest once its prompt's full pages are in the prefix cache: they then
+  share them (later requests are admitted past them meanwhile). A prompt's cached prefix
+  (``BlockManager.allocate``'s match) is skipped: only the rest is prefilled;
+* a cancelled request is finished and its pages returned at the next step; a finished one's
+  when its step is postprocessed.
+
+Pipelining: the engine loop schedules and dispatches step N + 1 before step N's ids reach the
+host. A decode token whose input id step N sampled records it (``DecodeToken.fed_by``), and the
+batch reads that id on the device; ``schedule`` counts a dispatched id as sampled at once
+(``Request.sampled``), so ``max_tokens`` and ``min_tokens`` hold for ids not yet on the host.
+
+Rows: a running sequence holds one of ``num_slots`` rows of the step's per-sequence arrays
+(page table, sampling parameters, token history) from admission until it finishes or is
+preempted. ``page_tables`` [num_slots, max_pages] is kept here, row by row, as pages are
+allocated and added.
+
+Data replicas (a layout's ``data`` axis, ``Runner.replicas``): each replica serves rows
+[r S/d, (r + 1) S/d) from its own pool, one ``BlockManager`` each (page numbers are the
+replica's own; prefixes are shared within a replica). Each replica has the whole token budget
+for its own chunks (it runs them in its own region of the step, in parallel with the others).
+A new request goes to a replica with a free row and budget left: the one with the longest cached
+prefix of its prompt, then the one running fewest sequences (vLLM's data-parallel ranks each
+have their own scheduler and cache; SGLang's router places requests by cached prefix). A
+sequence that needs a page preempts the newest sequence of its own replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from service.engine.block_manager import BlockManager, OutOfPages
+from service.engine.output import HostStep
+from service.engine.request import FinishReason, Request, RequestState, TokenLogprob
+
+
+class QueueFull(Exception):
+    """The waiting queue is at capacity (maps to RESOURCE_EXHAUSTED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Write tokens [start, start + length) of ``request``'s prompt (followed by the ids it
+    already generated, when it is recomputed) into its pages, from row ``slot``.
+
+    ``is_last``: the chunk ends the prefill (``Request.prefill_len``), so its last token samples
+    the next id; ``ban_eos``: that id may not be an EOS id (``min_tokens`` not reached). Both
+    fixed when the chunk is made."""
+
+    request: Request
+    slot: int
+    start: int
+    length: int
+    is_last: bool = False
+    ban_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeToken:
+    """One token of a decoding ``request`` at ``position`` (its newest id, whose key and value
+    this step writes), from row ``slot``. ``fed_by``: the step that sampled that id (the batch
+    reads it on the device when that step's ids are not on the host yet); ``ban_eos``: the id
+    it samples may not be an EOS id."""
+
+    request: Request
+    slot: int
+    position: int
+    fed_by: int | None
+    ban_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What step number ``step`` runs: one token for each of ``decode``, then ``prefills``'
+    chunks. ``admitted``: the requests whose first chunk since admission is in ``prefills``
+    (their row's sampling parameters and token history are installed with the step)."""
+
+    step: int
+    prefills: tuple[PrefillChunk, ...] = ()
+    decode: tuple[DecodeToken, ...] = ()
+    admitted: frozenset[Request] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens: decode tokens plus chunk tokens."""
+        return len(self.decode) + sum(c.length for c in self.prefills)
+
+    @property
+    def samplers(self) -> tuple[tuple[Request, int], ...]:
+        """(request, row) of every token that samples an id: each decode token, each last chunk."""
+        return tuple((d.request, d.slot) for d in self.decode) + tuple(
+            (c.request, c.slot) for c in self.prefills if c.is_last
+        )
+
+
+def bans_eos(request: Request) -> bool:
+    """Whether the next id ``request`` samples may not be an EOS id: it has sampled fewer than
+    ``min_tokens`` ids and does not ignore EOS (an ignored EOS id is an ordinary output id, so
+    nothing needs banning)."""
+    return not request.ignore_eos and request.sampled < request.min_tokens
+
+
+def token_logprob(host: HostStep, row: int, top_n: int | None) -> TokenLogprob | None:
+    """Row ``row``'s log-probability record with ``top_n`` alternatives (None when not asked)."""
+    if top_n is None:
+        return None
+    top = tuple((int(host.top_ids[row, i]), float(host.top_logprobs[row, i])) for i in range(top_n))
+    return TokenLogprob(token_id=int(host.ids[row]), logprob=float(host.logprob[row]), top=top)
+
+
+class Scheduler:
+    """Rows, the waiting queue, the block manager and the per-step ragged plan.
+
+    Args:
+        num_slots: rows, the most sequences running at once (vLLM's ``max_num_seqs``), >= 1.
+        max_queue: most new requests waiting (preempted ones wait outside this bound), >= 0.
+        chunk_size: most tokens of one prompt per step, >= 1.
+        max_num_batched_tokens: most prefill tokens per step (chunks charged in whole
+            ``chunk_align`` units; at least one unit), >= 1. Decode tokens are not counted: each
+            step has one position per row for them.
+        blocks: the pool's pages: one ``BlockManager``, or one per data replica (all of the same
+            page size; their number divides ``num_slots``).
+        max_seq_len: the longest sequence; the page tables have room for it.
+        chunk_align: each chunk is charged to the budget rounded up to a multiple of this (the
+            engine pads every chunk to whole blocks of its prefill region), >= 1.
+
+    Raises:
+        ValueError: sizes out of range.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_queue: int,
+        chunk_size: int,
+        max_num_batched_tokens: int,
+        blocks: BlockManager | list[BlockManager],
+        max_seq_len: int,
+        chunk_align: int = 1,
+    ):
+        if num_slots < 1 or chunk_size < 1 or max_queue < 0:
+            raise ValueError(f"bad sizes: num_slots {num_slots}, chunk_size {chunk_size}, max_queue {max_queue}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.num_slots = num_slots
+        self.max_queue = max_queue
+        self.chunk_size = chunk_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_align = max(1, chunk_align)
+        self.max_seq_len = max_seq_len
+        self._set_pools(blocks if isinstance(blocks, list) else [blocks])
+        self.page_tables = np.zeros((num_slots, self.max_pages), np.int32)
+        self.waiting: deque[Request] = deque()
+        self.resuming: deque[Request] = deque()  # preempted, recomputed before new requests
+        self.slots: list[Request | None] = [None] * num_slots
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.prefills_started = 0
+        self.preemptions = 0
+        self._committed: dict[Request, int] = {}  # pages passed to commit_full_pages, per request
+        self._retired_prefix_tokens = (0, 0)  # prefix_tokens() of pools replaced by repartition
+        self._preempted_in: set[int] = set()  # replicas that preempted in this step
+        self._steps = 0  # steps scheduled so far: the next plan's number
+
+    def _set_pools(self, pools: list[BlockManager]) -> None:
+        if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
+            raise ValueError(f"{len(pools)} block managers for {self.num_slots} rows: one per replica, one page size")
+        self.pools = pools
+        self.rows_per_replica = self.num_slots // len(pools)
+        self.page_size = pools[0].page_size
+        self.max_pages = -(-self.max_seq_len // self.page_size)
+
+    def replica_of(self, r: Request) -> int:
+        """The data replica of a running request's row."""
+        assert r.slot is not None
+        return r.slot // self.rows_per_replica
+
+    def _blocks(self, r: Request) -> BlockManager:
+        return self.pools[self.replica_of(r)]
+
+    # ---- admission ------------------------------------------------------------------------
+    def add(self, request: Request, reserved: bool = False) -> None:
+        """Queue a request. Raises QueueFull when ``max_queue`` requests already wait, unless
+        ``reserved``: the caller counted it against the bound already (``EngineLoop.submit``,
+        which leaves out the requests the free slots will take)."""
+        if not reserved and len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"queue full: {len(self.waiting)} requests waiting (max {self.max_queue})")
+        self.waiting.append(request)
+
+    # ---- the plan ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Reap cancelled requests, then choose the next step's decode tokens and prefill chunks,
+        reserving their pages (preempting where decode tokens need pages), and advance each
+        chosen request by what the step computes: its cached tokens, and for a token that
+        samples its sampled count (a last chunk also moves it to DECODING)."""
+        self._reap_cancelled()
+        self._preempted_in = set()
+        step = self._steps
+        self._steps += 1
+        decode = [self._decode_token(r, step) for r in self._decode_requests()]
+        # Decode tokens ride in a region of their own (one position per row); prefill chunks
+        # share each replica's budget in whole aligned units (each chunk is charged whole units).
+        align = self.chunk_align
+        budgets = [max(align, self.max_num_batched_tokens // align * align)] * len(self.pools)
+        chunks: list[PrefillChunk] = []
+        for r in list(self.running):
+            replica = self.replica_of(r)
+            if r.state is RequestState.PREFILLING and budgets[replica] > 0:
+                chunks.append(self._chunk(r, budgets[replica], step))
+                budgets[replica] -= -(-chunks[-1].length // align) * align
+        admitted = []
+        # No admission to a replica that had to preempt in this step: the pages just freed would
+        # be taken back at once and the next step would preempt again (vLLM's scheduler holds
+        # back likewise).
+        for replica in self._preempted_in:
+            budgets[replica] = 0
+        while any(b > 0 for b in budgets):
+            new = self._admit(budgets)
+            if new is None:
+                break
+            replica = self.replica_of(new)
+            admitted.append(new)
+            chunks.append(self._chunk(new, budgets[replica], step))
+            budgets[replica] -= -(-chunks[-1].length // align) * align
+        return StepPlan(step=step, prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted))
+
+    def _decode_token(self, r: Request, step: int) -> DecodeToken:
+        assert r.slot is not None
+        token = DecodeToken(request=r, slot=r.slot, position=r.num_cached, fed_by=r.sampled_by, ban_eos=bans_eos(r))
+        r.num_cached += 1
+        r.sampled += 1
+        r.sampled_by = step
+        return token
+
+    def _decode_requests(self) -> list[Request]:
+        """The running sequences that decode in this step, each with a page for its token."""
+        decode: list[Request] = []
+        for r in list(self.running):
+            # Preempted by an older sequence earlier in this loop, or done once its ids land.
+            if r.state is not RequestState.DECODING or r.slot is None or r.sampled >= r.max_tokens:
+                continue
+            while True:
+                try:
+                    added = self._blocks(r).grow(r, 1)
+                    break
+                except OutOfPages:
+                    replica = self.replica_of(r)
+                    # The newest of r's replica (r itself when it is): only its pages help.
+                    self._preempt([o for o in self.running if self.replica_of(o) == replica][-1])
+                    if r.slot is None:
+                        break
+            if r.slot is None:
+                continue
+            self._set_pages(r, added)
+            decode.append(r)
+        return decode
+
+    def _admit(self, budgets: list[int]) -> Request | None:
+        """Move the next preempted or waiting request into a free row of a replica with budget
+        left (``budgets``, per replica), with pages for its whole prompt (the cached prefix
+        shared); None when there is no row, no request or no room."""
+        rows: dict[int, int] = {}
+        for i in range(len(self.pools)):
+            row = self.free_slot(i) if budgets[i] > 0 else None
+            if row is not None:
+                rows[i] = row
+        queue = self.resuming if self.resuming else self.waiting
+        if not rows or not queue:
+            return None
+        r = queue[0] if queue is self.resuming else next((w for w in queue if not self._waits_for_sibling(w)), None)
+        if r is None:
+            return None
+        if r.sampled != len(r.output_ids):
+            return None  # a preempted request's last id has not landed: its ids are not known yet
+        ids = r.prompt_ids + r.output_ids
+        for replica in self._placement(r, ids, list(rows)):
+            try:
+                alloc = self.pools[replica].allocate(r, ids, use_prefix_cache=r.prefix_cache)
+                break
+            except OutOfPages:
+                continue
+        else:
+            return None
+        free = rows[replica]
+        queue.remove(r)
+        r.slot = free
+        r.state = RequestState.PREFILLING
+        r.num_cached = alloc.num_cached_tokens
+        self.slots[free] = r
+        self.running.append(r)
+        self.page_tables[free, : len(alloc.page_table)] = alloc.page_table
+        self._committed[r] = alloc.num_cached_tokens // self.page_size
+        self.prefills_started += 1
+        return r
+
+    def _placement(self, r: Request, ids: list[int], replicas: list[int]) -> list[int]:
+        """``replicas`` in the order ``r`` tries them: the longest cached prefix of ``ids`` first
+        (when ``r`` uses the prefix cache), then the fewest running sequences, then the lowest."""
+        if len(replicas) == 1:
+            return replicas
+        running = [0] * len(self.pools)
+        for o in self.running:
+            running[self.replica_of(o)] += 1
+        hit = {i: self.pools[i].match_prefix(ids).num_tokens if r.prefix_cache else 0 for i in replicas}
+        return sorted(replicas, key=lambda i: (-hit[i], running[i], i))
+
+    def _waits_for_sibling(self, r: Request) -> bool:
+        """Whether ``r`` is held back because a running sequence of its group (the same
+        request's n > 1) has not yet registered the shared prompt's full pages in the prefix
+        cache (``postprocess``): admitted after, ``r`` hits them."""
+        if r.group is None or not r.prefix_cache:
+            return False
+        full_pages = r.prompt_len // self.page_size
+        return any(o.group == r.group and self._committed.get(o, 0) < full_pages for o in self.running)
+
+    def _chunk(self, r: Request, budget: int, step: int) -> PrefillChunk:
+        assert r.slot is not None
+        length = min(self.chunk_size, r.prefill_len - r.num_cached, budget)
+        last = r.num_cached + length == r.prefill_len
+        chunk = PrefillChunk(
+            request=r, slot=r.slot, start=r.num_cached, length=length, is_last=last, ban_eos=last and bans_eos(r)
+        )
+        r.num_cached += length
+        if last:
+            r.state = RequestState.DECODING
+            r.sampled += 1
+            r.sampled_by = step
+        return chunk
+
+    def _set_pages(self, r: Request, added: list[int]) -> None:
+        if added:
+            assert r.slot is not None
+            n = len(self._blocks(r).page_table(r))
+            self.page_tables[r.slot, n - len(added) : n] = added
+
+    def _preempt(self, victim: Request) -> None:
+        """Return ``victim``'s pages and row; it waits at the head of the queue, to be prefilled
+        again from position 0 over its prompt and the ids it generated."""
+        self._preempted_in.add(self.replica_of(victim))
+        self._release(victim)
+        victim.state = RequestState.WAITING
+        victim.num_cached = 0
+        victim.sampled_by = None
+        victim.preemptions += 1
+        self.resuming.appendleft(victim)
+        self.preemptions += 1
+
+    def _release(self, r: Request) -> None:
+        self._blocks(r).free(r)
+        self._committed.pop(r, None)
+        assert r.slot is not None
+        self.slots[r.slot] = None
+        r.slot = None
+        self.running.remove(r)
+
+    def _reap_cancelled(self) -> None:
+        for queue in (self.waiting, self.resuming):
+            for r in [r for r in queue if r.cancelled or r.state is RequestState.FINISHED]:
+                queue.remove(r)
+                r.finish(FinishReason.CANCELLED)  # no-op for one already finished
+        for r in self.running:
+            if r.cancelled:
+                r.finish(FinishReason.CANCELLED)
+        self.release_finished()
+
+    # ---- after the step ---------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, host: HostStep) -> None:
+        """Step ``plan``'s ids are on the host (``host``, one row per row): hand each sampled id
+        to its request (``Request.accept_token``: EOS, stop strings, ``max_tokens``, the streamed
+        chunk), register the full pages whose ids are known in the prefix cache, and free the
+        requests that finished. A request preempted after the step was dispatched still takes
+        its id (it is part of its output, and its recomputation starts from it); requests that
+        ended meanwhile are skipped."""
+        for r, row in plan.samplers:
+            if r.state is not RequestState.FINISHED:
+                r.accept_token(int(host.ids[row]), token_logprob(host, row, r.logprobs))
+        self._commit(r for r in (*(c.request for c in plan.prefills), *(d.request for d in plan.decode)))
+        self.release_finished()
+
+    def _commit(self, requests: Iterable[Request]) -> None:
+        """Register in the prefix cache the full pages of ``requests`` whose ids are known on the
+        host (a later step may still be writing their keys: it runs before any step that could
+        read them)."""
+        ps = self.page_size
+        for r in requests:
+            if r.slot is None or not r.prefix_cache:
+                continue
+            known = min(r.num_cached, r.prefill_len)
+            if known // ps > self._committed.get(r, 0):
+                self._blocks(r).commit_full_pages(r, r.prefill_ids(0, known))
+                self._committed[r] = known // ps
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def free_slot(self, replica: int | None = None) -> int | None:
+        """The lowest free row (of ``replica``'s rows, when given), or None."""
+        rows = range(self.num_slots) if replica is None else range(
+            replica * self.rows_per_replica, (replica + 1) * self.rows_per_replica
+        )  # fmt: skip
+        return next((i for i in rows if self.slots[i] is None), None)
+
+    def repartition(self, pools: list[BlockManager]) -> None:
+        """Serve from ``pools`` from now on (a live switch to a layout with another number of
+        data replicas): every running sequence is preempted (newest first, so the oldest resumes
+        first), its pages and the old pools' cached prefixes dropped; each is recomputed from
+        its prompt and the ids it already streamed. A request that could not fit one new
+        replica's pool even alone (prompt + max_tokens) fails with a message saying so, rather
+        than waiting forever at the head of the queue. Call between steps, with every
+        dispatched step's ids landed."""
+        for r in reversed(list(self.running)):
+            self._preempt(r)
+        self._retired_prefix_tokens = self.prefix_tokens()  # the counters stay monotonic
+        self.page_tables[:] = 0
+        self._set_pools(pools)
+        room = min(b.num_pages for b in pools) * self.page_size
+        for queue in (self.resuming, self.waiting):
+            for r in [r for r in queue if r.prompt_len + r.max_tokens > room]:
+                queue.remove(r)
+                r.fail(
+                    f"the layout switch left each data replica a pool of {room} tokens, fewer than this "
+                    f"request's {r.prompt_len} prompt + {r.max_tokens} max_tokens"
+                )
+
+    def page_counts(self) -> dict[str, int]:
+        """Pages of all replicas' pools: ``used`` (held by a sequence), ``cached`` (held by no
+        sequence, kept for the prefix cache, evictable), ``free`` (empty): the block managers'
+        counts, summed."""
+        return {
+            "used": sum(b.num_used for b in self.pools),
+            "cached": sum(b.num_cached for b in self.pools),
+            "free": sum(b.num_free for b in self.pools),
+        }
+
+    @property
+    def num_pages(self) -> int:
+        return sum(b.num_pages for b in self.pools)
+
+    def prefix_tokens(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and found there, over all replicas and
+        every pool served since this scheduler started (totals: they never decrease)."""
+        queried, hits = self._retired_prefix_tokens
+        return queried + sum(b.queried_tokens for b in self.pools), hits + sum(b.hit_tokens for b in self.pools)
+
+    def release_finished(self) -> None:
+        """Return the pages and rows of finished requests; drop finished ones that wait to resume."""
+        for r in [r for r in self.running if r.state is RequestState.FINISHED]:
+            self._release(r)
+        for r in [r for r in self.resuming if r.state is RequestState.FINISHED]:
+            self.resuming.remove(r)
+
+    @property
+    def active_slots(self) -> int:
+        return len(self.running)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting) + len(self.resuming)
+
+    def all_requests(self) -> list[Request]:
+        return list(self.running) + list(self.resuming) + list(self.waiting)

@@ -1,0 +1,505 @@
+"""OpenAI's request bodies (pydantic models), their mapping onto the validated request, and the
+response bodies built from the engine's chunks, for ``service/server/http_api.py``.
+
+What is served and what is refused (docs/api.md has the table):
+
+* Parameters with OpenAI's names and defaults: ``max_tokens`` (completions: 16, OpenAI's default;
+  chat: the server's ``--default-max-tokens``), ``max_completion_tokens`` (chat), ``temperature``
+  (1), ``top_p`` (1), ``n`` (1), ``stop`` (a string or a list), ``seed``, ``logprobs`` and
+  ``top_logprobs`` (chat) or ``logprobs`` as a count (completions), ``presence_penalty`` and
+  ``frequency_penalty`` (0), ``user`` (accepted, not used), ``stream``,
+  ``stream_options.include_usage``; vLLM's extras ``top_k`` (-1 or 0: off), ``min_p``,
+  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ours, ``prefix_cache`` (gRPC's field:
+  false opts out of the prefix cache); a completions ``prompt`` as token ids.
+* Fields a body has that are not listed here are ignored, as OpenAI's servers do.
+* Fields that would change the answer and are not built are refused with a 400 naming the field:
+  ``tools``, ``functions``, ``tool_choice`` and ``function_call`` (other than "none"),
+  ``response_format`` other than ``{"type": "text"}``, ``logit_bias``, ``audio``, ``modalities``
+  other than ``["text"]``, chat roles ``tool`` and ``function``, assistant ``tool_calls``, content
+  parts other than text; for completions ``echo``, ``suffix``, ``best_of`` other than ``n``, and a
+  list of several prompts.
+
+Every ``InvalidRequest`` message starts with the field's name as the body spelled it
+(``messages[2].content[0].type``); ``http_server`` puts that name in the error's ``param``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from model.text.tokenizer import Tokenizer
+from service.engine.request import Chunk, FinishReason, TokenLogprob
+from service.server.validation import (
+    InvalidRequest,
+    Params,
+    ValidatedRequest,
+    chat_prompt_ids,
+    checked_token_ids,
+    refuse_text_beyond,
+    validate_params,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# OpenAI's "developer" role is its newer name for "system" (templates know only the older one).
+ROLE_ALIASES = {"developer": "system"}
+FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",  # vLLM's name; a client that went away never sees it
+}
+
+
+# ---- request bodies ---------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI's servers do. Types are strict, as OpenAI's are:
+    # pydantic's lax mode would take "n": "3", "stream": "yes", "max_tokens": true and the token
+    # ids [true, 2] as 3, True, 1 and [1, 2] (an int is still a valid float).
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _Common(_Body):
+    """The fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    prefix_cache: bool | None = None  # ours: false opts out of the prefix cache
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+
+
+class CompletionRequest(_Common):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ---- mapping onto the validated request ----------------------------------------------------------------
+def _refuse(field: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{field}: {why}")
+
+
+def _encode_within(tokenizer: Tokenizer, text: str, max_seq_len: int) -> list[int]:
+    """``text``'s ids, refused untokenized where it is far beyond ``max_seq_len``."""
+    refuse_text_beyond(len(text.encode("utf-8")), tokenizer, max_seq_len, "prompt")
+    return tokenizer.encode(text)
+
+
+def _text(field: str, text: str) -> str:
+    """``text``, refused when it holds a lone surrogate: JSON's ``"\\ud800"`` escape decodes to
+    one, and the tokenizer raises TypeError on it (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _refuse(field, f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+def _check_common(body: _Common) -> None:
+    if body.logit_bias:
+        raise _refuse("logit_bias", "not supported (the engine has no logit bias); remove the field")
+    if body.stream_options is not None and not body.stream:
+        raise _refuse("stream_options", "only allowed with stream: true")
+
+
+def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> Params:
+    stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    top_k = 0 if body.top_k == -1 else body.top_k  # vLLM's "off"
+    return Params(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=top_k,
+        seed=body.seed,
+        stop=tuple(stop),
+        logprobs=logprobs,
+        n=body.n,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        prefix_cache=body.prefix_cache,
+        names=names,
+    )
+
+
+def _message_text(i: int, m: ChatMessage) -> str:
+    if m.tool_calls:
+        raise _refuse(f"messages[{i}].tool_calls", "tool calls are not supported")
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return _text(f"messages[{i}].content", m.content)
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _refuse(
+                f"messages[{i}].content[{j}].type", f"only text parts are supported, got {part.get('type')!r}"
+            )
+        texts.append(_text(f"messages[{i}].content[{j}].text", part["text"]))
+    return "\n".join(texts)  # as vLLM joins a message's text parts
+
+
+def chat_request(
+    body: ChatCompletionRequest, tokenizer: Tokenizer, max_seq_len: int, default_max_tokens: int, max_queue: int
+) -> ValidatedRequest:
+    """Check a chat body and map it onto the engine's parameters (its messages rendered with the
+    model's chat template).
+
+    Raises:
+        InvalidRequest: a bad or refused field (the message starts with its name).
+    """
+    _check_common(body)
+    if body.tools:
+        raise _refuse("tools", "tool calling is not supported; remove the field")
+    if body.functions:
+        raise _refuse("functions", "function calling is not supported; remove the field")
+    for name in ("tool_choice", "function_call"):
+        value = getattr(body, name)
+        if value is not None and value != "none":
+            raise _refuse(name, f"only 'none' is supported (no tool calling), got {value!r}")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise _refuse(
+            "response_format", f"only {{'type': 'text'}} is supported, got {body.response_format.get('type')!r}"
+        )
+    if body.audio is not None:
+        raise _refuse("audio", "audio output is not supported")
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise _refuse("modalities", f"only ['text'] is supported, got {body.modalities!r}")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.role in ("tool", "function"):
+            raise _refuse(f"messages[{i}].role", f"{m.role!r} messages are not supported (no tool calling)")
+        messages.append((ROLE_ALIASES.get(m.role, m.role), _message_text(i, m)))
+    ids = chat_prompt_ids(messages, tokenizer, "messages", max_seq_len)
+    if not ids:
+        raise InvalidRequest("messages: the prompt is empty (0 tokens)")
+    names = {"prompt": "messages"}
+    max_tokens = body.max_completion_tokens
+    if max_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+        if body.max_tokens is not None and body.max_tokens != max_tokens:
+            raise _refuse(
+                "max_completion_tokens",
+                f"{max_tokens} differs from max_tokens ({body.max_tokens}, its deprecated name); give one",
+            )
+    else:
+        max_tokens = body.max_tokens
+    logprobs = None
+    if body.logprobs:
+        logprobs = body.top_logprobs if body.top_logprobs is not None else 0
+        names["logprobs"] = "top_logprobs"
+    elif body.top_logprobs is not None:
+        raise _refuse("top_logprobs", "requires logprobs: true")
+    return validate_params(ids, _params(body, max_tokens, logprobs, names), max_seq_len, default_max_tokens, max_queue)
+
+
+def completion_request(
+    body: CompletionRequest, tokenizer: Tokenizer, max_seq_len: int, max_queue: int
+) -> ValidatedRequest:
+    """Check a completions body and map it onto the engine's parameters. ``prompt`` is text
+    (tokenized as is), token ids, or a list holding one of either; ``max_tokens`` defaults to 16.
+
+    Raises:
+        InvalidRequest: a bad or refused field (the message starts with its name).
+    """
+    _check_common(body)
+    if body.echo:
+        raise _refuse("echo", "not supported (the answer would include the prompt); remove the field")
+    if body.suffix:
+        raise _refuse("suffix", "not supported (no insertion); remove the field")
+    if body.best_of is not None and body.best_of != (body.n if body.n is not None else 1):
+        raise _refuse("best_of", f"only best_of = n is supported, got {body.best_of}")
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise _refuse("prompt", f"a list of {len(prompt)} prompts is not supported; send one request per prompt")
+        prompt = prompt[0]
+    ids = (
+        _encode_within(tokenizer, _text("prompt", prompt), max_seq_len)
+        if isinstance(prompt, str)
+        else checked_token_ids(prompt, tokenizer, "prompt")
+    )
+    if not ids:
+        raise InvalidRequest("prompt: the prompt is empty (0 tokens)")
+    return validate_params(
+        ids, _params(body, body.max_tokens, body.logprobs, {}), max_seq_len, COMPLETIONS_DEFAULT_MAX_TOKENS, max_queue
+    )
+
+
+# ---- response bodies -------------------------------------------------------------------------------------
+# Compact JSON as every body is sent (an encoder built once: json.dumps builds one per call when
+# given options). Its output holds no raw CR or LF, so one SSE event is "data: <json>\n\n".
+json_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def sse_event(data: Any) -> bytes:
+    """One server-sent event whose ``data`` is ``data`` as compact JSON (or a raw string)."""
+    return f"data: {data if isinstance(data, str) else json_compact(data)}\n\n".encode()
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's string and bytes for logprobs: its bytes decoded as UTF-8, with bytes that are
+    part of a character split across tokens written as ``\\xNN`` escapes."""
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="backslashreplace"), raw
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage: the prompt counted once, the completion summed over the n sequences."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _Choice:
+    """What one sequence has produced so far."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.started = False  # a streamed chat choice's first delta carries the role
+        self.offsets: list[int] = []  # completions' text_offset of each token in logprobs (non-streamed)
+        self.chars = 0  # characters of text so far (completions logprobs only): the next chunk's offset
+
+
+class Responses:
+    """Builds one request's OpenAI response bodies from its ``(index, Chunk)`` stream.
+
+    ``add`` collects chunks for a non-streamed answer (``completion``); ``event`` turns one chunk
+    into a streamed chunk body. Logprobs are in OpenAI's shapes: chat
+    ``logprobs.content[].{token, logprob, bytes, top_logprobs}``, completions
+    ``logprobs.{tokens, token_logprobs, top_logprobs, text_offset}`` (``top_logprobs`` holds the
+    sampled token too, as OpenAI's do: up to logprobs + 1 entries; a token's offset is the
+    characters of the completion's text before its chunk, so it indexes the returned text; a
+    token that ends inside a character has the offset where that character starts).
+
+    Args:
+        chat: chat completions (else text completions).
+        request_id: the response ids are ``chatcmpl-<id>`` / ``cmpl-<id>``.
+        model: the model id answered in every body.
+        n: sequences.
+        prompt_tokens: the prompt's length in tokens.
+        logprobs: whether the request asked for log-probabilities.
+        tokenizer: for the token strings of logprobs.
+    """
+
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        n: int,
+        prompt_tokens: int,
+        logprobs: bool,
+        tokenizer: Tokenizer,
+    ):
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.want_logprobs = logprobs
+        self.tokenizer = tokenizer
+        self.choices = [_Choice() for _ in range(n)]
+        self._event_prefix: str | None = None  # event_bytes' text up to a choice's index
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _chat_logprobs(self, records: Sequence[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in records:
+            text, raw = token_text(self.tokenizer, lp.token_id)
+            top = []
+            for token_id, value in lp.top:
+                t, b = token_text(self.tokenizer, token_id)
+                top.append({"token": t, "logprob": value, "bytes": list(b)})
+            content.append({"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top})
+        return {"content": content}
+
+    def _completion_logprobs(self, records: Sequence[TokenLogprob], offsets: Sequence[int]) -> dict[str, Any]:
+        tokens, values, tops = [], [], []
+        for lp in records:
+            text, _ = token_text(self.tokenizer, lp.token_id)
+            tokens.append(text)
+            values.append(lp.logprob)
+            top = {token_text(self.tokenizer, t)[0]: v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)  # "always the logprob of the sampled token" (OpenAI)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
+
+    def _record(self, index: int, chunk: Chunk) -> _Choice:
+        choice = self.choices[index]
+        if chunk.finish_reason is not None:
+            choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
+            choice.completion_tokens = chunk.completion_tokens
+        return choice
+
+    @staticmethod
+    def _offsets(choice: _Choice, chunk: Chunk) -> list[int]:
+        """The completions ``text_offset`` of ``chunk``'s tokens (each at the characters of text
+        before the chunk), counting the chunk's text in. Called for every chunk of a choice whose
+        request asked for completions logprobs, and only then."""
+        offsets = [choice.chars] * len(chunk.logprobs)
+        choice.chars += len(chunk.text)
+        return offsets
+
+    def add(self, index: int, chunk: Chunk) -> None:
+        """Collect one chunk of sequence ``index`` for :meth:`completion`."""
+        choice = self._record(index, chunk)
+        choice.text.append(chunk.text)
+        choice.logprobs.extend(chunk.logprobs)
+        if self.want_logprobs and not self.chat:
+            choice.offsets.extend(self._offsets(choice, chunk))
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    def completion(self) -> dict[str, Any]:
+        """The non-streamed response body, once every sequence has finished."""
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                lps = self._chat_logprobs(c.logprobs) if self.want_logprobs else None
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lps,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+            else:
+                lps = self._completion_logprobs(c.logprobs, c.offsets) if self.want_logprobs else None
+                choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion"),
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def event(self, index: int, chunk: Chunk, include_usage: bool) -> dict[str, Any]:
+        """The streamed chunk body for one chunk of sequence ``index``: one choice, its text delta
+        (possibly empty: one event per generated token), its logprobs, and on its last chunk its
+        finish_reason. With ``include_usage`` every chunk has ``"usage": null``, as OpenAI sends
+        them before the final usage chunk (:meth:`usage_event`)."""
+        choice = self._record(index, chunk)
+        body: dict[str, Any]
+        if self.chat:
+            delta: dict[str, Any] = {"content": chunk.text}
+            if not choice.started:
+                delta = {"role": "assistant", **delta}
+                choice.started = True
+            lps = self._chat_logprobs(chunk.logprobs) if self.want_logprobs else None
+            body = {
+                **self._head("chat.completion.chunk"),
+                "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": choice.finish_reason}],
+            }
+        else:
+            lps = (
+                self._completion_logprobs(chunk.logprobs, self._offsets(choice, chunk)) if self.want_logprobs else None
+            )
+            body = {
+                **self._head("text_completion"),
+                "choices": [
+                    {"index": index, "text": chunk.text, "logprobs": lps, "finish_reason": choice.finish_reason}
+                ],
+            }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def event_bytes(self, index: int, chunk: Chunk, include_usage: bool) -> bytes:
+        """:meth:`event` framed as one server-sent event, ``sse_event(self.event(...))`` byte for
+        byte. Without logprobs (a streamed chunk's usual shape) it is written from a prefix built
+        once per request and the JSON of the text alone, not a dict encoded whole for every
+        token."""
+        if self.want_logprobs:
+            return sse_event(self.event(index, chunk, include_usage))
+        if self._event_prefix is None:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            self._event_prefix = "data: " + json_compact(self._head(obj))[:-1] + ',"choices":[{"index":'
+        choice = self._record(index, chunk)
+        finish = "null" if choice.finish_reason is None else f'"{choice.finish_reason}"'
+        text = json_compact(chunk.text)
+        if self.chat:
+            role = ""
+            if not choice.started:
+                role = '"role":"assistant",'
+                choice.started = True
+            body = f'{index},"delta":{{{role}"content":{text}}},"logprobs":null,"finish_reason":{finish}}}]'
+        else:
+            body = f'{index},"text":{text},"logprobs":null,"finish_reason":{finish}}}]'
+        usage = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        return (self._event_prefix + body + usage).encode()
+
+    def usage_event(self) -> dict[str, Any]:
+        """The last streamed chunk with ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}

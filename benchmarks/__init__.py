@@ -1,18 +1,31 @@
 """meshserve's measurement tools, kept apart from the serving code (which imports none of them).
+They measure the one engine the server runs: ``service.engine.runner.Runner``, stepped directly
+with the flat batches its engine loop builds, or driven by that loop (``EngineLoop``), or a
+running server over gRPC.
 
-* ``benchmarks.bench``: ``meshserve bench``, a gRPC load generator against a running server.
-* ``benchmarks.sweep``: ``meshserve sweep``, the engine timed directly (no gRPC) over a grid.
-* ``benchmarks.roofline``: ``meshserve roofline``, the analytic roofline model.
-* ``benchmarks.peers``, ``benchmarks.cpu_ceilings``, ``benchmarks.native_decode``: scripts run
-  as ``python benchmarks/NAME.py`` (peer servers, the CPU's measured ceilings, native kernels).
-* ``benchmarks.dispatch``: ``python -m benchmarks.dispatch``, the decode step's dispatch cost
-  against the KV cache's maximum length.
-* ``benchmarks.ragged_step``: ``python -m benchmarks.ragged_step``, the paged engine's ragged
-  step against today's decode and prefill steps.
+``meshserve-bench`` (``benchmarks/cli.py``) runs three of them:
+
+* ``benchmarks.bench``: ``meshserve-bench bench``, a gRPC load generator against a running server.
+* ``benchmarks.sweep``: ``meshserve-bench sweep``, the engine timed directly (no gRPC) over a grid.
+* ``benchmarks.roofline``: ``meshserve-bench roofline``, the analytic roofline model.
+
+The others are scripts:
+
+* ``benchmarks.peers``, ``benchmarks.cpu_ceilings``, ``benchmarks.native_decode``,
+  ``benchmarks.decode_floor``, ``benchmarks.int8_error``, ``benchmarks.quant_matmul``: run as
+  ``python benchmarks/NAME.py`` (peer servers against the served engine, the CPU's measured
+  ceilings, the native kernels against XLA's in the engine, a batch-1 step's fixed cost and
+  bytes, int8 weights' error, the quantized matmul kernels).
+* ``benchmarks.dispatch``: ``python -m benchmarks.dispatch``, the step's dispatch cost against
+  the KV pool's size.
+* ``benchmarks.ragged_step``: ``python -m benchmarks.ragged_step``, the engine's ragged step with
+  the native CPU attention backend against the XLA backend.
 * ``benchmarks.multiprocess_channel``: ``python -m benchmarks.multiprocess_channel``, two
   jax.distributed CPU processes: the step plan's channel from process 0, and collectives.
-* ``benchmarks.mirror_cost``: ``python -m benchmarks.mirror_cost``, the per-step cost of
-  ``service.engine.distributed.MirroredEngine`` against a batch-8 SmolLM2-135M decode step.
+* ``benchmarks.mirror_cost``: ``python -m benchmarks.mirror_cost``, the per-step cost of process
+  0's runner sending each step over its ``StepChannel`` against a batch-8 SmolLM2-135M decode step.
+* ``benchmarks.long_context``, ``benchmarks.kv_memory``, ``benchmarks.shared_prefix``: servers
+  started (``benchmarks.server_process``) or running, compared over gRPC.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

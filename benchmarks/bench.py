@@ -1,4 +1,4 @@
-"""``meshserve bench``: a load generator that reports serving latencies and throughput, over gRPC
+"""``meshserve-bench bench``: a load generator that reports serving latencies and throughput, over gRPC
 or over the OpenAI-compatible HTTP API (``--api openai``: streamed completions or chat completions
 with ``stream_options.include_usage``, sent by the official ``openai`` client or, with
 ``--http-client raw``, by ``RawHTTPClient``, a bare-socket client about as light as the gRPC one),
@@ -31,7 +31,7 @@ server too, a heavy client takes cores from it, and its own parsing is part of e
 Next to the measured TTFT and TPOT the report puts the roofline's prediction
 (``benchmarks/roofline.py``) for the served model and the pool's layout (from ``GetModelInfo``) on
 a hardware preset (``hardware``; "auto": this machine's CPU measured now, or the preset of the
-server's accelerator, as ``meshserve sweep`` picks it), and the measured MBU and MFU: the
+server's accelerator, as ``meshserve-bench sweep`` picks it), and the measured MBU and MFU: the
 roofline's bytes and FLOPs of one decode step over the p50 TPOT, and of one prefill over the p50
 TTFT. The decode batch is the measured mean number of concurrently decoding streams (Little's law:
 the sum of the requests' first-to-last-token times over the wall time) per replica, the context
@@ -267,7 +267,7 @@ def format_report(report: dict[str, Any]) -> str:
             else f" over HTTP ({cfg['http_address']}, {cfg.get('http_client', 'openai')} client)"
         )
         lines.append(
-            f"meshserve bench{over}: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
+            f"meshserve-bench bench{over}: {report['num_requests']} requests ({cfg['warmup']} warm-up not counted), {load}; "
             f"server {server.get('name', '?')}, layout {server.get('layout', '?')}, {server.get('num_slots', '?')} slots"
         )
     lines.append(
@@ -556,7 +556,7 @@ def load_jsonl(path: str | Path, default_output_len: tuple[int, int], rng: np.ra
 # ---- running --------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class BenchConfig:
-    """Settings of one run (the ``meshserve bench`` flags).
+    """Settings of one run (the ``meshserve-bench bench`` flags).
 
     Attributes:
         address: server host:port.
@@ -574,7 +574,7 @@ class BenchConfig:
         http_client: over HTTP, "openai" (the official client) or "raw" (``RawHTTPClient``).
         timeout_s: deadline of each request.
         slo_ttft_ms, slo_tpot_ms: goodput SLO (None = no bound).
-        hardware: roofline preset for the prediction, MBU and MFU ("auto": as ``meshserve sweep``
+        hardware: roofline preset for the prediction, MBU and MFU ("auto": as ``meshserve-bench sweep``
             picks it; "none": no prediction).
         progress: show a progress bar on stderr.
     """
@@ -1185,9 +1185,9 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(clean(report), indent=1) + "\n", encoding="utf-8")
 
 
-# ---- ``meshserve bench`` ------------------------------------------------------------------------------
+# ---- ``meshserve-bench bench`` ------------------------------------------------------------------------------
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``meshserve bench`` (``service/server/cli.py`` makes the subcommand)."""
+    """The flags of ``meshserve-bench bench`` (``benchmarks/cli.py`` makes the subcommand)."""
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server host:port (default %(default)s)")
     p.add_argument(
         "--api",
@@ -1235,7 +1235,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``meshserve bench``: load-test the server at ``--address`` (over ``--api``), print the
+    """Run ``meshserve-bench bench``: load-test the server at ``--address`` (over ``--api``), print the
     report, and with ``--out`` write it as JSON. ``--api both`` runs the same requests over gRPC,
     then over HTTP, prints both reports and the two side by side (:func:`format_comparison`), and
     writes ``{"grpc": ..., "openai": ..., "comparison": ...}``.
@@ -1247,12 +1247,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     from benchmarks import check_writable_file
 
     if args.out:
-        check_writable_file(args.out, "meshserve bench")
+        check_writable_file(args.out, "meshserve-bench bench")
     if args.hardware not in ("auto", "none", ""):
         from benchmarks.roofline import hardware_names  # numpy and YAML only
 
         if args.hardware not in hardware_names():
-            raise SystemExit(f"meshserve bench: unknown --hardware {args.hardware!r}; presets: "
+            raise SystemExit(f"meshserve-bench bench: unknown --hardware {args.hardware!r}; presets: "
                              f"{', '.join(hardware_names())}, or auto, none")  # fmt: skip
     try:
         cfg = BenchConfig(
@@ -1277,7 +1277,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             http_client=args.http_client,
         )
     except ValueError as exc:
-        raise SystemExit(f"meshserve bench: {exc}") from None
+        raise SystemExit(f"meshserve-bench bench: {exc}") from None
     apis = list(APIS) if args.api == "both" else [cfg.api]
     http_errors: tuple[type[Exception], ...] = (RawHTTPError,)  # /v1/models failed (or openai.APIError)
     if "openai" in apis and cfg.http_client == "openai":
@@ -1285,7 +1285,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             import openai
         except ImportError:
             raise SystemExit(
-                "meshserve bench: --api openai needs the openai package: pip install 'meshserve[bench]'"
+                "meshserve-bench bench: --api openai needs the openai package: pip install 'meshserve[bench]'"
             ) from None
         http_errors = (RawHTTPError, openai.APIError)
     client = Client(cfg.address)
@@ -1296,11 +1296,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         for api in apis:
             reports[api] = run_bench(dataclasses.replace(cfg, api=api), client)
     except (ValueError, TimeoutError, OSError) as exc:
-        raise SystemExit(f"meshserve bench: {exc}") from None
+        raise SystemExit(f"meshserve-bench bench: {exc}") from None
     except grpc.RpcError as exc:
-        raise SystemExit(f"meshserve bench: {exc.code().name}: {exc.details()}") from None
+        raise SystemExit(f"meshserve-bench bench: {exc.code().name}: {exc.details()}") from None
     except http_errors as exc:
-        raise SystemExit(f"meshserve bench: {cfg.http_address}: {exc}") from None
+        raise SystemExit(f"meshserve-bench bench: {cfg.http_address}: {exc}") from None
     finally:
         client.close()
     for api, report in reports.items():
@@ -1317,5 +1317,5 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"meshserve: wrote {args.out}", file=sys.stderr)
     failed = [api for api, r in reports.items() if not r["completed"]]
     for api in failed:
-        print(f"meshserve bench: every request failed over {api} {reports[api]['errors']}", file=sys.stderr)
+        print(f"meshserve-bench bench: every request failed over {api} {reports[api]['errors']}", file=sys.stderr)
     return 1 if failed else 0

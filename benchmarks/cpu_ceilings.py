@@ -1,6 +1,6 @@
 """This CPU's two ceilings, measured directly: the float32 FMA peak and the streaming read bandwidth.
 
-The roofline's "this machine" preset (``sharding.roofline.measure_cpu``) measures what numpy's
+The roofline's "this machine" preset (``benchmarks.roofline.measure_cpu``) measures what numpy's
 BLAS reaches (sgemm for FLOP/s, sgemv for bytes/s): achievable rates, not the hardware's. This
 script measures the ceilings themselves, so a decode step's matmul and attention rates can be
 read as fractions of them (Williams et al. 2009, "Roofline", section 2: the peak FLOP rate and
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/cpu_ceilings.py` from a checkout
 
 from benchmarks.roofline import measure_cpu  # noqa: E402
-from model import native_kernels  # noqa: E402
+from model import native  # noqa: E402
 
 PROBE = r"""
 // meshserve benchmarks/cpu_ceilings.py probe: "fma THREADS ITERS" and "read THREADS BYTES"

@@ -3,7 +3,7 @@
 A decode step at batch 1 costs a fixed part (dispatch, the layer loop, the elementwise work, the
 kernels' calls and thread hand-offs: the same whatever the weights' sizes) plus the time to
 stream its weights from memory. This script measures both, in one run, on the served default
-(the ``PagedEngine`` through its engine loop, weights as stored):
+(the ``Runner`` through its engine loop, weights as stored):
 
 * ``floor``: the step of a model with the measured model's layer count and weight formats but
   tiny widths (hidden 64, one head of 64, MLP 128, vocabulary 256): the same programs' shape, a
@@ -43,9 +43,9 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 
 from benchmarks import cpu_ceilings  # noqa: E402
-from benchmarks.peers import PagedRunner  # noqa: E402
-from model.weights.build import random_block_llama  # noqa: E402
+from benchmarks.peers import MeshserveRunner  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
+from model.weights.build import random_block_llama  # noqa: E402
 from model.weights.fetch import resolve_model  # noqa: E402
 from model.weights.loader import load_model  # noqa: E402
 from model.weights.quant_panels import QuantPanels  # noqa: E402
@@ -72,15 +72,14 @@ def weight_bytes(state: Any) -> int:
     return sum(int(a.nbytes) for a in jax.tree.leaves(state))
 
 
-def runner(cfg: LlamaConfig, graphdef: Any, state: Any, prompt_len: int, new_tokens: int) -> PagedRunner:
-    """The peers tool's paged runner over an already loaded model, set up for one row."""
-    r = object.__new__(PagedRunner)
-    r.cfg, r.graphdef, r.params, r.loop = cfg, graphdef, state, None
+def runner(cfg: LlamaConfig, graphdef: Any, state: Any, prompt_len: int, new_tokens: int) -> MeshserveRunner:
+    """The peers tool's runner of the served engine over an already loaded model, set up for one row."""
+    r = MeshserveRunner.over(cfg, graphdef, state)
     r.setup(1, prompt_len, new_tokens)
     return r
 
 
-def tpot(r: PagedRunner, prompt: list[int], new_tokens: int) -> float:
+def tpot(r: MeshserveRunner, prompt: list[int], new_tokens: int) -> float:
     """Seconds per output token after the first, of one greedy row of ``new_tokens``."""
     r.generate([prompt], new_tokens)
     end = time.perf_counter()
@@ -116,7 +115,7 @@ def report(r: dict[str, Any]) -> str:
         f"model: {r['model_name']}, {r['layers']} layers, layer weights {r['layer_format']}; "
         f"{r['weight_bytes'] / 1e6:.1f} MB of weights",
         f"machine: {r['threads']} threads, streaming read {r['read_bytes_per_s'] / 1e9:.1f} GB/s (best of 3)",
-        f"batch-1 TPOT, paged engine, weights as stored, {r['prompt_len']}-token prompt, medians of "
+        f"batch-1 TPOT, the served engine, weights as stored, {r['prompt_len']}-token prompt, medians of "
         f"{r['rounds']} alternating rounds:",
         f"  floor (tiny widths, {r['layers']} layers)  {1e3 * r['floor_s']:7.2f} ms",
         f"  model                                {1e3 * r['model_s']:7.2f} ms",
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in engines.items():
             times[name].append(tpot(r, prompt, args.new_tokens))
     for r in engines.values():
-        r.loop.stop()
+        r.close()
 
     with tempfile.TemporaryDirectory() as tmp:
         exe = cpu_ceilings.build(Path(tmp))

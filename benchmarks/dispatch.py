@@ -1,44 +1,47 @@
-"""The decode step's dispatch cost against the KV cache's maximum length (issue 19's first target).
+"""The ragged step's dispatch cost against the KV pool's size (issue 19's first target).
 
-    python -m benchmarks.dispatch                                  # both configs, both layer forms
-    python -m benchmarks.dispatch --configs smollm2-135m --layers unrolled --max-lens 256,2048 --json d.json
+    python -m benchmarks.dispatch                                  # both configs, both layer loops
+    python -m benchmarks.dispatch --configs smollm2-135m --layers scan --max-lens 256,2048 --json d.json
 
-Forms: "unrolled" and "scan" are today's ``Engine`` with a per-slot cache; "paged" is
-``service.paged_engine.PagedEngine`` (stacked weights, one page pool of slots x T tokens,
-every row's decode token in the step's decode region, its pages its own).
+The served engine only: for each model config, layer loop (``EngineConfig.layer_loop``: "scan",
+stacked weights in ``lax.scan``, or "unrolled", per-layer weights) and maximum length T, a
+``service.engine.runner.Runner`` with ``--slots`` rows on one device and a pool of slots x T
+tokens is built (random weights: values do not change speed; the kernels ``model.kernels.choose``
+picks for the device, as ``serve`` runs them), each row over pages of its own. Every row is put
+at the same position ``--position``, so each step does the same work (one decode token per row,
+attending to positions 0 .. position: the native kernels read up to it, XLA's attention the
+smallest window bucket covering it) and only the pool's size and the page tables' width (T /
+page size) differ. After ``--warmup`` steps (the first compiles),
+``--calls`` steps are run one after another, each as the sweep times its serial steps
+(``benchmarks/sweep.py``):
 
-For each model config, form and maximum length T, an engine with ``--slots`` slots
-(random weights: values do not change speed; native kernels where the engine takes them) is
-built, and every slot is put at the same position ``--position``, so each step does the same
-work (the same decode window, ``service.engine.MIN_DECODE_WINDOW`` positions, for every T)
-and only the cache's size differs. After ``--warmup`` steps (the first compiles), ``--calls``
-steps are run one after another, each as the sweep times it (``benchmarks/sweep.py``):
-
-* dispatch (``call_ms``): the ``Engine.decode`` call, until it returns, before the step's
-  result is waited for: building its arguments, flattening them, the jitted call's dispatch;
+* dispatch (``call_ms``): building the step's flat batch (``RaggedBatch``, its host arrays made
+  anew each step, as the engine loop builds them) and the ``Runner.step`` call, until it
+  returns, before the step's result is waited for: the jitted call's argument handling and
+  dispatch;
 * step (``step_ms``): the call plus the wait for its one host copy (``StepOutput.host``).
 
 The medians are reported, with each step's argument leaves (``len(jax.tree.leaves(...))`` of
-what the jitted decode step takes: weights, the packed weight copy of the native matmuls, the
-KV cache, and the per-step metadata), and, per (config, layer form), the ratio of the largest
-T's dispatch to the smallest's. Issue 19's target: <= 1 ms everywhere, the largest within 1.2x
-of the smallest; the per-slot cache of today's engine grows its argument count (unrolled: 2 x
-L x T / 128 cache buffers) and with it the dispatch. Results: docs/performance.md ("Dispatch cost").
+what the jitted step takes: the weights, the KV pool's arrays, and the rest: the batch's arrays,
+the previous output, the sampling arrays and the token history), and, per (config, layer loop),
+the ratio of the largest T's dispatch to the smallest's. Issue 19's target: <= 1 ms everywhere,
+the largest within 1.2x of the smallest. The step's arguments are the same few arrays whatever
+T (the pool is two arrays, K and V), so only their sizes grow with T. Results:
+docs/performance.md ("Dispatch cost").
 
 Configs (``CONFIGS``): ``smollm2-135m`` (SmolLM2-135M's shapes: 30 layers, hidden 576, 9 query
 and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied), ``32-layer`` (the same widths with
 Llama 3 8B's 32 layers, isolating the layer count) and ``tiny`` (``LlamaConfig.tiny()``, for
-tests). The cache is float32 (4 bytes per value): T = 32768 is 1.5 GB per slot for SmolLM2-135M,
-and the scanned form held about three caches (``CACHE_COPIES``); a point expected to need
-more than the memory available when it starts is skipped, with the reason in its row. ``--json``
-is rewritten after every point, so a run that is killed keeps the points it measured.
+tests). The pool is float32 (4 bytes per value): T = 32768 is 1.5 GB per row for SmolLM2-135M;
+a point expected to need more than the memory available when it starts (``memory_needed``) is
+skipped, with the reason in its row. ``--json`` is rewritten after every point, so a run that is
+killed keeps the points it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -55,15 +58,13 @@ from benchmarks import check_writable_file
 from service.server.arg_types import nonnegative_int, positive_int
 
 DEFAULT_MAX_LENS = (256, 2048, 8192, 32768)
-LAYER_FORMS = ("unrolled", "scan", "paged")  # "paged": service.paged_engine's ragged step
+LAYER_LOOPS = ("scan", "unrolled")  # EngineConfig.layer_loop forms
 TARGET_CALL_MS = 1.0  # issue 19: dispatch <= 1 ms at every maximum length ...
 TARGET_RATIO = 1.2  # ... and the largest maximum length's within 1.2x of the smallest's
-# Peak memory of a point in multiples of its cache. The unrolled form updates the donated cache
-# in place. The scanned one held far more: at T = 32768 (SmolLM2-135M, 4 slots, a 6.0 GB cache)
-# the process held 17.3 GB, 2.9x, when the OOM killer ended it. Why was not looked into; one way
-# XLA:CPU copies a whole cache is a read of it before a pending write (model/llama.py,
-# ``Llama.run_layers_in_place``), the order of the scanned decode step.
-CACHE_COPIES = {"unrolled": 1, "scan": 3, "paged": 1}
+# The ragged step updates the donated pool in place (model/llama.py: each layer's write before
+# its read), so a point holds one pool; the weights twice (the host copy and the placed one).
+POOL_COPIES = 1
+WEIGHT_COPIES = 2
 
 
 def smollm2_135m(num_layers: int = 30) -> Any:
@@ -97,12 +98,11 @@ CONFIGS = {
 }
 
 
-def memory_needed(cfg: Any, layers: str, max_len: int, slots: int) -> int:
-    """Bytes a point is expected to hold at its peak: ``CACHE_COPIES[layers]`` float32 caches
-    of ``slots`` x ``max_len`` positions, plus two float32 copies of the weights (the
-    parameters and the packed copy of the native matmuls)."""
-    cache = cfg.kv_bytes_per_token(4) * max_len * slots
-    return CACHE_COPIES[layers] * cache + 2 * 4 * cfg.param_count()
+def memory_needed(cfg: Any, max_len: int, slots: int) -> int:
+    """Bytes a point is expected to hold at its peak: ``POOL_COPIES`` float32 pools of ``slots``
+    x ``max_len`` positions, plus ``WEIGHT_COPIES`` float32 copies of the weights."""
+    pool = cfg.kv_bytes_per_token(4) * max_len * slots
+    return POOL_COPIES * pool + WEIGHT_COPIES * 4 * cfg.param_count()
 
 
 def parse_max_lens(text: str) -> list[int]:
@@ -120,63 +120,39 @@ def parse_max_lens(text: str) -> list[int]:
     return values
 
 
-def paged_decode(engine: Any, slots: int, position: int) -> Any:
-    """A function that dispatches one ragged step of ``slots`` decode tokens at ``position``,
-    row s over its own pages (s x max_pages onwards), as ``PagedEngineLoop`` builds it: the
-    host arrays are built on every call, as the loop builds them."""
-    from service.paged_engine import RaggedBatch
+def decode_batches(runner: Any, slots: int, position: int) -> Any:
+    """A function of ``installs`` that builds one step's flat batch: ``slots`` decode tokens at
+    ``position``, row s's token at index s of the decode region, over its own pages (s x
+    max_pages onwards), built anew on every call, as the engine loop builds a batch each step."""
+    import dataclasses as dc
 
-    maxp = engine.max_pages
-    tables = np.arange(slots * maxp, dtype=np.int32).reshape(slots, maxp) % engine.num_pages
+    g = runner.geometry
+    tables = np.arange(slots * g.max_pages, dtype=np.int32).reshape(slots, g.max_pages) % runner.num_pages
 
-    def decode() -> Any:
-        n = engine.decode_bucket(slots)  # the decode region only: row s's token at index s
-        positions = np.full(n, position, np.int32)
+    def build(installs: tuple[Any, ...] = ()) -> Any:
+        b = g.empty_batch(g.decode_bucket(slots), 0)
         rows = np.arange(slots, dtype=np.int32)
-        batch = RaggedBatch(
-            tokens=np.zeros(n, np.int32),
-            positions=positions,
-            rows=rows,
-            source=np.zeros(n, np.int32),
-            generated=rows >= 0,
-            last_index=np.arange(slots, dtype=np.int32),
-            ban_eos=np.zeros(slots, bool),
-            page_tables=tables.copy(),
-            num_real=slots,
-            max_position=position,
-            decode_tokens=n,
-        )
-        return engine.step(batch)
+        b.positions[:slots], b.rows[:slots], b.generated[:slots], b.last_index[:slots] = position, rows, True, rows
+        b.page_tables[:] = tables
+        return dc.replace(b, num_real=slots, max_position=position, installs=installs)
 
-    return decode
+    return build
 
 
-def argument_leaves(engine: Any, sampling_leaves: int) -> dict[str, int]:
-    """The leaves of the jitted decode step's arguments, by group: "params" (the weights),
-    "panels" (the weights packed for the native matmuls, 0 when decode does not read them),
-    "cache" (the KV cache's arrays), "other" (token ids, sources, the two previous outputs,
-    positions, the ``sampling_leaves`` sampling arrays and the token history of the penalties),
-    and "total"."""
+def argument_leaves(runner: Any, sampling_leaves: int, batch: Any) -> dict[str, int]:
+    """The leaves of the jitted step's arguments (``Runner._compile``'s ``run``), by group:
+    "params" (the weights, in the form the kernels take), "cache" (the KV pool's arrays),
+    "other" (the batch's host arrays: tokens, source, positions, rows, generated, page tables,
+    last_index, ban_eos; the previous step's output; the ``sampling_leaves`` sampling arrays;
+    the token history of the penalties), and "total"."""
     import jax
 
-    if not hasattr(engine, "decode_panels"):  # the paged engine's ragged step
-        counts = {
-            "params": len(jax.tree.leaves(engine.params)),
-            "panels": 0,
-            "cache": len(jax.tree.leaves(engine.cache)),
-            # tokens, source, previous output, positions, rows, generated, page tables,
-            # last_index, ban_eos; the sampling arrays; the history
-            "other": 9 + sampling_leaves + len(jax.tree.leaves(engine.history)),
-        }
-        counts["total"] = sum(counts.values())
-        return counts
+    host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables,
+            batch.last_index, batch.ban_eos)  # fmt: skip
     counts = {
-        "params": len(jax.tree.leaves(engine.params)),
-        # The packed copy Engine.decode passes (None, no leaves, when decode keeps XLA's matmuls).
-        "panels": len(jax.tree.leaves(engine.decode_panels)),
-        "cache": len(jax.tree.leaves(engine.cache)),
-        # tokens, source, prev_decode, prev_prefill, positions; the sampling arrays; the history
-        "other": 5 + sampling_leaves + len(jax.tree.leaves(engine.history)),
+        "params": len(jax.tree.leaves(runner.params)),
+        "cache": len(jax.tree.leaves(runner.cache)),
+        "other": len(host) + 1 + sampling_leaves + len(jax.tree.leaves(runner.history)),
     }
     counts["total"] = sum(counts.values())
     return counts
@@ -185,7 +161,7 @@ def argument_leaves(engine: Any, sampling_leaves: int) -> dict[str, int]:
 def measure(
     name: str, layers: str, max_len: int, slots: int, position: int, calls: int, warmup: int, seed: int = 0
 ) -> dict[str, Any]:
-    """One point: build the engine, step it ``warmup`` + ``calls`` times with every slot at
+    """One point: build the runner, step it ``warmup`` + ``calls`` times with every row at
     ``position``, and return its row (times in ms and s; see the module docstring).
 
     Raises:
@@ -193,37 +169,34 @@ def measure(
     """
     import jax
 
-    from model.weights.build import random_llama
     from model.sampling import SamplingParams
-    from service.engine import Engine, EngineConfig
-    from service.paged_engine import PagedEngine
+    from model.weights.build import random_llama
+    from service.engine.batch import RowInstall
+    from service.engine.config import EngineConfig
     from service.engine.request import SamplingOptions
+    from service.engine.runner import Runner
     from sharding.layouts import load_layout
 
     if position >= max_len:
         raise ValueError(f"position {position} must be below the max length {max_len}")
     cfg = config(name)
     graphdef, params = random_llama(cfg, seed)
+    ecfg = EngineConfig(num_slots=slots, max_seq_len=max_len, layer_loop=layers, kv_cache_tokens=slots * max_len)
     t0 = time.perf_counter()
-    if layers == "paged":
-        engine: Any = PagedEngine(
-            cfg, graphdef, params, load_layout("1x1"),
-            EngineConfig(num_slots=slots, max_seq_len=max_len, kv_cache="paged"),
-        )  # fmt: skip
-        decode = paged_decode(engine, slots, position)
-    else:
-        engine = Engine(
-            cfg, graphdef, params, load_layout("1x1"), EngineConfig(num_slots=slots, max_seq_len=max_len, layers=layers)
-        )
-        decode = functools.partial(engine.decode, np.zeros(slots, np.int32), np.full(slots, position, np.int32))
-
+    runner = Runner(cfg, graphdef, params, load_layout("1x1"), ecfg, jax.devices()[:1])
     setup_s = time.perf_counter() - t0
-    for slot in range(slots):
-        engine.set_sampling(slot, SamplingOptions(temperature=0.0))
-    # Every step writes the same position in each slot and attends to positions 0..position:
-    # the work is the same step after step, and the same at every max length.
+    del params
+    build = decode_batches(runner, slots, position)
+
+    def decode(installs: tuple[Any, ...] = ()) -> Any:
+        return runner.step(build(installs))
+
+    # Every step writes the same position of each row and attends to positions 0..position:
+    # the work is the same step after step, and the same at every max length. The first step
+    # installs every row's sampling (greedy), as the loop's first step of a request does.
+    greedy = tuple(RowInstall(s, SamplingOptions(temperature=0.0), False, ()) for s in range(slots))
     t0 = time.perf_counter()
-    decode().host()
+    decode(greedy).host()
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
         decode().host()
@@ -237,18 +210,23 @@ def measure(
         call_s.append(t1 - t0)
         step_s.append(t2 - t0)
     step = statistics.median(step_s)
-    leaves = argument_leaves(engine, len(jax.tree.leaves(SamplingParams(**SamplingParams.host(slots)))))
+    sampling = len(jax.tree.leaves(SamplingParams(**SamplingParams.host(slots))))
+    leaves = argument_leaves(runner, sampling, build())
     row: dict[str, Any] = {
         "config": name,
-        "layers": layers,
+        "layers": runner.ecfg.layer_loop,
         "max_seq_len": max_len,
         "slots": slots,
         "position": position,
         "status": "ok",
-        "native_attention": engine.kernels.native,
-        "native_matmul": getattr(engine, "decode_panels", None) is not None,
+        "pool_pages": runner.num_pages,
+        "page_size": runner.ecfg.page_size,
+        "window_pages": runner.geometry.window(position),
+        "attention": runner.kernels.attention.name,
+        "native_attention": runner.kernels.attention.native,
+        "native_matmul": runner.kernels.panels,
         "leaves": leaves,
-        "cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(engine.cache))),
+        "cache_bytes": int(sum(a.nbytes for a in jax.tree.leaves(runner.cache))),
         "setup_s": setup_s,
         "first_call_s": first_s,
         "compile_s": max(0.0, first_s - step),
@@ -259,12 +237,11 @@ def measure(
         "step_min_ms": 1e3 * min(step_s),
     }
     row["call_share"] = row["call_ms"] / row["step_ms"]
-    del engine
     return row
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (config, layer form) with at least one measured row: the smallest and largest
+    """Per (config, layer loop) with at least one measured row: the smallest and largest
     measured max lengths, their dispatch medians, largest / smallest, and whether the issue's
     target holds (every dispatch <= ``TARGET_CALL_MS``, the ratio <= ``TARGET_RATIO``)."""
     out = []
@@ -301,7 +278,7 @@ def format_row(r: dict[str, Any]) -> str:
     return (
         f"{head} dispatch {r['call_ms']:8.2f} ms (min {r['call_min_ms']:7.2f})  step {r['step_ms']:8.2f} ms  "
         f"dispatch/step {r['call_share']:5.1%}  leaves {lv['total']:6d} (cache {lv['cache']}, params {lv['params']}, "
-        f"panels {lv['panels']}, other {lv['other']})  cache {r['cache_bytes'] / 1e6:9.1f} MB  compile {r['compile_s']:.1f} s"
+        f"other {lv['other']})  cache {r['cache_bytes'] / 1e6:9.1f} MB  compile {r['compile_s']:.1f} s"
     )
 
 
@@ -311,15 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     1 otherwise."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dispatch", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["smollm2-135m", "32-layer"])
-    ap.add_argument("--layers", nargs="+", choices=LAYER_FORMS, default=list(LAYER_FORMS))
+    ap.add_argument(
+        "--layers", nargs="+", choices=LAYER_LOOPS, default=list(LAYER_LOOPS), help="EngineConfig.layer_loop forms"
+    )
     ap.add_argument(
         "--max-lens",
         type=parse_max_lens,
         default=list(DEFAULT_MAX_LENS),
-        help="comma-separated KV-cache lengths per slot (default %(default)s; see the memory line printed first)",
+        help="comma-separated max_seq_len values; the pool holds slots x each (default %(default)s; see the memory "
+        "line printed first)",
     )
-    ap.add_argument("--slots", type=positive_int, default=4, help="decode slots (%(default)s)")
-    ap.add_argument("--position", type=nonnegative_int, default=64, help="every slot's position (%(default)s)")
+    ap.add_argument("--slots", type=positive_int, default=4, help="decoding rows (%(default)s)")
+    ap.add_argument("--position", type=nonnegative_int, default=64, help="every row's position (%(default)s)")
     ap.add_argument("--calls", type=positive_int, default=20, help="timed steps per point (%(default)s)")
     ap.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps after the first (%(default)s)")
     ap.add_argument("--json", help="write the rows, ratios and machine facts to this file")
@@ -340,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{ap.prog}: jax {jax.__version__} on {devices[0].platform} ({devices[0].device_kind}), "
         f"{os.cpu_count()} CPU cores; native kernels: "
         f"{'built for -march=' + native.march() + ' (' + native.isa() + ')' if native.available() else 'unavailable'}; "
-        f"{args.slots} slots at position {args.position}, {args.calls} timed steps after {args.warmup} + 1"
+        f"{args.slots} rows at position {args.position}, {args.calls} timed steps after {args.warmup} + 1"
     )
     for name in args.configs:
         cfg = config(name)
-        per_token = cfg.kv_bytes_per_token(4)  # float32 cache
+        per_token = cfg.kv_bytes_per_token(4)  # float32 pool
         sizes = ", ".join(f"T={t}: {per_token * t / 1e6:.1f} MB per row" for t in args.max_lens)
-        print(f"  {name}: KV cache {per_token / 1e3:.1f} kB per token per row (float32); {sizes}; x {args.slots} rows")
+        print(f"  {name}: KV pool {per_token / 1e3:.1f} kB per token (float32); {sizes}; x {args.slots} rows")
     if free is not None:
         print(f"  memory available now: {free / 1e9:.1f} GB (points expected to need more are skipped)")
     meta = {
@@ -372,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config(name)
         for layers in args.layers:
             for max_len in args.max_lens:
-                need = memory_needed(cfg, layers, max_len, args.slots)
+                need = memory_needed(cfg, max_len, args.slots)
                 if free is not None and need > free:
                     row = {"config": name, "layers": layers, "max_seq_len": max_len, "slots": args.slots,
                            "status": f"skipped: needs about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB available"}  # fmt: skip
@@ -385,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
                 write_json(rows)
-                gc.collect()  # the engine's cache and weights, before the next point reads the free memory
+                gc.collect()  # the runner's pool and weights, before the next point reads the free memory
                 free = host_available_bytes()
 
     summary = ratios(rows)

@@ -3,7 +3,10 @@
 channel, both against float32.
 
 The float32 weights are the GGUF's dequantized values (the model the golden fixtures hold to
-Hugging Face). For each matmul weight it prints the relative RMS error ||W_q - W|| / ||W|| and
+Hugging Face). Every variant runs in the served engine, a ``service.engine.runner.Runner`` of one
+row on one CPU device (the kernels ``model.kernels.choose`` picks there), stepped directly with
+the flat batches the engine loop builds: the prompt as one prefill chunk, then one decode token
+a step; the logits are those of row 0, the step's own (``StepOutput.logits``). For each matmul weight it prints the relative RMS error ||W_q - W|| / ||W|| and
 the largest |W_q - W| of both schemes; then, on the golden prompts (tests/fixtures), the float32
 engine generates ``--tokens`` greedy tokens, and each int8 variant is fed the same tokens
 (teacher forcing): top-1 agreement with float32's argmax at each position, the largest
@@ -32,12 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python benchmarks/int8_error.py` from a checkout
 
+import dataclasses  # noqa: E402
+from typing import Any  # noqa: E402
+
 import numpy as np  # noqa: E402
 
-from model import block_params  # noqa: E402
+from model.config import LlamaConfig  # noqa: E402
+from model.weights import block_params  # noqa: E402
 from model.weights.build import llama_from_params  # noqa: E402
 from model.weights.checkpoint import expected_shapes  # noqa: E402
-from model.config import LlamaConfig  # noqa: E402
 from model.weights.fetch import default_model_path  # noqa: E402
 from model.weights.gguf_weights import load_gguf_params  # noqa: E402
 from service.engine.request import SamplingOptions  # noqa: E402
@@ -67,17 +73,38 @@ def channel_params(params: dict) -> dict:
     return out
 
 
-def run(engine, prompt: list[int], feed: list[int] | None, n: int) -> tuple[np.ndarray, list[int]]:  # type: ignore[no-untyped-def]
+def prompt_batch(runner: Any, prompt: list[int]) -> Any:
+    """Row 0's prompt as one prefill chunk (row 0 greedy, installed with it), sampling at its last
+    token: the flat batch the engine loop builds for a prompt arriving at an idle engine."""
+    from service.engine.batch import RowInstall
+
+    g, n = runner.geometry, len(prompt)
+    b = g.empty_batch(g.decode_buckets[0], g.prefill_bucket(g.padded(n)))
+    start = g.decode_buckets[0]  # the prefill region starts after the decode region
+    b.tokens[start : start + n], b.positions[start : start + n], b.rows[start : start + n] = prompt, np.arange(n), 0
+    b.last_index[0] = start + n - 1
+    b.page_tables[0] = np.arange(g.max_pages)
+    install = RowInstall(0, GREEDY, False, ())
+    return dataclasses.replace(b, num_real=n, max_position=n - 1, installs=(install,))
+
+
+def decode_batch(runner: Any, token: int, position: int) -> Any:
+    """Row 0's one decode token ``token`` at ``position``."""
+    g = runner.geometry
+    b = g.empty_batch(g.decode_buckets[0], 0)
+    b.tokens[0], b.positions[0], b.rows[0], b.generated[0], b.last_index[0] = token, position, 0, True, 0
+    b.page_tables[0] = np.arange(g.max_pages)
+    return dataclasses.replace(b, num_real=1, max_position=position)
+
+
+def run(runner: Any, prompt: list[int], feed: list[int] | None, n: int) -> tuple[np.ndarray, list[int]]:
     """Logits [n, V] at the n positions after ``prompt`` and the greedy ids; with ``feed``, the
-    ids fed after the first are ``feed``'s (teacher forcing), else the engine's own."""
-    engine.set_sampling(0, GREEDY)
-    out = engine.prefill(0, prompt, 0)
+    ids fed after the first are ``feed``'s (teacher forcing), else the engine's own. Each run
+    writes row 0's pages from position 0 again, so runs do not see each other's keys."""
+    out = runner.step(prompt_batch(runner, prompt))
     logits, ids = [np.asarray(out.logits)[0]], [int(out.host().ids[0])]
-    S, T = engine.ecfg.num_slots, engine.ecfg.max_seq_len
     for i in range(n - 1):
-        tokens, positions = np.zeros(S, np.int32), np.full(S, T, np.int32)
-        tokens[0], positions[0] = (feed or ids)[i], len(prompt) + i
-        out = engine.decode(tokens, positions)
+        out = runner.step(decode_batch(runner, (feed or ids)[i], len(prompt) + i))
         logits.append(np.asarray(out.logits)[0])
         ids.append(int(out.host().ids[0]))
     return np.stack(logits), ids
@@ -89,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="continuation length per prompt")
     args = ap.parse_args(argv)
 
-    from service.engine import Engine, EngineConfig
-    from sharding.layouts import Layout
+    import jax
+
+    from service.engine.config import EngineConfig
+    from service.engine.runner import Runner
+    from sharding.layouts import load_layout
 
     path = Path(args.model) if args.model else default_model_path()
     cfg = LlamaConfig.from_gguf(path)
@@ -113,22 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     with np.load(FIXTURE) as z:
         prompts = [z[f"prompt_ids_{i}"].tolist() for i in range(3)]
     longest = max(map(len, prompts)) + args.tokens
-    ecfg = EngineConfig(num_slots=1, max_seq_len=longest + 1, chunk_size=longest, layers="unrolled", kv_cache="slots")
+    ecfg = EngineConfig(
+        num_slots=1, max_seq_len=longest + 1, chunk_size=longest, max_num_batched_tokens=longest,
+        kv_cache_tokens=longest + 1,
+    )  # fmt: skip
     variants = {"float32": floats, "int8-block": int8, "int8-channel": channel}
     results: dict[str, list[tuple[np.ndarray, list[int], list[int]]]] = {}
     for name, params in variants.items():
         graphdef, state = llama_from_params(cfg, params)
-        engine = Engine(cfg, graphdef, state, Layout("single"), ecfg)
+        runner = Runner(cfg, graphdef, state, load_layout("single"), ecfg, jax.devices()[:1])
+        if name == "float32":
+            print(f"engine: {runner.kernels.describe()}")
         reference = results.get("float32")
         results[name] = []
         for i, prompt in enumerate(prompts):
-            free_logits, free_ids = run(engine, prompt, None, args.tokens)
+            free_logits, free_ids = run(runner, prompt, None, args.tokens)
             if reference is None:
                 results[name].append((free_logits, free_ids, free_ids))
             else:
-                forced, _ = run(engine, prompt, reference[i][1], args.tokens)
+                forced, _ = run(runner, prompt, reference[i][1], args.tokens)
                 results[name].append((forced, free_ids, reference[i][1]))
-        del engine
+        del runner
 
     print(f"\ngolden prompts x {args.tokens} tokens, teacher-forced on float32's greedy continuation")
     print(f"{'variant':14s} {'top-1 agree':>12s} {'max |dlogit|':>13s} {'same prefix (tokens, per prompt)':>34s}")

@@ -4,15 +4,16 @@
     python -m benchmarks.kv_memory --pools 32768 8192 --json m.json
 
 Starts ``meshserve serve --slots S --max-seq-len L --kv-cache-tokens P`` (``benchmarks.
-server_process``; defaults S = 64, L = 8,192: the slots engine would hold 64 x 8,192 positions)
-once for each ``--pools`` value P, and sends the same workload to each: ``--requests`` greedy
-requests of ``--prompt-len`` pseudo-random ids (no EOS id among them) and ``--output-len``
-generated ids (``ignore_eos``), all at once. For each pool it prints the pool's tokens and bytes
-(``GetModelInfo``), the slots engine's bytes for the same S x L, the preemptions the server
-counted (``meshserve_preemptions_total``), failures, and whether every request's ids equal those
-of the first pool's run (the largest pool, sorted first). Issue 19's target: the first pool
-(64 x 512 tokens) serves the workload without preemption; a smaller one preempts and still
-returns identical ids.
+server_process``; defaults S = 64, L = 8,192: a cache sized for every slot's longest sequence
+would hold 64 x 8,192 positions) once for each ``--pools`` value P, and sends the same workload
+to each: ``--requests`` greedy requests of ``--prompt-len`` pseudo-random ids (no EOS id among
+them) and ``--output-len`` generated ids (``ignore_eos``), all at once. For each pool it prints
+the pool's tokens and bytes (``GetModelInfo``), the bytes of S x L positions
+(``slots_engine_bytes``: what the per-slot engine the paged pool replaced held), the preemptions
+the server counted (``meshserve_preemptions_total``), failures, and whether every request's ids
+equal those of the first pool's run (the largest pool, sorted first). Issue 19's target: the
+first pool (64 x 512 tokens) serves the workload without preemption; a smaller one preempts and
+still returns identical ids.
 
 Identical ids are a claim about greedy decoding in float32: a preempted sequence is recomputed
 in other batches than the first run's, so its logits can differ in the last bits; ids stay the
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             print(
-                f"pool {row['pool_tokens']:>7} tokens ({row['pool_bytes'] / 2**20:8.1f} MiB; slots engine "
+                f"pool {row['pool_tokens']:>7} tokens ({row['pool_bytes'] / 2**20:8.1f} MiB; slots x max-seq-len "
                 f"{row['slots_engine_bytes'] / 2**20:8.1f} MiB)  needed {row['needed_tokens']}  preemptions "
                 f"{preemptions:.0f}  failed {errors}  ids identical to the first pool's {row['identical_to_first']}"
                 f"/{args.requests}  {seconds:.0f} s",

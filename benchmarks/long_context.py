@@ -8,7 +8,7 @@ For each ``--lengths`` value this starts ``meshserve serve --max-seq-len L --slo
 largest of ``--batches``; every other flag at its default, so the paged pool is slots x L
 tokens) as a child process (``benchmarks.server_process``), all of them at once, and waits for
 SERVING. Then, batch by batch, it warms each server with B requests and runs ``--rounds`` rounds;
-a round runs ``meshserve bench``'s closed loop (``benchmarks.bench.run_bench``: concurrency B, B
+a round runs ``meshserve-bench bench``'s closed loop (``benchmarks.bench.run_bench``: concurrency B, B
 greedy requests of ``--prompt-len`` ids and ``--output-len`` generated ids) on every server in
 turn, in the opposite order the next round. A point's TPOT is the median over rounds of each
 round's p50; a ratio (each longer length's TPOT over the shortest's) is the median over rounds

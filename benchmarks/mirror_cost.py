@@ -1,6 +1,7 @@
-"""The per-step cost of keeping the processes of a jax.distributed job in step
-(``service.engine.distributed``'s ``MirroredEngine`` and ``StepChannel``) against a batch-8 decode step
-of SmolLM2-135M: the issue "Past one machine"'s target, <= 1 ms a step and <= 5 % of that step.
+"""The per-step cost of keeping the processes of a jax.distributed job in step (process 0's
+``Runner`` with its ``channel``, a ``service.engine.distributed.StepChannel``: each step's batch
+sent to the followers before the step itself) against a batch-8 decode step of SmolLM2-135M:
+the issue "Past one machine"'s target, <= 1 ms a step and <= 5 % of that step.
 
     python -m benchmarks.mirror_cost                     # 200 messages after 20 of warm-up
     python -m benchmarks.mirror_cost --json mirror.json
@@ -11,31 +12,32 @@ prints one table from them:
 
 1. ``smollm`` (one process, ``JAX_PLATFORMS=cpu``, one CPU device): SmolLM2-135M (the default
    GGUF, ``model.weights.fetch.default_model_path``, loaded as the server does: blocks as stored where the
-   native quantized matmul is built, else float32) in a ``PagedEngine`` on layout ``single``
+   native quantized matmul is built, else float32) in a ``Runner`` on layout ``single``
    (``EngineConfig``'s defaults: max_seq_len 2048, pages of 16; 8 rows, a pool of 8 x 2048
    tokens). Eight requests of ``PROMPT_LEN`` random ids (greedy, EOS ignored, no prefix cache)
    are run to ``--warmup + --steps`` decode steps by the real planning code
-   (``record_decode_steps``: ``PagedScheduler.schedule``, ``PagedEngineLoop.dispatch`` and
-   ``postprocess``, the loop's own body without its thread and warm-up); every ``engine.step`` is
-   timed end to end, dispatch to ``block_until_ready`` of its output (so the loop does not
-   pipeline). **step**: the median over the ``--steps`` steps that decode all 8 rows with no
+   (``record_decode_steps``: ``Scheduler.schedule``, ``EngineLoop.step``, which builds each
+   ``RaggedBatch``, dispatches it and postprocesses the step before; the loop's own body without
+   its thread and warm-up); every ``Runner.step`` is timed end to end, dispatch to
+   ``block_until_ready`` of its output (so the loop does not pipeline). **step**: the median over the ``--steps`` steps that decode all 8 rows with no
    prefill after the first ``--warmup`` of them (the first compiles). All those steps'
    ``RaggedBatch``es (decode region 8, page tables [8, 128] int32) are kept: they
    are the messages of job 3.
 2. ``tiny8`` (one process, 8 CPU devices): the tiny random model (``random_llama`` of
-   ``LlamaConfig.tiny()``, seed 0) in a ``PagedEngine`` on layout ``1x8`` (8 rows, pages of 16,
+   ``LlamaConfig.tiny()``, seed 0) in a ``Runner`` on layout ``1x8`` (8 rows, pages of 16,
    max_seq_len 2048). Its batches come from ``record_decode_steps`` too (prompts of
    ``TINY_PROMPT_LEN``), then ``--tiny-warmup + --tiny-steps`` of them are replayed
-   (``replay``: ``engine.step(batch, prev)``, ``prev`` the previous replayed step's output, each
+   (``replay``: ``runner.step(batch, prev)``, ``prev`` the previous replayed step's output, each
    waited for with ``block_until_ready``). **tiny 1 process**: the replayed steps' median.
 3. ``mirror`` (two processes, each ``JAX_PLATFORMS=cpu
    XLA_FLAGS=--xla_force_host_platform_device_count=4``): ``service.engine.distributed.initialize``
    (gloo, ``jax.distributed.initialize``), ``StepChannel.open`` (the real code path), the tiny
-   engine of job 2 on layout ``1x8`` over all 8 devices in both, ``MirroredEngine`` on process 0.
+   runner of job 2 on layout ``1x8`` over all 8 devices in both, process 0's with the channel
+   (``Runner.channel``: it mirrors its own calls).
 
-   * **send**: on process 0, ``MirroredEngine._send("step", batch, PREVIOUS)`` for each of job
-     1's batches (the call ``MirroredEngine.step`` makes before the engine's own step): pickle
-     (protocol 5) of ``("step", (batch, PREVIOUS), {})`` and ``sendall`` of the frame. Times are
+   * **send**: on process 0, ``channel.send(("step", (batch, PREVIOUS), {}))`` for each of job
+     1's batches (the message ``Runner.step`` sends before its own step, ``Runner._mirror``):
+     pickle (protocol 5) and ``sendall`` of the frame. Times are
      ``time.clock_gettime_ns(CLOCK_MONOTONIC)``.
    * **deliver**: from the start of that send on process 0 to the follower holding the
      unpickled message (``StepChannel.recv``'s return, read by this script's loop, not
@@ -47,16 +49,18 @@ prints one table from them:
      batch sent (every array, after the timing). Before each send process 0 waits
      ``--gap-ms`` (the follower back in ``recv``, as it is while process 0 plans a step).
    * **bytes**: the frame (8-byte length + pickle) of a message.
-   * **tiny mirrored**: process 0 replays job 2's batches through ``MirroredEngine.step`` while
-     process 1 runs ``service.engine.distributed.follow`` (the real follower), each step timed on
-     process 0 from the call to ``block_until_ready`` of its output. The program spans both
-     processes, so this includes the send, the follower's start and the model-axis collectives
-     across the processes (gloo over TCP): the extra synchronisation against **tiny 1 process**
-     (the same layout and batches on one process of 8 devices).
+   * **tiny mirrored**: process 0 replays job 2's batches through its runner's ``step`` (the
+     send of the batch, then the step) while process 1 runs
+     ``service.engine.distributed.follow`` (the real follower), each step timed on process 0
+     from the call to ``block_until_ready`` of its output. The program spans both processes, so
+     this includes the send, the follower's start and the model-axis collectives across the
+     processes (gloo over TCP): the extra synchronisation against **tiny 1 process** (the same
+     layout and batches on one process of 8 devices).
 
 Ratios: send and deliver medians over the SmolLM2 step's median; PASS where a median is <= 1 ms
-and <= 5 % of the step. set_sampling / set_history messages (sent once per admitted request,
-not per step) are not measured. The compiled programs persist in JAX's compilation cache
+and <= 5 % of the step. A request's row state (sampling parameters, token history) travels in
+the batch of its first step (``RaggedBatch.installs``), not in messages of its own; the decode
+steps measured here carry none. The compiled programs persist in JAX's compilation cache
 (``model.weights.fetch.cache_dir() / "jax"``, as the server's): a rerun compiles less. A worker that
 fails ends the run (the others stopped, its stderr shown, exit 1; 3 where
 ``jax.distributed.initialize`` failed). Results: docs/multiprocess.md, "Per-step cost of the
@@ -127,20 +131,21 @@ class _NoText:
 
 def record_decode_steps(engine: Any, prompt_len: int, decode_steps: int, seed: int = SEED) -> list[tuple[Any, int]]:
     """Run ``engine.ecfg.num_slots`` requests of ``prompt_len`` random ids (greedy, EOS ignored,
-    no prefix cache, ``decode_steps + 1`` ids each) through the real planning code, the body of
-    ``EngineLoop._run`` without its thread, inbox or warm-up: ``PagedScheduler.schedule``,
-    ``PagedEngineLoop.dispatch`` (which builds each ``RaggedBatch``) and ``postprocess``. Every
-    ``engine.step`` is waited for (``block_until_ready``) and timed.
+    no prefix cache, ``decode_steps + 1`` ids each) on the ``Runner`` ``engine`` through the real
+    planning code, the body of ``EngineLoop._run`` without its thread, inbox or warm-up:
+    ``Scheduler.schedule`` and ``EngineLoop.step`` (which builds each ``RaggedBatch``, dispatches
+    it and postprocesses the step before). Every ``engine.step`` is waited for
+    (``block_until_ready``) and timed.
 
     Returns:
         (batch, ns) of every step whose rows all decode (no prefill), in order: ``decode_steps``.
     """
-    from service.paged_loop import engine_loop
+    from service.engine.loop import make_loop
     from service.engine.request import Request, SamplingOptions
     from service.engine.text_stream import TextStream
 
     rows = engine.ecfg.num_slots
-    loop: Any = engine_loop(engine, max_queue=rows)
+    loop: Any = make_loop(engine, max_queue=rows)
     sched = loop.scheduler
     rng = np.random.default_rng(seed)
     for i in range(rows):
@@ -169,18 +174,14 @@ def record_decode_steps(engine: Any, prompt_len: int, decode_steps: int, seed: i
 
     engine.step = timed_step  # an instance attribute over the method, removed below
     try:
-        while True:  # EngineLoop._run's body; dispatch reads the previous step from _inflight
+        while True:  # EngineLoop._run's body: an empty plan lands the step in flight, if any
             plan = sched.schedule()
             if plan.empty:
                 if loop._inflight is None:
                     break
-                loop.postprocess(loop._inflight)
-                loop._inflight = None
+                loop._finish_inflight()
                 continue
-            dispatched = loop.dispatch(plan)
-            if loop._inflight is not None:
-                loop.postprocess(loop._inflight)
-            loop._inflight = dispatched
+            loop.step(plan)
     finally:
         del engine.step
     n = rows * engine.replicas
@@ -225,22 +226,22 @@ def batch_shapes(b: Any) -> dict[str, Any]:
 
 
 def tiny_engine(devices: list[Any]) -> Any:
-    from model.weights.build import random_llama
     from model.config import LlamaConfig
-    from service.engine import EngineConfig
-    from service.paged_engine import PagedEngine
+    from model.weights.build import random_llama
+    from service.engine.config import EngineConfig
+    from service.engine.runner import Runner
     from sharding.layouts import load_layout
 
     cfg = LlamaConfig.tiny()
     graphdef, params = random_llama(cfg, seed=SEED)
-    ecfg = EngineConfig(num_slots=ROWS, kv_cache="paged", kv_cache_tokens=ROWS * 2048)
-    return PagedEngine(cfg, graphdef, params, load_layout(TINY_LAYOUT), ecfg, devices)
+    ecfg = EngineConfig(num_slots=ROWS, kv_cache_tokens=ROWS * 2048)
+    return Runner(cfg, graphdef, params, load_layout(TINY_LAYOUT), ecfg, devices)
 
 
 def enable_compilation_cache() -> None:
-    """The server's persistent compilation cache (``service.server.enable_compilation_cache``)."""
+    """The server's persistent compilation cache (``service.server.startup.enable_compilation_cache``)."""
     from model.weights.fetch import cache_dir
-    from service.server import enable_compilation_cache as enable
+    from service.server.startup import enable_compilation_cache as enable
 
     enable(cache_dir())
 
@@ -255,8 +256,8 @@ def worker_smollm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from model.native import quant_matmul
     from model.weights.fetch import default_model_path
     from model.weights.loader import load_model
-    from service.engine import EngineConfig
-    from service.paged_engine import PagedEngine
+    from service.engine.config import EngineConfig
+    from service.engine.runner import Runner
     from sharding.layouts import load_layout
 
     enable_compilation_cache()
@@ -264,8 +265,8 @@ def worker_smollm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     path = default_model_path()
     stored = {"auto": quant_matmul.available(), "stored": True, "float32": False}[args.weights]
     loaded = load_model(path, "float32", stored=stored)
-    ecfg = EngineConfig(num_slots=ROWS, kv_cache="paged", kv_cache_tokens=ROWS * 2048)
-    engine = PagedEngine(loaded.cfg, loaded.graphdef, loaded.state, load_layout("single"), ecfg, jax.devices()[:1])
+    ecfg = EngineConfig(num_slots=ROWS, kv_cache_tokens=ROWS * 2048)
+    engine = Runner(loaded.cfg, loaded.graphdef, loaded.state, load_layout("single"), ecfg, jax.devices()[:1])
     built = time.monotonic() - t0
     steps = record_decode_steps(engine, PROMPT_LEN, args.warmup + args.steps)
     batches = [b for b, _ in steps]
@@ -274,7 +275,7 @@ def worker_smollm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {
         "model": path.name,
         "weights": "blocks as stored" if stored else "float32",
-        "native_decode_attention": engine.kernels.native,
+        "attention": engine.kernels.attention.name,
         "devices": engine.mesh.devices.size,
         "max_seq_len": engine.ecfg.max_seq_len,
         "page_size": engine.ecfg.page_size,
@@ -300,7 +301,8 @@ def worker_tiny8(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def worker_mirror(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from service import distributed
+    from service.engine import distributed
+    from service.engine.runner import PREVIOUS, STOP
 
     process = args.process_id
     try:
@@ -330,14 +332,13 @@ def worker_mirror(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "clocks": {name: time.get_clock_info(name).implementation for name in ("monotonic", "perf_counter")},
     }
     if process == 0:
-        mirror = distributed.MirroredEngine(engine, channel)
         start, end, back, arrive = [], [], [], []
         frames = []
         for b in messages:
-            frames.append(8 + len(pickle.dumps(("step", (b, distributed.PREVIOUS), {}), protocol=5)))
+            frames.append(8 + len(pickle.dumps(("step", (b, PREVIOUS), {}), protocol=5)))
             time.sleep(args.gap_ms / 1000)
             t0 = now_ns()
-            mirror._send("step", b, distributed.PREVIOUS)  # MirroredEngine.step's send
+            channel.send(("step", (b, PREVIOUS), {}))  # what Runner.step sends before its step
             t1 = now_ns()
             recv_exact(sock, memoryview(answer))
             t2 = now_ns()
@@ -349,8 +350,9 @@ def worker_mirror(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         recv_exact(sock, memoryview(checked))
         result["channel"] = {"start": start, "end": end, "back": back, "arrive": arrive, "frame_bytes": frames}
         result["messages_equal"] = checked == b"y"
-        result["tiny_ns"] = replay(mirror.step, tiny)[args.tiny_warmup :]
-        mirror.stop()
+        engine.channel = channel  # from now on each step is sent first, then run (Runner._mirror)
+        result["tiny_ns"] = replay(engine.step, tiny)[args.tiny_warmup :]
+        channel.send((STOP, (), {}))  # what StepChannel.finish sends; the follower's answer read below
         recv_exact(sock, memoryview(checked))  # the follower's last word: it is done
     else:
         got = []
@@ -360,7 +362,7 @@ def worker_mirror(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             sock.sendall(_ARRIVAL.pack(t))
             got.append(message)
         equal = all(
-            m[0] == "step" and m[1][1] == distributed.PREVIOUS and m[2] == {} and batches_equal(m[1][0], b)
+            m[0] == "step" and m[1][1] == PREVIOUS and m[2] == {} and batches_equal(m[1][0], b)
             for m, b in zip(got, messages, strict=True)
         )
         sock.sendall(b"y" if equal else b"n")
@@ -534,7 +536,7 @@ def table(m: dict[str, Any]) -> str:
     b = sm["batch"]
     lines = [
         f"SmolLM2-135M ({sm['model']}, weights {sm['weights']}, layout single, {sm['devices']} CPU device, "
-        f"native decode attention {sm['native_decode_attention']}); max_seq_len {sm['max_seq_len']}, "
+        f"attention: {sm['attention']}); max_seq_len {sm['max_seq_len']}, "
         f"pages of {sm['page_size']}; {st['rows']} decoding rows at positions {sm['positions'][0]}-"
         f"{sm['positions'][1]}",
         f"message: ('step', (RaggedBatch, PREVIOUS), {{}}), tokens {b['tokens'][0]} {b['tokens'][1]}, "
@@ -547,7 +549,7 @@ def table(m: dict[str, Any]) -> str:
     def row(name: str, s: dict[str, float], n: int) -> None:
         lines.append(f"{name:<42}{s['median_ms']:>9.3f}{s['p90_ms']:>9.3f}{s['min_ms']:>9.3f}{s['max_ms']:>9.3f}{n:>7}")
 
-    row("send (MirroredEngine._send, process 0)", m["send"], st["steps"])
+    row("send (channel.send of a step, process 0)", m["send"], st["steps"])
     row("deliver (send start -> follower unpickled)", m["deliver"], st["steps"])
     row("rtt/2 (send start -> answer on process 0)", m["half_rtt"], st["steps"])
     row("step: SmolLM2-135M B=8 decode, 1 process", m["step"], sm["steps"])
@@ -570,7 +572,7 @@ def table(m: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PROG}",
-        description="The mirror's per-step cost (MirroredEngine's step message) against a B=8 SmolLM2-135M step.",
+        description="The mirror's per-step cost (a step's message over the StepChannel) against a B=8 SmolLM2-135M step.",
     )
     parser.add_argument("--steps", type=positive_int, default=200, help="timed messages (%(default)s)")
     parser.add_argument(

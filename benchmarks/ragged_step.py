@@ -1,5 +1,9 @@
-"""The paged engine's ragged step (``model.llama.ragged_step``) against today's steps on a
-per-slot ``KVCache``, stacked weights (``lax.scan``), random weights (values do not change speed).
+"""The served engine's step, ``model.llama.ragged_step`` over the paged KV cache, with the native
+CPU attention backend (``model.attention.cpu.NativeCpuAttention``) against the XLA backend
+(``model.attention.xla.XlaAttention``, XLA's gathers and dots: every platform's path, and the
+reference the native kernels are tested against). The baseline of every ratio is the XLA
+backend on the same batch; both variants take the same weights (random: values do not change
+speed), stacked and run in ``lax.scan``, multiplied by XLA's dots, so only attention differs.
 
     python -m benchmarks.ragged_step                        # SmolLM2-135M shapes, float32
     python -m benchmarks.ragged_step --config tiny --runs 3 --json r.json
@@ -10,17 +14,19 @@ each waited for; the variants take turns, one call each per round, so that a bus
 shared machine slows all of them, not one:
 
 * decode: ``--seqs`` sequences, one token each at position ``--position`` (its earlier
-  positions cached), a window of ``--window`` positions: ``ragged_step`` (``window_pages`` =
-  window / page size, every token attended on its own) against ``decode_step`` on a
-  ``KVCache`` of ``--seqs`` slots with ``kv_len`` = window, and, where the native CPU kernels
-  are built, ``ragged_step native`` (decode attention by ``model.native.cpu_paged_attention``);
+  positions cached), all in the decode region (each token attends on its own), a window of
+  ``--window`` positions (``window_pages`` = window / page size: what XLA's attention gathers;
+  the native kernels read up to each token's position);
 * prefill: a first chunk of ``--prompt`` tokens (nothing cached, window = the prompt rounded up
-  to whole pages): ``ragged_step`` with the chunk in the blocked region (``prefill_from`` = 0,
-  ``seq_block`` from ``--seq-blocks``; 0 there means no blocked region, every token attended on
-  its own) against ``prefill`` with ``kv_len`` = 0.
+  to whole pages), for each ``--seq-blocks`` value b: in the prefill region in blocks of b
+  tokens (padded to whole blocks, as the engine pads a chunk), or, for b = 0, in the decode
+  region, every token attended on its own ("per token").
 
-Each row gives the median and minimum in ms and the ratio ragged / today's (medians). The pool has
-``--pages`` pages (at least what the sequences need), the sequences' pages shuffled over it.
+Variants: ``xla`` (the baseline) and, where the native kernels are built and JAX runs on the
+CPU, ``native``; a prefill variant's name carries its layout ("xla seq_block=64", "native per
+token"). Each row gives the median and minimum in ms and the ratio to the XLA row of the same
+case and layout (medians; below 1: faster than XLA). The pool has ``--pages`` pages (at least
+what the sequences need), the sequences' pages shuffled over it.
 """
 
 from __future__ import annotations
@@ -99,22 +105,27 @@ def scattered_tables(rng: np.random.Generator, seqs: int, pages_each: int, num_p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Both cases; the result dict ("rows", "ratios", the settings)."""
+    """Both cases; the result dict ("rows", the settings)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from model.native import cpu_paged_attention
-    from model.weights.build import random_llama
-    from model.kernels import NATIVE_CPU, XLA
-    from model.kv_cache import KVCache
-    from model.llama import decode_step, prefill, ragged_step
+    from model.attention import cpu as cpu_attention
+    from model.attention.base import AttentionBackend, StepMeta
     from model.attention.pages import PagedKVCache
+    from model.attention.xla import XlaAttention
+    from model.llama import ragged_step
+    from model.weights.build import random_llama
 
     cfg = config(args.config)
-    native_kernels = cpu_paged_attention.supports(cfg.q_per_kv, cfg.head_dim, jnp.float32) and (
-        cpu_paged_attention.available()
+    native = (
+        cpu_attention.supports(cfg.q_per_kv, cfg.head_dim, jnp.float32)
+        and cpu_attention.available()
+        and jax.default_backend() == "cpu"
     )
+    backends: list[tuple[str, AttentionBackend]] = [("xla", XlaAttention())]
+    if native:
+        backends.append(("native", cpu_attention.NativeCpuAttention()))
     graphdef, params = random_llama(cfg, args.seed)
     rng = np.random.default_rng(args.seed)
     ps = args.page_size
@@ -125,13 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_pages = max(args.pages, args.seqs * window_pages, prompt_pages)
     variants: list[Variant] = []
 
-    def ragged(window: int, prefill_from: int | None, seq_block: int, native: bool = False) -> Callable[..., Any]:
-        def step(params, cache, *meta):  # type: ignore[no-untyped-def]
-            model = nnx.merge(graphdef, params)
-            return ragged_step(
-                model, cache, *meta, window_pages=window, prefill_from=prefill_from, seq_block=seq_block,
-                kernels=NATIVE_CPU if native else XLA,
-            )  # fmt: skip
+    def ragged(
+        attention: AttentionBackend, window: int, decode_tokens: int | None, seq_block: int
+    ) -> Callable[..., Any]:
+        def step(params, cache, tokens, rows, positions, tables, last):  # type: ignore[no-untyped-def]
+            meta = StepMeta.build(
+                tables, rows, positions, ps, window_pages=window, decode_tokens=decode_tokens, seq_block=seq_block
+            )
+            return ragged_step(nnx.merge(graphdef, params), cache, tokens, meta, last, attention)
 
         return jax.jit(step, donate_argnums=1)
 
@@ -145,48 +157,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tables = scattered_tables(rng, B, window_pages, num_pages)
     tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
     positions = np.full(B, args.position, np.int32)
-    meta = (tokens, positions, np.arange(B, dtype=np.int32), tables, np.arange(B, dtype=np.int32))
+    rows = np.arange(B, dtype=np.int32)
+    meta = (tokens, rows, positions, tables, rows)
     if "decode" in args.cases:
-        fn = ragged(window_pages, None, 1)
-        dec = jax.jit(
-            lambda p, c, t, pos: decode_step(nnx.merge(graphdef, p), c, t, pos, kv_len=args.window), donate_argnums=1
-        )
-        variants += [
-            Variant("decode", "ragged_step", bound(fn, meta), PagedKVCache.zeros(cfg, num_pages, ps)),
-            Variant("decode", "decode_step", lambda c: dec(params, c, tokens, positions), KVCache.zeros(cfg, B, args.window)),
-        ]  # fmt: skip
-        if native_kernels and jax.default_backend() == "cpu":
-            nfn = ragged(window_pages, None, 1, native=True)
-            variants.append(
-                Variant("decode", "ragged_step native", bound(nfn, meta), PagedKVCache.zeros(cfg, num_pages, ps))
-            )
+        for name, attention in backends:
+            fn = ragged(attention, window_pages, None, 1)
+            variants.append(Variant("decode", name, bound(fn, meta), PagedKVCache.zeros(cfg, num_pages, ps)))
 
     # ---- prefill --------------------------------------------------------------------------
     T = args.prompt
     ids = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
     table = scattered_tables(rng, 1, prompt_pages, num_pages)
-    pmeta = (ids, np.arange(T, dtype=np.int32), np.zeros(T, np.int32), table, np.array([T - 1], np.int32))
     if "prefill" in args.cases:
         for block in args.seq_blocks:
-            pfn = ragged(prompt_pages, 0 if block else None, max(block, 1))
-            name = f"ragged_step seq_block={block}" if block else "ragged_step per token"
-            cache = PagedKVCache.zeros(cfg, num_pages, ps)
-            variants.append(Variant("prefill", name, bound(pfn, pmeta), cache))
-        if native_kernels and jax.default_backend() == "cpu":  # every token through the decode kernel
-            pfn = ragged(prompt_pages, None, 1, native=True)
-            cache = PagedKVCache.zeros(cfg, num_pages, ps)
-            variants.append(Variant("prefill", "ragged_step per token, native", bound(pfn, pmeta), cache))
-        pf = jax.jit(
-            lambda p, c, t: prefill(nnx.merge(graphdef, p), c, t, jnp.int32(0), jnp.int32(T), jnp.int32(0), kv_len=0),
-            donate_argnums=1,
-        )
-        variants.append(Variant("prefill", "prefill", lambda c: pf(params, c, ids), KVCache.zeros(cfg, 1, T)))
+            n = -(-T // block) * block if block else T  # a chunk padded to whole blocks
+            pids, prows, ppos = np.zeros(n, np.int32), np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+            pids[:T], prows[:T], ppos[:T] = ids, 0, np.arange(T)
+            pmeta = (pids, prows, ppos, table, np.array([T - 1], np.int32))
+            layout = f"seq_block={block}" if block else "per token"
+            for name, attention in backends:
+                # seq_block 0: every token in the decode region; else all in the prefill region
+                pfn = ragged(attention, prompt_pages, None if not block else 0, max(block, 1))
+                cache = PagedKVCache.zeros(cfg, num_pages, ps)
+                variants.append(Variant("prefill", f"{name} {layout}", bound(pfn, pmeta), cache))
 
     time_all(variants, args.runs)
-    rows = [row(v) for v in variants]
-    base = {r["case"]: r["median_ms"] for r in rows if r["variant"] in ("decode_step", "prefill")}
-    for r in rows:
-        r["ratio"] = r["median_ms"] / base[r["case"]]
+    out = [row(v) for v in variants]
+    for r in out:  # the XLA backend's row of the same case and layout: "native seq_block=64" -> "xla seq_block=64"
+        r["baseline"] = " ".join(["xla", *r["variant"].split(" ", 1)[1:]])
+    base = {(r["case"], r["variant"]): r["median_ms"] for r in out if r["variant"] == r["baseline"]}
+    for r in out:
+        r["ratio"] = r["median_ms"] / base[r["case"], r["baseline"]]
     return {
         "config": args.config,
         "dtype": "float32",
@@ -196,23 +197,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt": T,
         "page_size": ps,
         "num_pages": num_pages,
+        "native": native,
         "machine": platform.machine(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
-        "rows": rows,
+        "rows": out,
     }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.ragged_step",
-        description="ragged_step on a paged cache against decode_step and prefill on a KVCache (stacked weights).",
+        description="ragged_step on the paged cache: the native CPU attention backend against the XLA backend.",
     )
     parser.add_argument("--cases", nargs="+", choices=("decode", "prefill"), default=["decode", "prefill"])
     parser.add_argument("--config", default="smollm2-135m", choices=("smollm2-135m", "tiny"))
-    parser.add_argument("--seqs", type=positive_int, default=4, help="decode sequences (and KVCache slots)")
+    parser.add_argument("--seqs", type=positive_int, default=4, help="decode sequences (%(default)s)")
     parser.add_argument("--position", type=nonnegative_int, default=300, help="each decode token's position")
-    parser.add_argument("--window", type=positive_int, default=512, help="decode window in positions (kv_len)")
+    parser.add_argument("--window", type=positive_int, default=512, help="decode window in positions (%(default)s)")
     parser.add_argument("--prompt", type=positive_int, default=512, help="tokens of the first prefill chunk")
     parser.add_argument("--page-size", type=positive_int, default=16)
     parser.add_argument("--pages", type=nonnegative_int, default=0, help="pool size (raised to what the cases need)")
@@ -221,7 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=nonnegative_int,
         nargs="+",
         default=[64],
-        help="seq_block values for the prefill case; 0 = every token on its own (no blocked region)",
+        help="seq_block values for the prefill case; 0 = every token on its own (the decode region)",
     )
     parser.add_argument("--runs", type=positive_int, default=7, help="timed calls per variant (after one to compile)")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         f"decode: {result['seqs']} x position {result['position']}, window {result['window']}; "
         f"prefill: {result['prompt']} tokens"
     )
-    print(f"{'case':8} {'variant':32} {'median ms':>10} {'min ms':>9} {'ratio':>7}")
+    print(f"{'case':8} {'variant':32} {'median ms':>10} {'min ms':>9} {'ratio':>7}  (to the XLA backend's)")
     for r in result["rows"]:
         print(f"{r['case']:8} {r['variant']:32} {r['median_ms']:10.2f} {r['min_ms']:9.2f} {r['ratio']:7.2f}")
     if args.json:

@@ -52,15 +52,15 @@ sent per device add up to the flat ring's 2(n-1)/n · bytes, and with h = 1 it i
 one-host ring above. The latency inside a host is the workload's ``hop_latency_s`` (0 unless
 ``--hop-latency-us``); across hosts it is the preset's. The ``data`` axis costs nothing in the model's forward pass (each replica
 reads its own pages), but the engine's step returns its packed host-bound results
-(``service.engine.pack_step``: 2 + 2 · TOP_LOGPROBS float32 per row) replicated to every device
-(``service/paged_engine.py``: ``out_shardings`` ``repl``), an all-gather over the replicas. Inside a
+(``service.engine.output.pack_step``: 2 + 2 · TOP_LOGPROBS float32 per row) replicated to every device
+(``service/engine/runner.py``: ``out_shardings`` ``repl``), an all-gather over the replicas. Inside a
 host it is left out (a few kB, as before); when the replicas sit on g > 1 host groups it is priced
 as a ring all-gather of the dp · B rows among those groups over the inter-host link:
 ``(g-1)/g · bytes / W_inter + (g-1) · lat_inter`` (latency-bound in practice).
 
 Simplifications (an ideal to measure against, not a simulator): no kernel-launch or host
 overhead, no chunked-prefill re-reads, the LM head evaluated on the last prompt position only
-(as ``model.llama.prefill`` does), sampling and the vocabulary-split logits' small reductions
+(as ``model.llama.ragged_step`` does: the logits of each row's sampling token only), sampling and the vocabulary-split logits' small reductions
 not counted, a decode step reading exactly ``context_len`` KV positions per sequence.
 """
 
@@ -117,7 +117,7 @@ class Hardware:
             link between hosts (CPU presets): a layout that spans hosts is refused.
         inter_host_latency_s: seconds per hop of a collective across hosts.
         devices_per_host: devices one host (one process of a job) holds; None = all devices on one
-            host (no collective crosses hosts: the one-host numbers). ``meshserve roofline
+            host (no collective crosses hosts: the one-host numbers). ``meshserve-bench roofline
             --devices-per-host`` / ``--hosts`` set it; the shipped presets leave it unset.
     """
 
@@ -625,7 +625,7 @@ def held_weights(cfg: LlamaConfig, plan: Any, itemsize: int, formats: dict[str, 
     )
 
 
-# Bytes per row of the step's packed host-bound results (``service.engine.pack_step``): the id, its
+# Bytes per row of the step's packed host-bound results (``service.engine.output.pack_step``): the id, its
 # log-probability, TOP_LOGPROBS (20) log-probabilities and their ids, float32 each.
 PACKED_ROW_BYTES = (2 + 2 * 20) * 4
 
@@ -908,9 +908,9 @@ def format_table(rows: list[tuple[str, Roofline]], hosts: bool = False) -> str:
     return "\n".join(lines)
 
 
-# ---- ``meshserve roofline`` -----------------------------------------------------------------------
+# ---- ``meshserve-bench roofline`` -----------------------------------------------------------------------
 def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``meshserve roofline`` (``service/server/cli.py`` makes the subcommand)."""
+    """The flags of ``meshserve-bench roofline`` (``benchmarks/cli.py`` makes the subcommand)."""
     p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     p.add_argument(
@@ -969,7 +969,7 @@ def _inter_host_line(hw: Hardware) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``meshserve roofline``: print the predicted TTFT, TPOT, throughput and regime per hardware
+    """Run ``meshserve-bench roofline``: print the predicted TTFT, TPOT, throughput and regime per hardware
     preset, layout and batch; with ``--json``, write them too.
 
     Returns 0, or 1 when no layout was usable. Exits with a message on an unreadable model, an
@@ -982,11 +982,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     from sharding.plan import make_plan
 
     if args.json:
-        check_writable_file(args.json, "meshserve roofline")
+        check_writable_file(args.json, "meshserve-bench roofline")
     floats = ("float32", "bfloat16")
     if args.weights in floats and args.dtype not in (None, args.weights):
         raise SystemExit(
-            f"meshserve roofline: --weights {args.weights} and --dtype {args.dtype} contradict each other "
+            f"meshserve-bench roofline: --weights {args.weights} and --dtype {args.dtype} contradict each other "
             f"(--weights {args.weights} holds every weight as that dtype); give one of them"
         )
     try:
@@ -996,10 +996,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         formats = {} if args.weights in floats else held_formats(path, True, "int8" if args.weights == "int8" else None)
         quantized = args.weights == "int8" and formats != held_formats(path, True)
     except (OSError, ValueError, FetchError) as exc:  # missing file, not a GGUF / model directory
-        raise SystemExit(f"meshserve roofline: {args.model or 'the default model'}: {exc}") from None
+        raise SystemExit(f"meshserve-bench roofline: {args.model or 'the default model'}: {exc}") from None
     if args.context > cfg.max_position_embeddings:
         print(
-            f"meshserve roofline: warning: --context {args.context} is past the model's "
+            f"meshserve-bench roofline: warning: --context {args.context} is past the model's "
             f"{cfg.max_position_embeddings} positions",
             file=sys.stderr,
         )
@@ -1013,11 +1013,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             dtype = dtype or ("bfloat16" if "bfloat16" in hw.peak_flops else "float32")
             peak, itemsize = hw.peak(dtype), _itemsize(dtype)
         except HardwareError as exc:
-            raise SystemExit(f"meshserve roofline: {exc}") from None
+            raise SystemExit(f"meshserve-bench roofline: {exc}") from None
         ridge = peak / hw.hbm_bytes_per_s
         weights, per_weight = dtype, float(itemsize)  # how the weights are held; bytes per matmul weight
         if formats:
-            from service.server import describe_weights
+            from service.server.startup import describe_weights
 
             weights = describe_weights("int8" if quantized else "stored", formats, dtype)
             whole = held_weights(cfg, make_plan(Layout("1x1"), cfg), itemsize, formats)  # unsplit: the model's own
@@ -1094,6 +1094,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(f"meshserve: wrote {args.json}", file=sys.stderr)
     if not results:
-        print(f"meshserve roofline: no usable layout among {', '.join(dict.fromkeys(unusable))}", file=sys.stderr)
+        print(f"meshserve-bench roofline: no usable layout among {', '.join(dict.fromkeys(unusable))}", file=sys.stderr)
         return 1
     return 0

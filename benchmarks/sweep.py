@@ -17,7 +17,10 @@ steps are the flat batches the engine loop builds (``service.engine.batch``):
    does before returning), and pipelined as the engine loop runs them, step i + 1 dispatched
    before step i's ids are read on the host, each decode token reading its id on the device:
    the median interval between two steps' ids landing is the TPOT, and B / TPOT the decode
-   throughput.
+   throughput. The pipelined run goes on for one step past the timed ones (two without
+   warm-up), at the last position: each timed interval holds the next step's dispatch, as the
+   loop's do (the last step's ids alone, read with nothing dispatched after them, would time
+   a host copy where the runtime runs a step inside its dispatch).
 
 Compile times are the first calls' times less one steady-state run of the same program.
 
@@ -249,17 +252,24 @@ def measure_point(
             call_s.append(t1 - t0)
             step_s.append(time.perf_counter() - t0)
         prev = out
-    # Pipelined, as the engine loop runs: step i+1 dispatched before step i's ids are read.
+    # Pipelined, as the engine loop runs: step i+1 dispatched before step i's ids are read. The
+    # interval between two landings is a step's only while the next step is dispatched within
+    # it: where the runtime runs a step inside its dispatch (XLA:CPU, small programs) the drain
+    # (the last step's ids read with nothing dispatched after them) times a host copy alone. So
+    # the timed steps are followed by untimed ones at the last position (the same work), and
+    # the drain is not timed: gap j is batch j + 1 landing after batch j.
+    first = max(warmup_steps - 1, 0)
+    trailing = [batches[-1]] * (1 if warmup_steps else 2)
     landed, prev = [], None
-    for b in batches:
+    for b in [*batches, *trailing]:
         out = runner.step(b, prev)
         if prev is not None:
             prev.host()
             landed.append(time.perf_counter())
         prev = out
+    assert prev is not None
     prev.host()
-    landed.append(time.perf_counter())
-    gaps = np.diff(landed)[warmup_steps:].tolist() or [landed[-1] - landed[0]]
+    gaps = np.diff(landed)[first : first + steps].tolist()
 
     prefill_med = statistics.median(prefill_s) if prefill_s else None
     tpot = statistics.median(gaps)
@@ -624,7 +634,7 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 # ---- command line -------------------------------------------------------------------------------
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``meshserve sweep`` flags."""
+    """The ``meshserve-bench sweep`` flags."""
     p.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     p.add_argument("--random", action="store_true", help="random weights at the model's shapes (speed is the same)")
@@ -679,7 +689,7 @@ def _set_cpu_devices(n: int) -> None:
         import jax
 
         if jax.device_count() != n:
-            print(f"meshserve sweep: JAX is already started with {jax.device_count()} devices; --cpu-devices ignored",
+            print(f"meshserve-bench sweep: JAX is already started with {jax.device_count()} devices; --cpu-devices ignored",
                   file=sys.stderr)  # fmt: skip
         return
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -688,15 +698,15 @@ def _set_cpu_devices(n: int) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run ``meshserve sweep``: print a line per point, write the results, say where.
+    """Run ``meshserve-bench sweep``: print a line per point, write the results, say where.
 
     Returns 0 when every point was measured or skipped (with its reason) and at least one was
     measured; 1 otherwise. Exits with a message, before measuring, on contradictory flags or an
     ``--out`` that is not a directory."""
     if args.tiny and args.model:
-        raise SystemExit("meshserve sweep: --tiny times LlamaConfig.tiny(); drop --model or --tiny")
+        raise SystemExit("meshserve-bench sweep: --tiny times LlamaConfig.tiny(); drop --model or --tiny")
     if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise SystemExit(f"meshserve sweep: --out {args.out} is a file; give a directory")
+        raise SystemExit(f"meshserve-bench sweep: --out {args.out} is a file; give a directory")
     if args.cpu_devices:
         _set_cpu_devices(args.cpu_devices)
     import jax
@@ -723,9 +733,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             args.model, args.cache_dir, args.random, args.tiny, args.seed, args.dtype, args.weights
         )
     except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"meshserve sweep: {exc}") from None
+        raise SystemExit(f"meshserve-bench sweep: {exc}") from None
     print(
-        f"meshserve sweep: {source}; {cfg.param_count() / 1e6:.1f} M parameters, {args.dtype}; "
+        f"meshserve-bench sweep: {source}; {cfg.param_count() / 1e6:.1f} M parameters, {args.dtype}; "
         f"{len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind})\n  {overlay}",
         file=sys.stderr,
     )
@@ -745,11 +755,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     }
     rows = run_sweep(scfg, cfg, graphdef, params, predictor, progress=lambda r: print(format_row(r), flush=True))
     paths = write_results(rows, meta, args.out)
-    print(f"meshserve sweep: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    print(f"meshserve-bench sweep: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     measured = [r for r in rows if r["status"] == "ok"]
     if not measured:
-        print("meshserve sweep: no point was measured (every one skipped or failed: see the rows)", file=sys.stderr)
+        print(
+            "meshserve-bench sweep: no point was measured (every one skipped or failed: see the rows)", file=sys.stderr
+        )
         return 1
     if not any(p.suffix == ".png" for p in paths):  # with a measured point, only for want of matplotlib
-        print("meshserve sweep: no plots (matplotlib missing: pip install -e '.[bench]')", file=sys.stderr)
+        print("meshserve-bench sweep: no plots (matplotlib missing: pip install -e '.[bench]')", file=sys.stderr)
     return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in rows) else 1

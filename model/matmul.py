@@ -67,7 +67,7 @@ def split_stacked(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Pa
     return {k: v for k, v in weights.items() if k not in stacked}, stacked
 
 
-def with_stacked(p: dict[str, Any], stacked: dict[str, Packed], layer: jax.Array | int) -> dict[str, Any]:
+def with_stacked(p: dict[str, Any], stacked: dict[str, Packed], layer: jax.Array) -> dict[str, Any]:
     """One layer's weights: ``p`` (sliced) and the packed stacks standing for ``layer``."""
     return {**p, **{k: dataclasses.replace(v, layer=layer) for k, v in stacked.items()}}
 

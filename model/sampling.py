@@ -1,4 +1,4 @@
-"""Token sampling with per-slot parameters, inside the jitted step (no recompiles per request).
+"""Token sampling with per-row parameters, inside the jitted step (no recompiles per request).
 
 Every parameter is an array with one entry per slot, so requests with different settings
 share one compiled program:
@@ -121,7 +121,8 @@ class TokenHistory:
         """This history with each generated token counted in its row: rows, tokens [N] int32,
         generated [N] bool (tokens not generated, padding among them, are not counted)."""
         S = self.counts.shape[0]
-        counts = self.counts.at[jnp.where(generated, rows, S), tokens].add(1, mode="drop")  # row S: dropped
+        # Row S is out of range: dropped. A negative row would wrap to another row's counts.
+        counts = self.counts.at[jnp.where(generated & (rows >= 0), rows, S), tokens].add(1, mode="drop")
         return TokenHistory(counts=counts, in_prompt=self.in_prompt)
 
 
@@ -138,7 +139,7 @@ def penalize(logits: jax.Array, sp: SamplingParams, history: TokenHistory) -> ja
 
     Args:
         logits: [S, V] float32 raw logits.
-        sp: per-slot parameters (their penalties are read).
+        sp: per-row parameters (their penalties are read).
         history: [S, V] counts and prompt mask, one row per row of ``logits``.
     """
     rep = sp.repetition_penalty[:, None]
@@ -255,7 +256,7 @@ def sample(
 
     Args:
         logits: [S, V] float32 raw logits.
-        sp: per-slot sampling parameters.
+        sp: per-row sampling parameters.
         positions: [S] int32, the position the sampled token will occupy (folded into the key,
             so the draw depends only on the request's seed and the position).
         argmax: [S, V] float32 -> [S] int32 with :func:`first_argmax`'s contract, for the

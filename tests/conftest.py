@@ -100,8 +100,9 @@ def tokenizer(smollm2_gguf: Path):  # type: ignore[no-untyped-def]
 def server(smollm2_gguf: Path) -> Iterator:  # type: ignore[type-arg]
     """A real server on the default model (4 slots x 1024 tokens; gRPC, and the OpenAI-compatible
     HTTP API on ``http_port``), shared by a session."""
-    from service.engine import EngineConfig
-    from service.server import ServerConfig, ServerThread
+    from service.engine.config import EngineConfig
+    from service.server.app import ServerThread
+    from service.server.config import ServerConfig
 
     cfg = ServerConfig(
         model=str(smollm2_gguf),
@@ -145,8 +146,9 @@ def tiny_tokenizer(tiny_gguf: Path):  # type: ignore[no-untyped-def]
 def tiny_server(tiny_gguf: Path) -> Iterator:  # type: ignore[type-arg]
     """A real server on the tiny model (2 slots x 128 tokens, queue of 4, metrics and the HTTP API
     on, Admin service with token ``TINY_ADMIN_TOKEN``), shared by a session."""
-    from service.engine import EngineConfig
-    from service.server import ServerConfig, ServerThread
+    from service.engine.config import EngineConfig
+    from service.server.app import ServerThread
+    from service.server.config import ServerConfig
 
     cfg = ServerConfig(
         model=str(tiny_gguf), port=0, metrics_port=free_port(), http_port=free_port(),

@@ -3,9 +3,9 @@
 
     python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json
 
-For each layout in turn, both processes build the tiny random model and a ``PagedEngine`` on
-the layout over all 8 devices; process 0 drives ``service.paged_loop.engine_loop`` over a
-``MirroredEngine``, runs ``REQUESTS`` (greedy) and stops the followers (``STOP``), process 1
+For each layout in turn, both processes build the tiny random model and a ``Runner`` on
+the layout over all 8 devices; process 0 drives ``service.paged_loop.make_loop`` over a
+runner mirroring its calls over the step channel, runs ``REQUESTS`` (greedy) and stops the followers (``STOP``), process 1
 ``follow``s; process 0 then writes every layout's ids as JSON. One job for all the layouts: a
 job's start (two interpreters, jax.distributed, gloo) costs about 15 s here. Importable without JAX
 work (the test takes ``REQUESTS``, ``ecfg`` and ``run_requests`` from here for its one-process
@@ -38,10 +38,10 @@ SLOTS = 8  # the 8x1 layout's data axis divides it
 _rng = np.random.default_rng(0)
 PROMPT_A = _rng.integers(0, 256, 20).tolist()  # tests/test_engine_penalties.py's (vocab 256)
 PROMPT_B = _rng.integers(0, 256, 7).tolist()
-PROMPT_C = np.random.default_rng(7).integers(0, 256, 33).tolist()  # tests/test_paged_engine.py's
+PROMPT_C = np.random.default_rng(7).integers(0, 256, 33).tolist()  # tests/reference.py's
 # (prompt, max_tokens, sampling): greedy unless a temperature is given; the penalties make the
 # tiny model's greedy ids vary (without them it repeats one id) and send the token history
-# (``set_history``) through the mirror too; the last one samples with a seed.
+# (a row install with a history) through the mirror too; the last one samples with a seed.
 REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
     (PROMPT_A, 12, {"repetition_penalty": 3.0}),
     (PROMPT_B, 12, {"frequency_penalty": 0.8, "presence_penalty": 0.3}),
@@ -51,10 +51,10 @@ REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
 
 
 def ecfg() -> Any:
-    from service.engine import EngineConfig
+    from service.engine.config import EngineConfig
 
     return EngineConfig(
-        num_slots=SLOTS, max_seq_len=T, chunk_size=CHUNK, kv_cache="paged", page_size=4,
+        num_slots=SLOTS, max_seq_len=T, chunk_size=CHUNK, page_size=4,
         kv_cache_tokens=SLOTS * T, max_num_batched_tokens=32,
     )  # fmt: skip
 
@@ -62,16 +62,14 @@ def ecfg() -> Any:
 def build_engine(layout: str) -> Any:
     import jax
 
-    from model.weights.build import random_llama
     from model.config import LlamaConfig
-    from service.paged_engine import PagedEngine
+    from model.weights.build import random_llama
+    from service.engine.runner import Runner
     from sharding.layouts import Layout
 
     data, model = (int(n) for n in layout.split("x"))
     graphdef, params = random_llama(LlamaConfig.tiny(), seed=SEED)
-    return PagedEngine(
-        LlamaConfig.tiny(), graphdef, params, Layout(layout, data=data, model=model), ecfg(), jax.devices()
-    )
+    return Runner(LlamaConfig.tiny(), graphdef, params, Layout(layout, data=data, model=model), ecfg(), jax.devices())
 
 
 class _Pieces:
@@ -132,7 +130,7 @@ def main() -> int:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     signal.alarm(args.timeout)  # SIGALRM ends a hung process
 
-    from service import distributed
+    from service.engine import distributed
 
     t0 = time.monotonic()
     try:
@@ -145,7 +143,7 @@ def main() -> int:
     import jax
 
     from model.weights.fetch import cache_dir
-    from service.server import enable_compilation_cache
+    from service.server.startup import enable_compilation_cache
 
     enable_compilation_cache(cache_dir())  # as the server's: a rerun skips most of the warm-up's compiles
     assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
@@ -156,10 +154,11 @@ def main() -> int:
         engine = build_engine(layout)
         built = time.monotonic() - t1
         if args.process_id == 0:
-            from service.paged_loop import engine_loop
+            from service.engine.loop import make_loop
+            from service.engine.runner import STOP
 
-            mirror = distributed.MirroredEngine(engine, channel)
-            loop = engine_loop(mirror, max_queue=8)
+            engine.channel = channel  # process 0's runner mirrors its calls to the follower
+            loop = make_loop(engine, max_queue=8)
             loop.start()
             if not loop.ready.wait(args.timeout):
                 raise TimeoutError("warm-up did not finish")
@@ -170,7 +169,7 @@ def main() -> int:
             loop.stop()
             if loop.error is not None:
                 raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
-            mirror.stop()
+            channel.send((STOP, (), {}))
             result["seconds"][layout] = {"build": built, "warmup": warm, "total": time.monotonic() - t1}
         else:
             result["followed_steps"][layout] = distributed.follow(engine, channel)

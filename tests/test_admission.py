@@ -19,8 +19,8 @@ def client(tiny_server):  # type: ignore[no-untyped-def]
 
 
 def test_a_full_queue_is_refused_before_any_tokenizing(tiny_server, client: Client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    service = tiny_server.running.service
-    loop = service.server.pools[0].loop
+    service = tiny_server.running.gateway
+    loop = service.pools[0].loop
     tok = service.tokenizer
     encoded: list[str] = []
     rendered: list[object] = []
@@ -77,7 +77,7 @@ def test_a_cancelled_stream_frees_its_slot_and_counts_as_cancelled(tiny_server, 
     """Through service.server.wire's wrapper around Generate: the servicer's cleanup runs on cancel."""
     import time
 
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     port = tiny_server.running.metrics_port
     before = value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled")
     loop.step_hook = lambda plan: time.sleep(0.05)  # about 20 steps a second: the stream outlives the cancel
@@ -101,7 +101,7 @@ def test_admission_tells_the_server_before_a_request_is_submitted(tiny_server, c
     tokenized on a worker thread, not the event loop's."""
     import threading
 
-    service = tiny_server.running.service
+    service = tiny_server.running.gateway
     calls: list[tuple[str, int]] = []
     threads: list[str] = []
     tok = service.tokenizer
@@ -110,7 +110,7 @@ def test_admission_tells_the_server_before_a_request_is_submitted(tiny_server, c
         tok, "encode", lambda text: threads.append(threading.current_thread().name) or real_encode(text)
     )
     monkeypatch.setattr(
-        service, "on_admit", lambda: calls.append((threading.current_thread().name, len(service.server.pools[0].loop._inbox)))
+        service, "on_admit", lambda: calls.append((threading.current_thread().name, len(service.pools[0].loop._inbox)))
     )
     assert status_of(client, make_request(prompt="hi", max_tokens=0))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert calls == []  # refused: not admitted

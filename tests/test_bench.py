@@ -1,4 +1,4 @@
-"""``meshserve bench``: the statistics on a hand-made trace, and a short run against a real server
+"""``meshserve-bench bench``: the statistics on a hand-made trace, and a short run against a real server
 on a tiny random model (sane fields only, never timing thresholds)."""
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def _check_sane(report: dict, n: int) -> None:
 
 
 def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     out = tmp_path / "bench.json"
     argv = ["bench", "--address", tiny_server.address, "-n", "6", "--warmup", "1", "--concurrency", "2"]
@@ -316,7 +316,7 @@ def test_bench_cli_closed_loop(tiny_server, tmp_path: Path, capsys: pytest.Captu
 def test_bench_cli_rejects_bad_flags_before_sending(
     extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     with pytest.raises(SystemExit) as exc:  # no server at this address: nothing may be sent first
         main(["bench", "--address", "127.0.0.1:9", "-n", "1", *extra])
@@ -326,7 +326,7 @@ def test_bench_cli_rejects_bad_flags_before_sending(
 def test_bench_cli_exits_1_when_every_request_fails(  # type: ignore[no-untyped-def]
     tiny_server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"token_ids": [5] * 100, "max_tokens": 100}) + "\n")  # past max_seq_len 128
@@ -370,7 +370,7 @@ def test_bench_both_apis_side_by_side(
 ) -> None:  # type: ignore[no-untyped-def]
     """The same greedy requests over gRPC and over the OpenAI-compatible HTTP API, with either
     HTTP client: the same tokens (counted from usage over HTTP), and the comparison of the two."""
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     out = tmp_path / "both.json"
     argv = ["bench", "--address", tiny_server.address, "--api", "both", "--http-address",
@@ -391,7 +391,7 @@ def test_bench_both_apis_side_by_side(
     c = both["comparison"]["ttft_ms"]["p50"]
     assert c["grpc"] == both["grpc"]["ttft_ms"]["p50"] and c["delta"] == pytest.approx(c["openai"] - c["grpc"])
     text = capsys.readouterr().out
-    assert "--- over the OpenAI-compatible HTTP API" in text and "meshserve bench over HTTP" in text
+    assert "--- over the OpenAI-compatible HTTP API" in text and "meshserve-bench bench over HTTP" in text
     assert f"{client} client)" in text and "client CPU per request (the load generator's own): gRPC" in text
     cpu = both["comparison"]["client_cpu_ms_per_request"]
     assert cpu["grpc"] == both["grpc"]["client_cpu_ms_per_request"] > 0 and cpu["openai"] > 0

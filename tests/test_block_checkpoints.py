@@ -10,6 +10,7 @@ restored checkpoint; one CPU device's greedy ids for every mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,17 +25,18 @@ from flax import nnx
 from test_stored_weights import greedy
 from tiny_gguf import write_tiny_llama_gguf
 
+from model.config import LlamaConfig
 from model.weights import block_params, quant_panels
 from model.weights.checkpoint import CheckpointError, read_checkpoint_config, save_checkpoint
-from model.config import LlamaConfig
 from model.weights.gguf_weights import load_gguf_params
 from model.weights.loader import load_model
 from model.weights.quant_panels import QuantPanels
 from protos.meshserve.v1 import meshserve_pb2 as pb
+from service.engine.config import EngineConfig
+from service.engine.runner import Runner
+from service.server.app import ServerThread
 from service.server.client import Client
-from service.engine import Engine, EngineConfig
-from service.paged_engine import PagedEngine
-from service.server import ServerConfig, ServerThread
+from service.server.config import ServerConfig
 from sharding.layouts import Layout
 
 MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -160,7 +162,7 @@ def test_held_formats_of_a_checkpoint_are_what_it_restores(q41_checkpoint: Path,
     """``model.weights.loader.held_formats`` (what ``meshserve layouts`` and the Admin service price) reads
     a converted checkpoint's blocks from its config alone: the formats the restored state holds."""
     from model.weights.loader import held_formats
-    from service.server import stored_formats
+    from service.server.startup import stored_formats
 
     restored = stored_formats(load_model(q41_checkpoint, stored=True).state)
     assert held_formats(q41_checkpoint, True) == restored == held_formats(files["Q4_1"], True)
@@ -177,7 +179,7 @@ def test_a_block_checkpoint_on_every_mesh_gives_one_devices_ids(q41_checkpoint: 
     from sharding.rules import param_shardings
 
     gguf_model = load_model(files["Q4_1"], stored=True)
-    want = greedy(PagedEngine(gguf_model.cfg, gguf_model.graphdef, gguf_model.state, Layout("1x1"), ECFG))
+    want = greedy(Runner(gguf_model.cfg, gguf_model.graphdef, gguf_model.state, Layout("1x1"), ECFG))
     for layout in (Layout("1x1"), Layout("1x2", data=1, model=2), Layout("2x4", data=2, model=4)):
         devices = jax.devices()[: layout.num_devices]
 
@@ -187,11 +189,10 @@ def test_a_block_checkpoint_on_every_mesh_gives_one_devices_ids(q41_checkpoint: 
         restored = load_model(q41_checkpoint, shardings=shardings, stored=True)
         wqkv = restored.state["layers"]["wqkv"].get_value()
         assert isinstance(wqkv, QuantPanels) and len(wqkv.codes.sharding.device_set) == layout.num_devices
-        engine = PagedEngine(restored.cfg, restored.graphdef, restored.state, layout, ECFG, devices)
-        held = engine.params["layers"]["wqkv"].get_value()
-        if layout.num_devices == 1:
-            assert held.kernel == ("native" if quant_matmul.available() else "xla")
-        assert greedy(engine) == want, layout.name
+        runner = Runner(restored.cfg, restored.graphdef, restored.state, layout, ECFG, devices)
+        held = runner.params["layers"]["wqkv"].get_value()
+        assert held.kernel == ("native" if layout.num_devices == 1 and quant_matmul.available() else "xla")
+        assert greedy(runner) == want, layout.name
 
 
 def test_a_server_serves_a_block_checkpoint_as_stored_or_as_floats(
@@ -215,21 +216,20 @@ def test_a_server_serves_a_block_checkpoint_as_stored_or_as_floats(
 
 def test_int8_serving_matches_the_dequantized_int8_model(files: dict[str, Path]) -> None:
     """``weights="int8"``: the engine's ids are the float model's over the int8 blocks' values
-    (what the quantization changed is the weights, not the arithmetic)."""
+    (what the quantization changed is the weights, not the arithmetic), in both layer loops."""
     cfg = LlamaConfig.from_gguf(files["F32"])
     int8 = block_params.quantize_params(load_gguf_params(files["F32"], cfg))
     from model.weights.build import llama_from_params
 
     graphdef, state = llama_from_params(cfg, int8)
-    got = greedy(PagedEngine(cfg, graphdef, state, Layout("1x1"), ECFG))
+    got = greedy(Runner(cfg, graphdef, state, Layout("1x1"), ECFG))
     floats = block_params.dequantize_params(int8, shapes(cfg), np.float32)
     graphdef, state = llama_from_params(cfg, floats)
-    assert got == greedy(PagedEngine(cfg, graphdef, state, Layout("1x1"), ECFG))
-    slots = EngineConfig(
-        num_slots=2, max_seq_len=64, chunk_size=16, layers="unrolled", kv_cache="slots", weights="int8"
-    )
+    assert got == greedy(Runner(cfg, graphdef, state, Layout("1x1"), ECFG))
     graphdef, state = llama_from_params(cfg, int8)
-    assert greedy(Engine(cfg, graphdef, state, Layout("1x1"), slots)) == got
+    unrolled = Runner(cfg, graphdef, state, Layout("1x1"), dataclasses.replace(ECFG, layer_loop="unrolled"))
+    assert isinstance(unrolled.params["layers"]["wqkv"].get_value(), tuple)  # per-layer blocks
+    assert greedy(unrolled) == got
 
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, weights="int8")
     srv = ServerThread(ServerConfig(model=str(files["F32"]), port=0, metrics_port=0, engine=ecfg)).start()
@@ -301,8 +301,8 @@ def test_info_reports_each_pools_weight_bytes_and_int8_only_when_it_quantized(
         b = client.stub.GetModelInfo(pb.GetModelInfoRequest(layout="b"), timeout=10)
         assert (a.pool, b.pool) == ("a", "b") and a.weights == b.weights == "stored"
         assert srv.running is not None
-        engine_b = next(p for p in srv.running.service.pools if p.name == "b").loop.engine
-        assert b.weight_bytes == sum(engine_b.weight_bytes_per_device().values()) != a.weight_bytes
+        runner_b = next(p for p in srv.running.gateway.pools if p.name == "b").loop.runner
+        assert b.weight_bytes == sum(runner_b.weight_bytes_per_device().values()) != a.weight_bytes
     finally:
         srv.stop()
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, weights="int8")
@@ -332,9 +332,9 @@ def test_a_bfloat16_kv_cache_works_with_blocks(files: dict[str, Path], source: s
     runs = []
     for tree in (params, floats):
         graphdef, state = llama_from_params(cfg, tree)
-        engine = PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg)
-        assert engine.ecfg.kv_dtype == "bfloat16"
-        runs.append(greedy(engine))
+        runner = Runner(cfg, graphdef, state, Layout("1x1"), ecfg)
+        assert runner.ecfg.kv_dtype == "bfloat16"
+        runs.append(greedy(runner))
     assert runs[0] == runs[1]
 
 

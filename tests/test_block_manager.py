@@ -13,6 +13,18 @@ import pytest
 from service.engine.block_manager import BlockManager, HashFn, OutOfPages, chained_hash
 
 
+def fits(bm: BlockManager, num_tokens: int) -> bool:
+    """Whether ``allocate`` of ``num_tokens`` tokens succeeds even without a cache hit."""
+    return bm.pages_needed(num_tokens) <= bm.num_free + bm.num_cached
+
+
+def append(bm: BlockManager, seq: object) -> int:
+    """One more position for ``seq`` (``grow`` by 1, as a decode step does): its flat slot."""
+    bm.grow(seq, 1)
+    pos = bm.num_tokens(seq) - 1
+    return bm.page_table(seq)[pos // bm.page_size] * bm.page_size + pos % bm.page_size
+
+
 def const_hash(parent: int | None, ids: tuple[int, ...]) -> int:
     """Every page collides with every other."""
     return 7
@@ -41,7 +53,7 @@ def snapshot(bm: BlockManager, seq_ids: Sequence[Hashable]) -> tuple:
 def test_pages_needed_and_bad_arguments() -> None:
     bm = BlockManager(num_pages=4, page_size=4)
     assert [bm.pages_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-    assert bm.can_allocate(16) and not bm.can_allocate(17)
+    assert fits(bm, 16) and not fits(bm, 17)
     with pytest.raises(ValueError):
         BlockManager(num_pages=0, page_size=4)
     with pytest.raises(ValueError):
@@ -214,7 +226,7 @@ def test_out_of_pages_changes_nothing() -> None:
     before = snapshot(bm, ["a"])
     with pytest.raises(OutOfPages):
         bm.allocate("b", list(range(9)))  # three pages, one free
-    assert not bm.can_allocate(9)
+    assert not fits(bm, 9)
     with pytest.raises(OutOfPages):
         bm.grow("a", 8)  # positions 5..12: two more pages
     assert snapshot(bm, ["a"]) == before
@@ -249,7 +261,7 @@ def test_opting_out_neither_reads_nor_registers() -> None:
 def test_a_cancelled_sequence_returns_its_pages_at_once() -> None:
     bm = BlockManager(num_pages=4, page_size=4)
     bm.allocate("cancelled", list(range(13)))  # all four pages, none committed
-    assert bm.num_free == 0 and not bm.can_allocate(1)
+    assert bm.num_free == 0 and not fits(bm, 1)
     bm.free("cancelled")
     assert (bm.num_used, bm.num_cached, bm.num_free) == (0, 0, 4)
     assert bm.allocate("next", list(range(16))).page_table == (0, 1, 2, 3)  # the same pages, reused
@@ -259,9 +271,9 @@ def test_decode_growth_crosses_a_page_boundary() -> None:
     bm = BlockManager(num_pages=4, page_size=4)
     tokens = [1, 2, 3]
     assert bm.allocate("a", tokens).page_table == (0,)
-    assert bm.append_slot("a") == 0 * 4 + 3  # fills page 0
+    assert append(bm, "a") == 0 * 4 + 3  # fills page 0
     assert bm.page_table("a") == [0]
-    assert bm.append_slot("a") == 1 * 4 + 0  # a new page for position 4
+    assert append(bm, "a") == 1 * 4 + 0  # a new page for position 4
     assert bm.page_table("a") == [0, 1] and bm.num_tokens("a") == 5
     assert bm.grow("a", 0) == []
     assert bm.grow("a", 5) == [2]  # positions 5..9 end in page 2
@@ -273,7 +285,7 @@ def test_decode_growth_crosses_a_page_boundary() -> None:
     full = BlockManager(num_pages=1, page_size=4)
     full.allocate("a", [1, 2, 3, 4])
     with pytest.raises(OutOfPages):
-        full.append_slot("a")
+        append(full, "a")
     assert (full.num_tokens("a"), full.page_table("a")) == (4, [0])
 
 
@@ -403,7 +415,7 @@ def test_random_operations_keep_the_invariants(
             try:
                 if n == 1:
                     pos = bm.num_tokens(seq)
-                    slot = bm.append_slot(seq)
+                    slot = append(bm, seq)
                     assert slot == bm.page_table(seq)[pos // page_size] * page_size + pos % page_size
                 else:
                     bm.grow(seq, n)

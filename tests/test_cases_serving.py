@@ -20,8 +20,8 @@ import grpc
 import pytest
 from helpers import scrape, status_of
 
-from model.weights.gguf_file import field_value, open_gguf
 from model.text.tokenizer import Tokenizer
+from model.weights.gguf_file import field_value, open_gguf
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from service.server.client import Client, StreamResult, make_request
 
@@ -49,7 +49,7 @@ def metric(server, name: str, **labels: str) -> float | None:  # type: ignore[no
 
 def wait_idle(server, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     """Wait until every slot is free and nothing waits (then assert it)."""
-    scheduler = server.running.service.loop.scheduler
+    scheduler = server.running.gateway.pools[0].loop.scheduler
     deadline = time.monotonic() + timeout_s
     while (scheduler.active_slots or scheduler.queue_depth) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -106,7 +106,7 @@ def test_c03_fifty_concurrent_streams_equal_their_solo_runs(server, client: Clie
     requests = [make_request(prompt=p, temperature=0.0, max_tokens=max_tokens) for p in prompts]
     solo = gen_all(client, requests)
 
-    scheduler = server.running.service.loop.scheduler
+    scheduler = server.running.gateway.pools[0].loop.scheduler
     peak_queue = 0
     done = threading.Event()
 
@@ -303,7 +303,7 @@ def test_c14_greedy_ids_do_not_depend_on_the_batch(server, client: Client, token
 
 
 def test_c15_cancel_and_deadline_free_slots_and_skip_prefill(server, client: Client) -> None:
-    loop = server.running.service.loop
+    loop = server.running.gateway.pools[0].loop
     scheduler = loop.scheduler
     hello = make_request(prompt="Hello", temperature=0.0, max_tokens=8)
     gen(client, hello)  # warm
@@ -438,7 +438,7 @@ def test_load_64_streams_with_random_cancellations(server, client: Client) -> No
     assert sum(s.code == grpc.StatusCode.CANCELLED for _, _, s in results) >= 5
 
     wait_idle(server)
-    assert not any(server.running.service.inflight.values())
+    assert not any(server.running.gateway.inflight.values())
     assert metric(server, "meshserve_active_slots", pool="default") == 0
     assert metric(server, "meshserve_queue_depth", pool="default") == 0
     after = gen(client, requests[0])

@@ -18,13 +18,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from test_golden import served
 
-from model.weights.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
 from model.config import LlamaConfig
-from model.weights.loader import abstract_llama, model_format, random_llama
+from model.native import cpu_matmul
 from model.text.tokenizer import Tokenizer
-from service.engine import Engine, EngineConfig
-from service.paged_engine import PagedEngine
+from model.weights.checkpoint import CheckpointError, read_checkpoint_config, restore_checkpoint, save_checkpoint
+from model.weights.loader import abstract_llama, model_format, random_llama
+from service.engine.config import EngineConfig
+from service.engine.runner import Runner
+from service.server.config import ServerConfig
+from service.server.gateway import Gateway
+from service.server.startup import load
 from sharding.layouts import load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
@@ -50,17 +55,16 @@ def gguf_model(smollm2_model):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def gguf_logits(gguf_model):  # type: ignore[no-untyped-def]
-    """``prefill_logits`` of a fresh ``engine_type`` engine on ``layout_name`` over the GGUF
-    weights: the reference a checkpoint path must equal, computed once per (type, layout) in
-    this module (both service tests compare against the paged engine on 1x4)."""
+    """``prefill_logits`` of a fresh ``Runner`` on ``layout_name`` over the GGUF weights: the
+    reference a checkpoint path must equal, computed once per layout in this module (both
+    service tests compare against 1x4)."""
     cfg, graphdef, gguf_params = gguf_model
-    computed: dict[tuple[type, str], np.ndarray] = {}
+    computed: dict[str, np.ndarray] = {}
 
-    def logits(engine_type: type[Engine] | type[PagedEngine], layout_name: str) -> np.ndarray:
-        key = (engine_type, layout_name)
-        if key not in computed:
-            computed[key] = prefill_logits(engine_type(cfg, graphdef, gguf_params, load_layout(layout_name), ECFG))
-        return computed[key]
+    def logits(layout_name: str) -> np.ndarray:
+        if layout_name not in computed:
+            computed[layout_name] = prefill_logits(Runner(cfg, graphdef, gguf_params, load_layout(layout_name), ECFG))
+        return computed[layout_name]
 
     return logits
 
@@ -73,11 +77,18 @@ def restored_state(path: Path, cfg: LlamaConfig, layout_name: str) -> nnx.State:
     return state
 
 
-def prefill_logits(engine: Engine | PagedEngine) -> np.ndarray:
-    """The logits after PROMPT, prefilled alone into a fresh engine's first row."""
-    if isinstance(engine, PagedEngine):
-        return np.asarray(engine.step(engine.prompt_batch(PROMPT)).logits)[0]
-    return np.asarray(engine.prefill(0, PROMPT, 0).logits)[0]
+def prefill_logits(runner: Runner) -> np.ndarray:
+    """The logits after PROMPT, served alone by ``runner`` (its loop, if any, stopped)."""
+    return served(runner, [PROMPT], 1)[1][0]
+
+
+def by_path(tree: object) -> dict[str, object]:
+    """A state's leaves by path (float32 panels, ``cpu_matmul.Panels``, as one leaf)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree,
+        is_leaf=lambda x: isinstance(x, cpu_matmul.Panels),
+    )
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def test_checkpoint_is_recognised(converted: Path) -> None:
@@ -92,28 +103,28 @@ def test_restored_logits_equal_gguf(converted: Path, gguf_model, gguf_logits, la
     cfg, graphdef, _ = gguf_model
     assert read_checkpoint_config(converted)[0] == cfg
     layout = load_layout(layout_name)
-    reference = gguf_logits(Engine, layout_name)
+    reference = gguf_logits(layout_name)
 
     state = restored_state(converted, cfg, layout_name)
-    restored_leaves = jax.tree.leaves(state)
-    engine = Engine(cfg, graphdef, state, layout, ECFG)
-    # Restored straight into the engine's shardings: the engine placed nothing again.
-    for placed, restored, sharding in zip(
-        jax.tree.leaves(engine.params), restored_leaves, jax.tree.leaves(engine.param_sharding), strict=True
-    ):
-        assert placed is restored
-        assert placed.sharding == sharding
+    restored = by_path(state)
+    runner = Runner(cfg, graphdef, state, layout, ECFG)
+    # Restored straight into the runner's shardings: it placed nothing again, except the float32
+    # matmul weights one CPU device packs into panels for its native kernel (``model.kernels``).
+    placed = by_path(runner.params)
+    packed = {path for path, leaf in placed.items() if isinstance(leaf, cpu_matmul.Panels)}
+    assert bool(packed) == runner.kernels.panels
+    assert set(placed) - packed == set(restored) - packed  # a tied model's packed head is new
+    for path in set(restored) - packed:
+        assert placed[path] is restored[path], path
     if layout.model == 4:
-        w_gate_up = engine.params["layers"]["w_gate_up"][...]
+        w_gate_up = runner.params["layers"]["w_gate_up"][...]
         assert {s.data.shape for s in w_gate_up.addressable_shards} == {(30, 576, 2, 1536 // 4)}
-    np.testing.assert_array_equal(prefill_logits(engine), reference)
+    np.testing.assert_array_equal(prefill_logits(runner), reference)
 
 
 def test_service_serves_a_checkpoint(converted: Path, gguf_logits, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
-    """GenerationService.load picks the checkpoint loader by the path and restores per pool."""
-    from service.server import GenerationService, ServerConfig
-
-    service = GenerationService(
+    """``startup.load`` picks the checkpoint loader by the path and restores per pool."""
+    gateway = Gateway(
         ServerConfig(
             model=str(converted),
             cache_dir=str(smollm2_gguf.parent),
@@ -123,15 +134,15 @@ def test_service_serves_a_checkpoint(converted: Path, gguf_logits, smollm2_gguf:
         )
     )
     try:
-        service.load()
+        load(gateway)
     finally:
-        for pool in service.server.pools:
+        for pool in gateway.pools:
             pool.loop.stop(5.0)
-    assert set(service.startup_seconds) == {"restore", "place", "compile", "warmup"}
-    assert service.info is not None and service.info.name == converted.name
-    engine = service.server.pools[0].loop.engine
-    reference = gguf_logits(type(engine), "1x4")
-    np.testing.assert_array_equal(prefill_logits(engine), reference)
+    assert gateway.facts is not None and gateway.facts.kind == "checkpoint"
+    assert set(gateway.facts.startup_seconds) == {"restore", "place", "compile", "warmup"}
+    assert gateway.facts.name == converted.name
+    runner = gateway.pools[0].loop.runner
+    np.testing.assert_array_equal(prefill_logits(runner), gguf_logits("1x4"))
 
 
 def test_checkpoint_tokenizer_equals_gguf(converted: Path, tokenizer: Tokenizer) -> None:
@@ -272,11 +283,7 @@ def test_save_rejects_params_that_do_not_fit_the_config(tiny_ckpt: tuple[Path, d
 def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_logits, smollm2_gguf: Path) -> None:  # type: ignore[no-untyped-def]
     """Serving a checkpoint, a switch to another layout reads the weights from the checkpoint
     straight into the new shardings (not from the live arrays) and computes the same logits."""
-    import jax
-
-    from service.server import GenerationService, ServerConfig
-
-    service = GenerationService(
+    gateway = Gateway(
         ServerConfig(
             model=str(converted),
             cache_dir=str(smollm2_gguf.parent),
@@ -286,17 +293,16 @@ def test_layout_switch_restores_from_the_checkpoint(converted: Path, gguf_logits
         )
     )
     try:
-        service.load()
-        old = service.server.pools[0].loop.engine
+        load(gateway)
+        old = gateway.pools[0].loop.runner
         layout = load_layout("1x4")
-        restored = service.restore_for_layout(layout, jax.devices())
+        restored = gateway.restore(layout, jax.devices())
         assert restored is not None
         w_gate_up = restored["layers"]["w_gate_up"][...]
-        assert len(w_gate_up.sharding.device_set) == 4  # born sharded, not placed by the engine
+        assert len(w_gate_up.sharding.device_set) == 4  # born sharded, not placed by the runner
         switched = old.relayout(layout, jax.devices(), restored)
         assert switched.params["layers"]["w_gate_up"][...] is w_gate_up  # used as restored
-        reference = gguf_logits(type(switched), "1x4")
-        np.testing.assert_array_equal(prefill_logits(switched), reference)
+        np.testing.assert_array_equal(prefill_logits(switched), gguf_logits("1x4"))
     finally:
-        for pool in service.server.pools:
+        for pool in gateway.pools:
             pool.loop.stop(5.0)

@@ -15,23 +15,35 @@ from pathlib import Path
 import pytest
 from helpers import held_port
 
+from benchmarks.cli import build_parser as bench_parser
 from service.server.cli import _end_line, build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ("serve", "health", "generate", "chat", "fetch", "convert", "layouts", "roofline", "bench", "sweep")
+COMMANDS = ("serve", "health", "generate", "chat", "fetch", "convert", "layouts")
+BENCH_COMMANDS = ("roofline", "bench", "sweep")  # meshserve-bench's (benchmarks/cli.py)
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+    out = {}
+    for parser in (build_parser(), bench_parser()):
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        out.update(action.choices)
+    return out
 
 
 def test_the_help_test_covers_every_command() -> None:
-    assert set(subcommands()) == set(COMMANDS)
+    assert set(subcommands()) == set(COMMANDS + BENCH_COMMANDS)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", BENCH_COMMANDS)
+def test_a_measurement_tool_named_to_meshserve_points_to_meshserve_bench(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 2
+    assert f"run 'meshserve-bench {command}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS + BENCH_COMMANDS)
 def test_every_flag_has_help_text(command: str) -> None:
     sub = subcommands()[command]
     flags = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
@@ -217,7 +229,8 @@ def test_a_cpu_only_start_logs_no_backend_it_could_not_start() -> None:
 def test_a_taken_admin_port_is_refused_before_the_model_loads(taken_port: int) -> None:
     import asyncio
 
-    from service.server import PortInUse, ServerConfig, start_server
+    from service.server.app import PortInUse, start_server
+    from service.server.config import ServerConfig
 
     cfg = ServerConfig(model="no-such-model.gguf", port=0, metrics_port=0, admin_token="t", admin_port=taken_port)
     with pytest.raises(PortInUse) as info:

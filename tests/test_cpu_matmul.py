@@ -1,27 +1,30 @@
-"""The native CPU panel matmul (``model.native.cpu_matmul``) against numpy float64, the packing of the
-model's weights for it, prefill and decode over the packed weights against XLA's matmuls, and
-the engine's choice of it."""
+"""The native CPU panel matmul (``model.native.cpu_matmul``) against numpy float64; packing into
+panels (``pack``, ``pack_stacked``, ``unpack``) and the model's weights in that form
+(``model.weights.packed_weights``); the engine's step over packed weights against XLA's dots
+(a ``Runner`` with matmul "auto" against one with "xla") and against the dense reference; and
+the rule of where the kernel is faster (``faster_than_xla``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import dense_logits
 
 from model import native
-from model.native import cpu_matmul
 from model.config import LlamaConfig
-from model.kv_cache import BlockedKVCache
-from model.llama import decode_step, prefill, unstack_layers
-from model.weights.loader import random_llama
-from model.weights.packed_weights import panel_weights
-from service.engine import Engine, EngineConfig
+from model.native import cpu_matmul
+from model.weights.build import random_block_llama, random_llama
+from model.weights.packed_weights import PANEL_IN_DIMS, pack_panels, unpack_panels
+from model.weights.quant_panels import QuantPanels
+from service.engine.batch import RaggedBatch, RowInstall
+from service.engine.config import EngineConfig
 from service.engine.request import SamplingOptions
+from service.engine.runner import Runner
 from sharding.layouts import Layout
 
 
@@ -30,6 +33,7 @@ def built() -> None:
     assert cpu_matmul.available(), "the kernels must build on a machine with g++ (CI has it)"
 
 
+# ---- the kernel -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("m", "k", "n"),
     [
@@ -42,23 +46,13 @@ def built() -> None:
     ],
 )
 def test_matmul_matches_numpy(m: int, k: int, n: int) -> None:
-    y, want, _, _ = kernel_against_float64(m, k, n, cpu_matmul.pack)
-    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
-
-
-def kernel_against_float64(
-    m: int, k: int, n: int, pack: Callable[[jax.Array, int], cpu_matmul.Panels]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x [m, k] @ w [k, n] (standard normal float32, seeded by the shape) through the kernel
-    of ``pack``'s format, checked for shape and dtype; returns (the kernel's y, x @ w in
-    float64, x and w as float64)."""
     rng = np.random.default_rng(m * 1000 + k)
     x = rng.standard_normal((m, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
-    y = jax.jit(cpu_matmul.matmul)(x, pack(jnp.asarray(w), 1))
+    y = jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack(jnp.asarray(w), 1))
     assert y.shape == (m, n) and y.dtype == jnp.float32
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    return np.asarray(y), x64 @ w64, x64, w64
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
 def test_pack_layout_and_out_shape() -> None:
@@ -66,14 +60,38 @@ def test_pack_layout_and_out_shape() -> None:
     axes; leading axes beyond the first are contracted too (wo [N, H, D] with in_dims 2)."""
     w = np.arange(2 * 3 * 4 * 16, dtype=np.float32).reshape(2, 3, 4, 16)  # [N=2, H=3, 4, 16]: K=6, N=64
     packed = cpu_matmul.pack(jnp.asarray(w), 2)
-    assert packed.out_shape == (4, 16) and packed.data.shape == (2, 6, 32)
+    assert packed.out_shape == (4, 16) and packed.in_shape == (2, 3) and packed.data.shape == (2, 6, 32)
+    assert packed.shape == w.shape and packed.dtype == jnp.float32 and packed.layer is None
     flat = w.reshape(6, 64)
     for p in range(2):
         np.testing.assert_array_equal(np.asarray(packed.data[p]), flat[:, 32 * p : 32 * p + 32])
     x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
     y = cpu_matmul.matmul(jnp.asarray(x), packed)
     assert y.shape == (5, 4, 16)
-    np.testing.assert_allclose(np.asarray(y).reshape(5, 64), x @ flat, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(y).reshape(5, 64), x.astype(np.float64) @ flat, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("shape", "in_dims"), [((64, 96), 1), ((2, 3, 4, 16), 2), ((64, 2, 4, 16), 1)])
+def test_pack_and_unpack_round_trip_exactly(shape: tuple[int, ...], in_dims: int) -> None:
+    """``unpack`` is ``pack``'s and ``pack_stacked``'s inverse, bit for bit (a stack of 3 of the
+    same shape too), and ``Panels.shape`` is the input-major weight's."""
+    rng = np.random.default_rng(len(shape))
+    w = rng.standard_normal(shape).astype(np.float32)
+    packed = cpu_matmul.pack(jnp.asarray(w), in_dims)
+    assert packed.shape == shape
+    back = np.asarray(cpu_matmul.unpack(packed))
+    assert back.dtype == np.float32 and back.shape == shape
+    np.testing.assert_array_equal(back, w)
+
+    stack = rng.standard_normal((3, *shape)).astype(np.float32)
+    packed = cpu_matmul.pack_stacked(jnp.asarray(stack), in_dims)
+    k = int(np.prod(shape[:in_dims]))
+    n = int(np.prod(shape[in_dims:]))
+    assert packed.data.shape == (3, n // 32, k, 32) and packed.shape == stack.shape
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed)), stack)
+    for layer in range(3):  # each matrix of the stack is that layer's ``pack``
+        one = cpu_matmul.pack(jnp.asarray(stack[layer]), in_dims)
+        np.testing.assert_array_equal(np.asarray(packed.data[layer]), np.asarray(one.data))
 
 
 def test_pack_rejects_what_the_kernel_does_not_take() -> None:
@@ -81,8 +99,11 @@ def test_pack_rejects_what_the_kernel_does_not_take() -> None:
         cpu_matmul.pack(jnp.zeros((8, 48), jnp.float32), 1)
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_matmul.pack(jnp.zeros((8, 64), jnp.bfloat16), 1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_matmul.pack_stacked(jnp.zeros((2, 8, 48), jnp.float32), 1)
     assert cpu_matmul.supports(960, jnp.float32)
     assert not cpu_matmul.supports(960, jnp.bfloat16)
+    assert not cpu_matmul.supports(48, jnp.float32)
 
 
 def test_stacked_panels_multiply_by_the_layer_they_are_given_inside_a_scan() -> None:
@@ -104,6 +125,9 @@ def test_stacked_panels_multiply_by_the_layer_they_are_given_inside_a_scan() -> 
         np.testing.assert_allclose(np.asarray(ys[i]), want, rtol=1e-4, atol=1e-4 * np.sqrt(K))
     with pytest.raises(ValueError, match="need a layer index"):
         cpu_matmul.matmul(jnp.asarray(x), stack)
+    one = cpu_matmul.pack(jnp.asarray(w[0]), 1)
+    with pytest.raises(ValueError, match="need a layer index"):  # one matrix with a layer index
+        cpu_matmul.matmul(jnp.asarray(x), dataclasses.replace(one, layer=jnp.int32(0)))
     outside = dataclasses.replace(stack, layer=jnp.int32(L))
     with pytest.raises(Exception, match="layer index outside"):
         np.asarray(jax.jit(cpu_matmul.matmul)(jnp.asarray(x), outside))
@@ -115,153 +139,170 @@ def test_mismatched_k_is_an_error_not_a_crash() -> None:
         jax.block_until_ready(cpu_matmul.matmul(jnp.zeros((2, 9), jnp.float32), packed))
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_decode_step_with_panels_matches_xla(tied: bool) -> None:
-    """decode_step over the packed weights (every layer projection and the LM head) gives the
-    logits and the cache of XLA's matmuls, for a tied and an untied LM head."""
-    cfg = LlamaConfig.tiny(tie_word_embeddings=tied)
+# ---- the model's weights as panels ------------------------------------------------------------
+def tiny(tied: bool) -> LlamaConfig:
+    return LlamaConfig.tiny(tie_word_embeddings=tied)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_pack_panels_packs_every_matmul_weight_and_unpack_restores_them_exactly(tied: bool) -> None:
+    """``pack_panels`` replaces the four stacked layer weights by stacked ``Panels`` and the head
+    by one ``Panels`` (a tied model gains a packed ``lm_head``, the table transposed, and keeps
+    its table for the lookups); the norms stay arrays. ``unpack_panels`` gives back every
+    array bit for bit, and the tied model's graph without the head."""
+    cfg = tiny(tied)
     graphdef, params = random_llama(cfg, seed=5)
-    params = unstack_layers(params)
     model = nnx.merge(graphdef, params)
-    panels = panel_weights(model)
-    assert set(panels) == {"wqkv", "wo", "w_gate_up", "w_down", "lm_head"}
-    assert len(panels["wqkv"]) == cfg.num_layers
-    S, T = 4, 256
-    tokens = jnp.array([3, 17, 200, 9], jnp.int32)
-    positions = jnp.array([0, 5, 130, T], jnp.int32)  # the last slot idle
+    before = {name: np.asarray(getattr(model.layers, name).get_value()) for name in model.layers.NAMES}
+    table = np.asarray(model.embed.get_value())
+    head = None if tied else np.asarray(model.lm_head.get_value())
 
-    def run(w):  # type: ignore[no-untyped-def]
-        cache = BlockedKVCache.zeros(cfg, S, T)
-        step = jax.jit(lambda p, w, c: decode_step(nnx.merge(graphdef, p), c, tokens, positions, kv_len=T, panels=w))
-        return step(params, w, cache)
+    packed = pack_panels(model)
+    assert set(packed) == {*PANEL_IN_DIMS, "lm_head"}
+    for name, in_dims in PANEL_IN_DIMS.items():
+        w = getattr(model.layers, name).get_value()
+        assert isinstance(w, cpu_matmul.Panels) and w.data.ndim == 4, name
+        assert w.shape == before[name].shape and len(w.in_shape) == in_dims, name
+        np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(w)), before[name])
+    for name in ("attn_norm", "mlp_norm"):
+        assert not isinstance(getattr(model.layers, name).get_value(), cpu_matmul.Panels)
+    packed_head = model.lm_head.get_value()
+    assert isinstance(packed_head, cpu_matmul.Panels) and packed_head.shape == (cfg.hidden_size, cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(packed_head)), table.T if tied else head)
+    np.testing.assert_array_equal(np.asarray(model.embed.get_value()), table)  # the lookups' table
+    assert model.lm_head.get_metadata()["logical_axes"] == ("embed", "vocab")
+    assert pack_panels(model) == []  # already packed: nothing more
 
-    (lx, cx), (ln, cn) = run(None), run(panels)
-    np.testing.assert_allclose(np.asarray(ln)[:3], np.asarray(lx)[:3], rtol=1e-4, atol=1e-4)
-    for a, b in zip(jax.tree.leaves(cn), jax.tree.leaves(cx), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("start", [0, 100])
-def test_prefill_with_panels_matches_xla(start: int) -> None:
-    """A first chunk (start 0) and a later one (start 100, attending to the cached prefix)
-    over the packed layer weights give XLA's logits and cache."""
-    cfg = LlamaConfig.tiny()
-    graphdef, params = random_llama(cfg, seed=9)
-    params = unstack_layers(params)
-    panels = panel_weights(nnx.merge(graphdef, params))
-    tokens = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, 64), jnp.int32)
-    kv_len = 0 if start == 0 else 256
-
-    def run(w):  # type: ignore[no-untyped-def]
-        cache = BlockedKVCache.zeros(cfg, 2, 256)
-        fn = jax.jit(
-            lambda p, w, c: prefill(
-                nnx.merge(graphdef, p),
-                c,
-                tokens,
-                jnp.int32(start),
-                jnp.int32(50),
-                jnp.int32(1),
-                kv_len=kv_len,
-                panels=w,
-            )
-        )
-        return fn(params, w, cache)
-
-    (lx, cx), (ln, cn) = run(None), run(panels)
-    np.testing.assert_allclose(np.asarray(ln), np.asarray(lx), rtol=1e-4, atol=1e-4)
-    for a, b in zip(jax.tree.leaves(cn), jax.tree.leaves(cx), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    unpack_panels(model)
+    for name in model.layers.NAMES:
+        w = getattr(model.layers, name).get_value()
+        assert not isinstance(w, cpu_matmul.Panels)
+        np.testing.assert_array_equal(np.asarray(w), before[name])
+    if tied:
+        assert not hasattr(model, "lm_head")
+        assert nnx.split(model)[0] == graphdef  # the graph it started with
+    else:
+        np.testing.assert_array_equal(np.asarray(model.lm_head.get_value()), head)
+    np.testing.assert_array_equal(np.asarray(model.embed.get_value()), table)
 
 
-def test_engine_uses_panels_where_they_apply_and_agrees_with_xla() -> None:
-    """One CPU device, unrolled layers: "auto" packs the weights (prefill and decode use them,
-    a one-slot engine's decode too); greedy ids and logits match an all-XLA engine. "xla", the
-    scan form and a 2-device mesh keep XLA's matmuls."""
-    cfg = LlamaConfig.tiny()
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_packed_model_computes_the_unpacked_ones_logits(tied: bool) -> None:
+    """The dense reference forward over a packed model (every matmul through the kernel, the
+    head too) gives the unpacked model's logits."""
+    cfg = tiny(tied)
+    graphdef, params = random_llama(cfg, seed=6)
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 24).astype(np.int32)
+    model = nnx.merge(graphdef, params)
+    pack_panels(model)
+    packed_graphdef, packed_params = nnx.split(model)
+    assert (packed_graphdef != graphdef) == tied  # a tied model gained its head
+    want = dense_logits(graphdef, params, tokens)
+    got = dense_logits(packed_graphdef, packed_params, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_panels_leaves_what_the_kernel_does_not_take() -> None:
+    """bfloat16 weights and GGUF blocks kept as stored (``QuantPanels``) are not packed."""
+    graphdef, params = random_llama(tiny(True), seed=0, dtype=jnp.bfloat16)
+    model = nnx.merge(graphdef, params)
+    assert pack_panels(model) == [] and not hasattr(model, "lm_head")
+    for tied in (True, False):
+        graphdef, params = random_block_llama(tiny(tied), seed=1, fmt="q8_0")
+        model = nnx.merge(graphdef, params)
+        assert pack_panels(model) == []
+        assert all(isinstance(getattr(model.layers, n).get_value(), QuantPanels) for n in PANEL_IN_DIMS)
+        assert isinstance(model.embed.get_value(), QuantPanels) and hasattr(model, "lm_head") != tied
+
+
+# ---- the engine's step over packed weights -----------------------------------------------------
+ROW, PROMPT_LEN, DECODES = 1, 21, 6
+
+
+def greedy_steps(runner: Runner, prompt: np.ndarray, decodes: int) -> tuple[list[int], np.ndarray]:
+    """Row ``ROW`` of ``runner``: the prompt in one prefill chunk, then ``decodes`` decode steps
+    fed the greedy ids; (the ids, the logits [1 + decodes, V] they were taken from)."""
+    g = runner.geometry
+    D, max_pages = g.decode_buckets[0], g.max_pages
+    table = np.arange(ROW * max_pages, (ROW + 1) * max_pages, dtype=np.int32) % runner.num_pages
+
+    def batch(prefill: int, fill) -> RaggedBatch:  # type: ignore[no-untyped-def]
+        b = g.empty_batch(D, prefill)
+        b.page_tables[ROW] = table
+        fill(b)
+        real = b.positions[b.rows >= 0]
+        return dataclasses.replace(b, num_real=len(real), max_position=int(real.max()))
+
+    def prefill(b: RaggedBatch) -> None:
+        n = len(prompt)
+        b.tokens[D : D + n], b.positions[D : D + n], b.rows[D : D + n] = prompt, np.arange(n), ROW
+        b.last_index[ROW] = D + n - 1
+
+    install = RowInstall(row=ROW, sampling=SamplingOptions(temperature=0.0), logprobs=False, eos_ids=())
+    out = runner.step(dataclasses.replace(batch(g.prefill_bucket(g.padded(len(prompt))), prefill), installs=(install,)))
+    ids, logits = [int(out.host().ids[ROW])], [np.asarray(out.logits)[ROW]]
+    for i in range(decodes):
+
+        def decode(b: RaggedBatch, i: int = i) -> None:
+            b.tokens[0], b.positions[0], b.rows[0], b.generated[0] = ids[-1], len(prompt) + i, ROW, True
+            b.last_index[ROW] = 0
+
+        out = runner.step(batch(0, decode))
+        ids.append(int(out.host().ids[ROW]))
+        logits.append(np.asarray(out.logits)[ROW])
+    return ids, np.stack(logits)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_runner_with_panels_matches_xla_and_the_dense_reference(tied: bool) -> None:
+    """One CPU device, float32, the scan: matmul "auto" packs every matmul weight and the head
+    into panels (the placed parameters hold ``Panels`` and no input-major copy); its prefill and
+    decode steps give the logits of a runner on XLA's dots to float32 rounding, both the
+    dense reference's, and the same greedy ids."""
+    cfg = tiny(tied)
     graphdef, params = random_llama(cfg, seed=7)
-    ecfg = EngineConfig(num_slots=3, max_seq_len=256, chunk_size=64, layers="unrolled")
     one = jax.devices()[:1]
-    native = Engine(cfg, graphdef, params, Layout("single"), ecfg, devices=one)
-    plain = dataclasses.replace(ecfg, decode_attention="xla", matmul="xla")
-    xla = Engine(cfg, graphdef, params, Layout("single"), plain, devices=one)
-    # 3 slots: rows where every build measured (AVX-512, AVX2) is faster; 64-token chunks: AVX-512 only
-    assert cpu_matmul.faster_than_xla(3)
-    prefill_native = cpu_matmul.faster_than_xla(64)
-    assert native.panels is not None and native.panel_bytes() > 0
-    assert xla.panels is None and xla.panel_bytes() == 0
-    # A live switch's prediction of the packed copy, before building: the same weights, so
-    # native's exactly (every weight and the LM head packed); 0 where the new engine cannot pack.
-    assert native.packed_bytes_on(one) == native.panel_bytes()
-    assert xla.packed_bytes_on(one) == 0  # matmul="xla" never packs
-    assert native.packed_bytes_on(jax.devices()[:2]) == 0
-    assert (
-        Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, layers="scan"), one).packed_bytes_on(
-            one
-        )
-        == 0
+    ecfg = EngineConfig(
+        num_slots=2, max_seq_len=64, chunk_size=32, page_size=8, kv_cache_tokens=128, max_num_batched_tokens=32
     )
-    assert native._decode_panels is native.panels and "lm_head" in native.panels
-    assert native._prefill_panels is (native.panels if prefill_native else None)
-    single = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(ecfg, num_slots=1), devices=one)
-    if prefill_native or cpu_matmul.faster_than_xla(1):
-        assert single.panels is not None
-    else:  # neither step takes the kernel: nothing packed
-        assert single.panels is None and single.panel_bytes() == 0
-    assert single._prefill_panels is (single.panels if prefill_native else None)
-    if cpu_matmul.faster_than_xla(1):  # one slot's one-row products (AVX-512 builds)
-        assert single._decode_panels is single.panels and "lm_head" in single.panels
-    else:  # XLA's matrix-vector products (AVX2 builds)
-        assert single._decode_panels is None
-    scan = dataclasses.replace(ecfg, layers="scan")
-    assert Engine(cfg, graphdef, params, Layout("single"), scan, devices=one).panels is None
-    assert Engine(cfg, graphdef, params, Layout("1x2", model=2), ecfg, devices=jax.devices()[:2]).panels is None
+    runners = {
+        m: Runner(cfg, graphdef, params, Layout("1x1"), dataclasses.replace(ecfg, matmul=m), one)
+        for m in ("auto", "xla")
+    }
+    panels, xla = runners["auto"], runners["xla"]
+    assert panels.kernels.panels and not xla.kernels.panels
+    assert panels.kernels.layer_loop == xla.kernels.layer_loop == "scan"
+    assert panels.kernels.attention.name == xla.kernels.attention.name  # only the matmuls differ
 
-    prompt = [int(t) for t in np.random.default_rng(7).integers(0, cfg.vocab_size, 40)]
-    runs = []
-    for engine in (native, xla):
-        engine.set_sampling(2, SamplingOptions(temperature=0.0))
-        ids, logits = [int(engine.prefill(2, prompt, 0).host().ids[0])], []
-        for i in range(12):
-            tokens = np.zeros(3, np.int32)
-            tokens[2] = ids[-1]
-            out = engine.decode(tokens, np.array([256, 256, len(prompt) + i], np.int32))
-            ids.append(int(out.host().ids[2]))
-            logits.append(np.asarray(out.logits)[2])
-        runs.append((ids, np.stack(logits)))
-    assert runs[0][0] == runs[1][0]
-    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-4, atol=1e-4)
+    def forms(runner: Runner) -> dict[str, bool]:
+        model = nnx.merge(runner.graphdef, runner.params)
+        out = {n: isinstance(getattr(model.layers, n).get_value(), cpu_matmul.Panels) for n in PANEL_IN_DIMS}
+        out["lm_head"] = hasattr(model, "lm_head") and isinstance(model.lm_head.get_value(), cpu_matmul.Panels)
+        return out
 
-    # One slot: the kernel's one-row products against XLA's matrix-vector ones.
-    single_xla = Engine(cfg, graphdef, params, Layout("single"), dataclasses.replace(plain, num_slots=1), devices=one)
-    singles = []
-    for engine in (single, single_xla):
-        engine.set_sampling(0, SamplingOptions(temperature=0.0))
-        ids, logits = [int(engine.prefill(0, prompt, 0).host().ids[0])], []
-        for i in range(12):
-            out = engine.decode(np.array([ids[-1]], np.int32), np.array([len(prompt) + i], np.int32))
-            ids.append(int(out.host().ids[0]))
-            logits.append(np.asarray(out.logits)[0])
-        singles.append((ids, np.stack(logits)))
-    assert singles[0][0] == singles[1][0] == runs[0][0]
-    np.testing.assert_allclose(singles[0][1], singles[1][1], rtol=1e-4, atol=1e-4)
+    assert all(forms(panels).values()) and not any(forms(xla).values())
+
+    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, PROMPT_LEN).astype(np.int32)
+    (ids_p, logits_p), (ids_x, logits_x) = (greedy_steps(r, prompt, DECODES) for r in (panels, xla))
+    np.testing.assert_allclose(logits_p, logits_x, rtol=1e-5, atol=1e-5)
+    assert ids_p == ids_x
+    seq = np.concatenate([prompt, np.asarray(ids_x[:-1], np.int32)])
+    want = dense_logits(graphdef, params, seq)[PROMPT_LEN - 1 :]
+    np.testing.assert_allclose(logits_p, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits_x, want, rtol=1e-4, atol=1e-4)
 
 
+# ---- where the kernel is faster ---------------------------------------------------------------
 @pytest.mark.parametrize(
     ("isa", "faster"),
     [
         ("avx512", {1: True, 2: True, 64: True, 512: True}),
-        ("avx2", {1: False, 2: True, 8: True, 32: True, 64: False, 128: False, 512: False}),
+        ("avx2", {1: False, 2: True, 8: True, 32: True, 33: False, 64: False, 128: False, 512: False}),
         ("other", {1: False, 8: False, 512: False}),
     ],
 )
 def test_faster_than_xla_follows_the_builds_isa(
     monkeypatch: pytest.MonkeyPatch, isa: str, faster: dict[int, bool]
 ) -> None:
-    monkeypatch.setattr(native_kernels, "isa", lambda: isa)
+    monkeypatch.setattr(native, "isa", lambda: isa)
     assert {rows: cpu_matmul.faster_than_xla(rows) for rows in faster} == faster
-
-
-def test_engine_rejects_unknown_matmul() -> None:
-    with pytest.raises(ValueError, match="matmul must be one of"):
-        EngineConfig(matmul="fast")

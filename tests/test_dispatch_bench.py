@@ -1,7 +1,7 @@
-"""``python -m benchmarks.dispatch`` end to end on the tiny random model, both layer forms, two
-maximum lengths: every row measured, its JSON fields present and positive (real values from a
-real run; no timing thresholds: they depend on the machine), the argument leaves counted as the
-cache's structure says, and one ratio per layer form."""
+"""``python -m benchmarks.dispatch`` end to end on the tiny random model, both layer loops of the
+served engine (``Runner``), two maximum lengths: every row measured, its JSON fields present and
+positive (real values from a real run; no timing thresholds: they depend on the machine), the
+argument leaves counted as the step's arguments are, and one ratio per layer loop."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import math
 
 import pytest
 
-from benchmarks.dispatch import CONFIGS, config, main, parse_max_lens
-from model.kv_cache import BLOCK_LEN
+from benchmarks.dispatch import CONFIGS, config, main, memory_needed, parse_max_lens
 from model.sampling import SamplingParams
 
-MAX_LENS = [64, 256]  # one and two 128-position blocks per layer in the unrolled form
+MAX_LENS = [64, 256]  # 4 and 16 pages of 16 per row
 
 
 @pytest.fixture(scope="module")
@@ -38,26 +37,34 @@ def test_every_point_is_a_measured_row(results: dict) -> None:  # type: ignore[t
         assert r["call_min_ms"] <= r["call_ms"] and r["call_share"] > 0
         assert r["call_min_ms"] <= r["step_min_ms"]
         assert r["compile_s"] >= 0
+        # a pool of slots x T tokens; a window covering position 16 (page 1), within a row's pages
+        assert r["pool_pages"] * r["page_size"] == 4 * r["max_seq_len"]
+        assert 2 <= r["window_pages"] <= r["max_seq_len"] // r["page_size"]
+        assert isinstance(r["native_attention"], bool) and isinstance(r["native_matmul"], bool)
+    # float32 panels are a form of the scanned loop's weights only (model.kernels.choose)
+    assert not any(r["native_matmul"] for r in rows if r["layers"] == "unrolled")
 
 
-def test_argument_leaves_follow_the_cache_structure(results: dict) -> None:  # type: ignore[type-arg]
-    """Unrolled: 2 x L x ceil(T / 128) cache buffers; scan: one K and one V array. The weights'
-    and the metadata's leaves do not depend on T."""
+def test_argument_leaves_do_not_grow_with_the_pool(results: dict) -> None:  # type: ignore[type-arg]
+    """The pool is two arrays (K and V) at every T; the weights' and the rest's leaves do not
+    depend on T. Unrolled weights are per-layer arrays: more leaves than the scan's stacks."""
     cfg = config("tiny")
     for r in results["rows"]:
         lv = r["leaves"]
-        blocks = -(-r["max_seq_len"] // BLOCK_LEN)
-        assert lv["cache"] == (2 * cfg.num_layers * blocks if r["layers"] == "unrolled" else 2)
-        assert lv["total"] == lv["params"] + lv["panels"] + lv["cache"] + lv["other"]
-        # tokens, source, two previous outputs, positions; the sampling arrays; counts and prompt mask
-        assert lv["other"] == 5 + len(dataclasses.fields(SamplingParams)) + 2
+        assert lv["cache"] == 2
+        assert lv["total"] == lv["params"] + lv["cache"] + lv["other"]
+        # 8 batch arrays and the previous output; the sampling arrays; counts and prompt mask
+        assert lv["other"] == 9 + len(dataclasses.fields(SamplingParams)) + 2
         assert r["cache_bytes"] == cfg.kv_bytes_per_token(4) * r["max_seq_len"] * r["slots"]
+    params = {}
     for form in ("unrolled", "scan"):
-        same = {(r["leaves"]["params"], r["leaves"]["panels"]) for r in results["rows"] if r["layers"] == form}
+        same = {r["leaves"]["params"] for r in results["rows"] if r["layers"] == form}
         assert len(same) == 1
+        params[form] = same.pop()
+    assert params["unrolled"] > params["scan"]
 
 
-def test_one_ratio_per_layer_form(results: dict) -> None:  # type: ignore[type-arg]
+def test_one_ratio_per_layer_loop(results: dict) -> None:  # type: ignore[type-arg]
     by_form = {s["layers"]: s for s in results["ratios"]}
     assert set(by_form) == {"unrolled", "scan"}
     rows = {(r["layers"], r["max_seq_len"]): r for r in results["rows"]}
@@ -75,7 +82,11 @@ def test_arguments() -> None:
             parse_max_lens(bad)
     with pytest.raises(SystemExit, match="below every max length"):
         main(["--configs", "tiny", "--max-lens", "64", "--position", "64"])
+    with pytest.raises(SystemExit):
+        main(["--configs", "tiny", "--layers", "paged"])  # the per-slot forms and their "paged" rival are gone
     assert config("smollm2-135m").num_layers == 30 and config("32-layer").num_layers == 32
     assert config("32-layer").hidden_size == config("smollm2-135m").hidden_size == 576
     with pytest.raises(ValueError, match="known: " + ", ".join(CONFIGS)):
         config("nope")
+    cfg = config("tiny")
+    assert memory_needed(cfg, 256, 4) == cfg.kv_bytes_per_token(4) * 256 * 4 + 2 * 4 * cfg.param_count()

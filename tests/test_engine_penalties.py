@@ -1,9 +1,9 @@
 """Penalties, min_tokens and ignore_eos through the engine loop on the tiny random model,
-against a step-by-step reference: the model's whole-sequence forward (``model.llama.prefill``
-over prompt + ids so far, a fresh cache each step), its logits penalized by Hugging Face's
-processor and OpenAI's formula (``helpers.penalized``), then the argmax. The engine instead
-decodes from its KV cache and keeps the counts on the device, so both paths agree only if the
-counts, the prompt mask and the EOS ban are right at every step."""
+against a step-by-step reference (``reference.reference``: one dense forward over prompt + ids
+so far, no cache, its logits penalized by Hugging Face's processor and OpenAI's formula, then
+the argmax). The engine instead decodes from its KV pages and keeps the counts on the device,
+so both paths agree only if the counts, the prompt mask and the EOS ban are right at every
+step."""
 
 from __future__ import annotations
 
@@ -11,123 +11,22 @@ import threading
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from helpers import penalized
+from reference import PROMPT_A, PROMPT_B, N, make, reference, run, tiny_loop
 
-from model.weights.build import random_llama
-from model.config import LlamaConfig
-from model.kv_cache import KVCache
-from model.llama import prefill
-from service.engine import Engine, EngineConfig
-from service.loop import EngineLoop
-from service.engine.request import Chunk, FinishReason, Request, SamplingOptions
-from service.scheduler import Scheduler
-from service.engine.text_stream import TextStream
+from service.engine.loop import EngineLoop
+from service.engine.request import FinishReason
 from sharding.layouts import Layout
-
-CFG = LlamaConfig.tiny()
-T, CHUNK = 64, 16
-ECFG = EngineConfig(num_slots=2, max_seq_len=T, chunk_size=CHUNK)
-GRAPHDEF, PARAMS = random_llama(CFG, seed=3)
-_rng = np.random.default_rng(0)
-PROMPT_A = _rng.integers(0, CFG.vocab_size, 20).tolist()  # two prefill chunks
-PROMPT_B = _rng.integers(0, CFG.vocab_size, 7).tolist()
-N = 16
-
-
-class Pieces:
-    def push(self, token_id: int) -> str:
-        return f"<{token_id}>"
-
-    def flush(self) -> str:
-        return ""
-
-
-@jax.jit
-def _forward(tokens: jax.Array, n: jax.Array) -> jax.Array:
-    """Raw logits [V] after ``tokens[:n]`` (tokens [T] int32), by a whole-sequence prefill."""
-    model = nnx.merge(GRAPHDEF, PARAMS)
-    logits, _ = prefill(model, KVCache.zeros(CFG, 1, T), tokens, jnp.int32(0), n, jnp.int32(0), kv_len=0)
-    return logits
-
-
-def reference(
-    prompt: list[int],
-    n: int,
-    repetition: float = 1.0,
-    presence: float = 0.0,
-    frequency: float = 0.0,
-    eos: frozenset[int] = frozenset(),
-    min_tokens: int = 0,
-) -> tuple[list[int], FinishReason]:
-    """Greedy ids and finish reason, one whole forward per id; EOS ids get -inf before the
-    penalties while fewer than ``min_tokens`` ids are out (vLLM's order)."""
-    out: list[int] = []
-    for i in range(n):
-        padded = np.zeros(T, np.int32)
-        seq = prompt + out
-        padded[: len(seq)] = seq
-        logits = np.array(_forward(padded, jnp.int32(len(seq))))
-        if i < min_tokens:
-            logits[sorted(eos)] = -np.inf
-        token = int(np.argmax(penalized(logits, prompt, out, repetition, presence, frequency)))
-        if token in eos:
-            return out, FinishReason.EOS
-        out.append(token)
-    return out, FinishReason.LENGTH
 
 
 @pytest.fixture(scope="module")
 def loop() -> Iterator[EngineLoop]:
-    engine = Engine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ECFG)
-    loop = EngineLoop(engine, Scheduler(num_slots=2, max_queue=8, chunk_size=CHUNK))
+    loop = tiny_loop(num_slots=2, max_queue=8)
     loop.start()
     assert loop.ready.wait(300)
     yield loop
     loop.stop()
-
-
-def make(prompt: list[int], max_tokens: int = N, eos: frozenset[int] = frozenset(), **kw: object) -> Request:
-    """A request; ``kw``: SamplingOptions fields (temperature 0 unless given) or min_tokens/ignore_eos."""
-    request_kw = {k: kw.pop(k) for k in ("min_tokens", "ignore_eos") if k in kw}
-    kw.setdefault("temperature", 0.0)
-    return Request(
-        request_id=str(id(prompt)),
-        prompt_ids=list(prompt),
-        max_tokens=max_tokens,
-        sampling=SamplingOptions(**kw),  # type: ignore[arg-type]
-        text=TextStream(Pieces()),
-        emit=lambda chunk: None,
-        eos_ids=eos,
-        **request_kw,  # type: ignore[arg-type]
-    )
-
-
-def run(loop: EngineLoop, requests: list[Request]) -> list[tuple[list[int], FinishReason | None]]:
-    """Submit ``requests`` together (in order: the first takes the lower free slot) and wait
-    for all; each one's ids and finish reason."""
-    done = [threading.Event() for _ in requests]
-    ids: list[list[int]] = [[] for _ in requests]
-    reasons: list[FinishReason | None] = [None] * len(requests)
-
-    def emit_for(i: int):  # type: ignore[no-untyped-def]
-        def emit(chunk: Chunk) -> None:
-            ids[i].extend(chunk.token_ids)
-            if chunk.finish_reason is not None or chunk.error is not None:
-                reasons[i] = chunk.finish_reason
-                done[i].set()
-
-        return emit
-
-    for i, r in enumerate(requests):
-        r.emit = emit_for(i)
-        loop.submit(r)
-    for d in done:
-        assert d.wait(300)
-    return list(zip(ids, reasons, strict=True))
 
 
 def test_greedy_penalties_match_the_reference_batched_and_solo(loop: EngineLoop) -> None:
@@ -138,7 +37,7 @@ def test_greedy_penalties_match_the_reference_batched_and_solo(loop: EngineLoop)
     # The penalties change the greedy ids (the unpenalized tiny model repeats one id).
     assert ref_a[0] != reference(PROMPT_A, N)[0] and ref_b[0] != reference(PROMPT_B, N)[0]
     assert run(loop, [make(PROMPT_A, **a), make(PROMPT_B, **b)]) == [ref_a, ref_b]
-    # Each alone (both in slot 0, which A's history held before: the first chunk resets it).
+    # Each alone (both in row 0, which A's history held before: the install replaces it).
     assert run(loop, [make(PROMPT_B, **b)]) == [ref_b]
     assert run(loop, [make(PROMPT_A, **a)]) == [ref_a]
     # Both penalties at once, and a plain greedy request beside it keeps its unpenalized ids.
@@ -149,8 +48,8 @@ def test_greedy_penalties_match_the_reference_batched_and_solo(loop: EngineLoop)
 
 def test_seeded_sampling_with_penalties_is_the_same_whatever_shares_the_batch(loop: EngineLoop) -> None:
     c = dict(temperature=0.9, seed=1234, repetition_penalty=1.3, frequency_penalty=0.4, min_p=0.05, top_k=40)
-    (solo,) = run(loop, [make(PROMPT_B, **c)])  # slot 0
-    shared = run(loop, [make(PROMPT_A, repetition_penalty=2.0), make(PROMPT_B, **c)])[1]  # slot 1
+    (solo,) = run(loop, [make(PROMPT_B, **c)])  # row 0
+    shared = run(loop, [make(PROMPT_A, repetition_penalty=2.0), make(PROMPT_B, **c)])[1]  # row 1
     assert shared == solo and len(solo[0]) == N
     assert solo[0] != reference(PROMPT_B, N, repetition=1.3, frequency=0.4)[0]  # it samples
     other_seed = run(loop, [make(PROMPT_B, **{**c, "seed": 99})])[0]
@@ -175,22 +74,26 @@ def test_min_tokens_bans_eos_and_ignore_eos_runs_to_max_tokens(loop: EngineLoop)
 
 def test_history_moves_with_a_live_layout_switch() -> None:
     """Half a penalized stream on 1x1, the other half on 1x2 (tensor parallel over 2 devices):
-    the new engine adopts the counts and prompt mask, and the ids are the reference's."""
-    engine = Engine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ECFG)
-    loop = EngineLoop(engine, Scheduler(num_slots=2, max_queue=8, chunk_size=CHUNK))
+    the new runner adopts the counts and prompt mask, and the ids are the reference's."""
+    loop = tiny_loop(num_slots=2, max_queue=8)
+    old = loop.runner
     request = make(PROMPT_A, repetition_penalty=1.5, frequency_penalty=0.5)
     ids: list[int] = []
     request.emit = lambda chunk: ids.extend(chunk.token_ids)
     loop.scheduler.add(request)
-    for _ in range(8):  # two prefill chunks, then 6 decode steps
+    for _ in range(8):  # two prefill chunks of 16 and 4 tokens, then six decode steps
         loop.step(loop.scheduler.schedule())
-    new = engine.relayout(Layout("1x2", model=2), jax.devices()[:2])
+    new = old.relayout(Layout("1x2", model=2), jax.devices()[:2])
     loop._switch = (new, threading.Event())
-    loop._apply_switch()
-    assert loop.engine is new
-    np.testing.assert_array_equal(np.asarray(new.history.counts), np.asarray(engine.history.counts))
-    np.testing.assert_array_equal(np.asarray(new.history.in_prompt), np.asarray(engine.history.in_prompt))
-    assert np.asarray(new.history.counts)[0].sum() == 6  # the ids fed to the 6 decode steps
+    loop._apply_switch()  # the step in flight lands first
+    assert loop.runner is new
+    np.testing.assert_array_equal(np.asarray(new.history.counts), np.asarray(old.history.counts))
+    np.testing.assert_array_equal(np.asarray(new.history.in_prompt), np.asarray(old.history.in_prompt))
+    assert np.asarray(new.history.counts)[0].sum() == len(ids) - 1  # every id but the newest was fed back
     while request.finish_reason is None:
-        loop.step(loop.scheduler.schedule())
+        plan = loop.scheduler.schedule()
+        if plan.empty:
+            loop._finish_inflight()
+        else:
+            loop.step(plan)
     assert (ids, request.finish_reason) == reference(PROMPT_A, N, repetition=1.5, frequency=0.5)

@@ -19,10 +19,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from helpers import free_port, get, post, scrape, value
 
+from service.engine.config import EngineConfig
+from service.engine.scheduler import StepPlan
+from service.server import app
+from service.server.app import ServerThread
 from service.server.client import Client, make_request
-from service.engine import EngineConfig
-from service.scheduler import StepPlan
-from service.server import SERVICE_NAME, GenerationService, ServerConfig, ServerThread
+from service.server.config import ServerConfig
+from service.server.gateway import Gateway
+from service.server.grpc_api import SERVICE_NAME
 
 STALL_S = 2.0
 INTERVAL_S = 0.2
@@ -130,13 +134,13 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
 ) -> None:
     # A slow model load (as from a network disk): with a warm compilation cache the start-up
     # can take under a second, too short to observe the NOT_SERVING window reliably.
-    original_load = GenerationService.load
+    original_load = app.load
 
-    def slow_load(self: GenerationService) -> None:
+    def slow_load(gateway: Gateway, job: object) -> int:
         time.sleep(2.0)
-        original_load(self)
+        return original_load(gateway, job)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(GenerationService, "load", slow_load)
+    monkeypatch.setattr(app, "load", slow_load)
     port = free_port()
     srv = ServerThread(small_config(tiny_gguf, port=port))
     starter = threading.Thread(target=srv.start, daemon=True)
@@ -167,8 +171,8 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
         assert check(client, SERVICE_NAME) == SERVING
         assert srv.running.metrics_port is None and srv.running.metrics_httpd is None  # metrics_port=0: off
 
-        service = srv.running.service
-        registry = service.server.metrics.registry
+        service = srv.running.gateway
+        registry = service.metrics.registry
         assert registry.get_sample_value("meshserve_serving") == 1
 
         # Watch for the service name from now on.
@@ -194,7 +198,7 @@ def test_c20_not_serving_during_warmup_then_a_raising_loop_turns_not_serving(
                 raise RuntimeError("injected engine failure")
             time.sleep(PACE_S)
 
-        service.loop.step_hook = hook
+        service.pools[0].loop.step_hook = hook
         stream = Stream(client)
         assert stream.first_chunk.wait(60)
         armed.set()
@@ -234,7 +238,7 @@ def test_c20_a_stalled_step_turns_not_serving_and_fails_its_requests(tiny_gguf: 
     try:
         assert srv.running.metrics_port == metrics_port
         assert get(http_port, "/health") == (200, '{"status":"SERVING"}')
-        loop = srv.running.service.loop
+        loop = srv.running.gateway.pools[0].loop
         scheduler = loop.scheduler
         armed = threading.Event()
         blocked_at: list[float] = []

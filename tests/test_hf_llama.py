@@ -22,12 +22,14 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from model.config import LlamaConfig, RopeScaling
+from model.text.tokenizer import Tokenizer
 from model.weights.gguf_weights import WeightError
 from model.weights.hf_weights import HFConfigError, config_from_hf, load_hf_llama, load_hf_params
-from model.kv_cache import KVCache
-from model.llama import decode_step, prefill
 from model.weights.loader import abstract_llama, load_hf_model, model_format
-from model.text.tokenizer import Tokenizer
+from service.engine.batch import RaggedBatch
+from service.engine.config import EngineConfig
+from service.engine.runner import Runner
+from sharding.layouts import Layout
 
 TORCH_REASON = "needs torch==2.13.0 and transformers (pip install -e '.[hf]')"
 SEQ = [3, 17, 99, 42, 5, 77, 8, 120, 64, 1, 33, 90, 11, 2, 50, 127, 6, 71, 29, 100]
@@ -80,25 +82,33 @@ def hf_logits(model: Any) -> np.ndarray:
         return model(torch.tensor([SEQ])).logits[0].numpy()
 
 
-def our_logits(cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any) -> np.ndarray:
-    """Logits at every position of SEQ: a prefill of the first PREFILL tokens, then one decode
-    step per remaining token."""
+# The served engine's kernel choices on one CPU device: the default (native attention, float32
+# panels, scanned layers), XLA's attention and dots, and the unrolled layer loop.
+ENGINES = {"auto": {}, "xla": dict(attention="xla", matmul="xla"), "unrolled": dict(layer_loop="unrolled")}
 
-    @jax.jit
-    def pf(params, cache, tokens):  # type: ignore[no-untyped-def]
-        return prefill(nnx.merge(graphdef, params), cache, tokens, 0, PREFILL, 0, kv_len=0)
 
-    @jax.jit
-    def dec(params, cache, token, pos):  # type: ignore[no-untyped-def]
-        return decode_step(nnx.merge(graphdef, params), cache, token, pos, kv_len=MAX_LEN)
+def our_logits(cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, **engine: Any) -> np.ndarray:
+    """Logits at every position of SEQ from PREFILL - 1 on, through the served engine's step
+    (``Runner.step`` of batches laid out as ``service.engine.batch`` says, in row 0 over pages
+    0, 1, ...): the first PREFILL tokens as one prefill chunk, then one decode token per remaining
+    token of SEQ (SEQ's next id fed, not the sampled one). ``engine``: ``EngineConfig`` fields."""
+    ecfg = EngineConfig(num_slots=1, max_seq_len=MAX_LEN, chunk_size=16, page_size=4, kv_cache_tokens=MAX_LEN, **engine)
+    runner = Runner(cfg, graphdef, params, Layout("1x1"), ecfg, jax.devices()[:1])
+    g = runner.geometry
 
-    tokens = np.zeros(16, np.int32)
-    tokens[:PREFILL] = SEQ[:PREFILL]
-    logits, cache = pf(params, KVCache.zeros(cfg, 1, MAX_LEN), tokens)
-    rows = [np.asarray(logits)]
+    def batch(start: int, ids: list[int], decode: bool) -> RaggedBatch:
+        n = len(ids)
+        b = g.empty_batch(g.decode_buckets[0], 0 if decode else g.prefill_bucket(g.padded(n)))
+        at = 0 if decode else b.decode_tokens  # the decode region, or the prefill region's first block
+        b.tokens[at : at + n], b.positions[at : at + n], b.rows[at : at + n] = ids, np.arange(start, start + n), 0
+        b.generated[at : at + n] = decode
+        b.last_index[0] = at + n - 1
+        b.page_tables[0] = np.arange(g.max_pages)
+        return dataclasses.replace(b, num_real=n, max_position=start + n - 1)
+
+    rows = [np.asarray(runner.step(batch(0, SEQ[:PREFILL], decode=False)).logits)[0]]
     for pos in range(PREFILL, len(SEQ)):
-        step, cache = dec(params, cache, np.array([SEQ[pos]], np.int32), np.array([pos], np.int32))
-        rows.append(np.asarray(step[0]))
+        rows.append(np.asarray(runner.step(batch(pos, [SEQ[pos]], decode=True)).logits)[0])
     return np.stack(rows)  # positions PREFILL-1 .. len(SEQ)-1
 
 
@@ -120,8 +130,9 @@ def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
     cfg, graphdef, state = load_hf_model(tmp_path)
     assert cfg.tie_word_embeddings == tie and ("lm_head" in state) == (not tie)
     assert cfg.rope_scaling == (None if rope is None else RopeScaling(8.0, 1.0, 4.0, 32))
-    got = our_logits(cfg, graphdef, state)
-    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    for name, engine in ENGINES.items():
+        got = our_logits(cfg, graphdef, state, **engine)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4, err_msg=name)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
 
     if rope is not None:

@@ -31,8 +31,13 @@ from helpers import free_port, full_queue, get, held_port, post, scrape, value, 
 
 from model.sampling import sequence_seed
 from model.text.tokenizer import Tokenizer
+from service.engine.config import EngineConfig
+from service.engine.request import Chunk, FinishReason, TokenLogprob
+from service.engine.scheduler import StepPlan
+from service.server.app import PortInUse, ServerThread, start_server
 from service.server.client import Client, make_request
-from service.engine import EngineConfig
+from service.server.config import ServerConfig
+from service.server.gateway import Gateway
 from service.server.http_api import bind
 from service.server.openai_api import (
     ChatCompletionRequest,
@@ -42,9 +47,6 @@ from service.server.openai_api import (
     completion_request,
     sse_event,
 )
-from service.engine.request import Chunk, FinishReason, TokenLogprob
-from service.scheduler import StepPlan
-from service.server import GenerationService, PortInUse, ServerConfig, ServerThread, start_server
 from service.server.validation import InvalidRequest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,7 +207,7 @@ def test_the_prefix_cache_opt_out_over_http_and_grpc(tiny_server, client: openai
     the prefix cache: a prompt sent twice that way is prefilled whole both times, and the same
     prompt sent afterwards finds nothing cached; by default it is then reused. The answers agree."""
     port = tiny_server.running.metrics_port
-    page = tiny_server.running.service.pools[0].loop.engine.ecfg.page_size
+    page = tiny_server.running.gateway.pools[0].loop.runner.ecfg.page_size
     prompt = [(7 * i + 3) % 250 + 4 for i in range(3 * page + 5)]  # in no other test: 3 full pages
 
     def hits() -> float:
@@ -498,7 +500,7 @@ def test_bodies_fastapi_does_not_parse_name_the_body(tiny_server) -> None:  # ty
 
 
 def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Client) -> None:  # type: ignore[no-untyped-def]
-    with full_queue(tiny_server.running.service.pools[0].loop, grpc_client):
+    with full_queue(tiny_server.running.gateway.pools[0].loop, grpc_client):
         with pytest.raises(openai.RateLimitError) as info:
             client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
         assert info.value.status_code == 429
@@ -509,7 +511,7 @@ def test_a_full_queue_is_429(tiny_server, client: openai.OpenAI, grpc_client: Cl
 
 
 def test_n_larger_than_the_room_left_in_the_queue_is_429(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     entered, release = threading.Event(), threading.Event()
 
     def hold(plan: StepPlan) -> None:
@@ -541,7 +543,7 @@ def test_n_larger_than_the_room_left_in_the_queue_is_429(tiny_server, client: op
 
 def test_a_client_that_closes_the_stream_frees_its_slot(tiny_server, client: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     port = tiny_server.running.http_port
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     cancelled = value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled")
     loop.step_hook = lambda plan: time.sleep(0.05)  # about 20 steps a second: the stream outlives the close
     try:
@@ -557,12 +559,12 @@ def test_a_client_that_closes_the_stream_frees_its_slot(tiny_server, client: ope
             value(scrape(port), "meshserve_requests_total", pool="default", finish_reason="cancelled") == cancelled + 2
         )
     )
-    assert not any(tiny_server.running.service.inflight.values())
+    assert not any(tiny_server.running.gateway.inflight.values())
 
 
 def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(tiny_server) -> None:  # type: ignore[no-untyped-def]
     port = tiny_server.running.http_port
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     loop.step_hook = lambda plan: time.sleep(0.05)  # 100 tokens: about 5 s
     impatient = api(tiny_server, timeout=1.0)
     try:
@@ -653,13 +655,13 @@ def test_streamed_event_bytes_are_the_event_as_compact_json(
 
 def test_503_while_loading_and_after_the_engine_dies(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loading = threading.Event()
-    original = GenerationService.load
+    original = Gateway.load
 
-    def held_load(self: GenerationService) -> None:
+    def held_load(self: Gateway) -> None:
         loading.wait(60)
         original(self)
 
-    monkeypatch.setattr(GenerationService, "load", held_load)
+    monkeypatch.setattr(Gateway, "load", held_load)
     http_port = free_port()
     srv = ServerThread(
         ServerConfig(
@@ -688,7 +690,7 @@ def test_503_while_loading_and_after_the_engine_dies(tiny_gguf: Path, monkeypatc
 
         # The engine loop dies mid-stream: the stream ends with an error event, then every
         # request is 503 and /health follows within a few watchdog intervals.
-        loop = srv.running.service.pools[0].loop
+        loop = srv.running.gateway.pools[0].loop
         armed = threading.Event()
 
         def hook(plan: StepPlan) -> None:

@@ -223,7 +223,7 @@ def test_min_tokens_holds_back_stop_strings_the_same_streamed_or_not(port: int) 
 def test_a_burst_of_http_and_grpc_past_the_queue(tiny_server, port: int, still_serving: None) -> None:  # type: ignore[no-untyped-def]
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     c = Client(tiny_server.address)
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     loop.step_hook = lambda plan: time.sleep(0.01)  # the burst arrives faster than it is served
     try:
         with ThreadPoolExecutor(24) as pool:
@@ -250,12 +250,12 @@ def test_a_burst_of_http_and_grpc_past_the_queue(tiny_server, port: int, still_s
     assert statuses.count(429) >= 1 and statuses.count(200) >= 1 and len(texts) == 1, statuses  # greedy: one answer
     assert all(code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED) for code, _ in rpcs), rpcs
     assert wait_for(lambda: value(scrape(port), "meshserve_active_slots", pool="default") == 0, 10)
-    assert loop.scheduler.queue_depth == 0 and not any(tiny_server.running.service.inflight.values())
+    assert loop.scheduler.queue_depth == 0 and not any(tiny_server.running.gateway.inflight.values())
     assert get(port, "/health")[0] == 200
 
 
 def test_a_client_that_drops_a_chat_stream_after_one_event_frees_its_slots(tiny_server, port: int) -> None:  # type: ignore[no-untyped-def]
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     loop.step_hook = lambda plan: time.sleep(0.05)  # the stream outlives the close
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "n": 2, "stream": True}
     try:
@@ -266,7 +266,7 @@ def test_a_client_that_drops_a_chat_stream_after_one_event_frees_its_slots(tiny_
         assert wait_for(lambda: value(scrape(port), "meshserve_active_slots", pool="default") == 0, 10)
     finally:
         loop.step_hook = None
-    assert not any(tiny_server.running.service.inflight.values())
+    assert not any(tiny_server.running.gateway.inflight.values())
 
 
 # ---- errors from below the API ----------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_a_chat_template_that_raises_is_400_and_invalid_argument(
     def refuse(messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         raise jinja2.exceptions.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
 
-    monkeypatch.setattr(tiny_server.running.service.tokenizer, "apply_chat_template", refuse)
+    monkeypatch.setattr(tiny_server.running.gateway.tokenizer, "apply_chat_template", refuse)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
     err = error_of(*post(port, CHAT, body), 400)
     assert err["param"] == "messages" and "roles must alternate" in err["message"], err
@@ -318,7 +318,7 @@ def test_a_penalized_neighbour_changes_no_other_answer(tiny_server, port: int) -
     alone = [json.loads(post(port, COMPLETIONS, b)[1])["choices"] for b in (plain, penalized)]
     unpenalized = {k: v for k, v in penalized.items() if not k.endswith("_penalty")}
     assert json.loads(post(port, COMPLETIONS, unpenalized)[1])["choices"] != alone[1]  # the penalties bite
-    loop = tiny_server.running.service.pools[0].loop
+    loop = tiny_server.running.gateway.pools[0].loop
     loop.step_hook = lambda plan: time.sleep(0.01)  # both in the batch at once
     try:
         with ThreadPoolExecutor(2) as pool:

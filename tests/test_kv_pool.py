@@ -1,5 +1,5 @@
 """The paged pool's size (service/engine/kv_pool.py): asked in tokens or bytes, or from the devices'
-memory; and how an engine and the serve flags carry it."""
+memory; and how a ``Runner`` and the serve flags carry it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import argparse
 
 import jax
 import pytest
-from test_engine_penalties import CFG, GRAPHDEF, PARAMS
+from reference import CFG, GRAPHDEF, PARAMS
 
-from service import kv_pool
+from service.engine import kv_pool
+from service.engine.config import EngineConfig
+from service.engine.runner import Runner
 from service.server.arg_types import byte_size
-from service.engine import EngineConfig
-from service.paged_engine import PagedEngine
 from sharding.layouts import Layout
 
 SIZES = dict(num_slots=4, max_seq_len=100, page_size=16, per_token=1000, num_devices=1)
@@ -64,7 +64,7 @@ def test_device_memory_is_read_where_devices_report_it() -> None:
     assert kv_pool.host_available_bytes() is None or kv_pool.host_available_bytes() > 0
 
 
-def test_a_switch_must_fit_beside_the_engine_serving_now(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_switch_must_fit_beside_the_runner_serving_now(monkeypatch: pytest.MonkeyPatch) -> None:
     class Accelerator:
         def __init__(self, in_use: int) -> None:
             self.in_use = in_use
@@ -89,14 +89,14 @@ def test_a_switch_must_fit_beside_the_engine_serving_now(monkeypatch: pytest.Mon
         assert kv_pool.switch_problem(cpu, 2**50) is None
 
 
-def test_an_engine_sizes_its_pool_from_bytes_and_keeps_the_size_for_a_relayout() -> None:
+def test_a_runner_sizes_its_pool_from_bytes_and_keeps_the_size_for_a_relayout() -> None:
     per_token = kv_pool.bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, "float32")
     assert per_token == 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=4, kv_cache_memory=100 * per_token)
-    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
-    assert engine.num_pages == 25 and engine.ecfg.kv_cache_tokens == 100 and engine.ecfg.kv_cache_memory == 0
-    assert engine.cache.k.shape[1] == 25 and engine.pool_bytes_per_device == 100 * per_token
-    assert engine.relayout(Layout("1x1"), jax.devices()[:1]).num_pages == 25
+    runner = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
+    assert runner.num_pages == 25 and runner.ecfg.kv_cache_tokens == 100 and runner.ecfg.kv_cache_memory == 0
+    assert runner.cache.k.shape[1] == 25 and runner.pool_bytes_per_device == 100 * per_token
+    assert runner.relayout(Layout("1x1"), jax.devices()[:1]).num_pages == 25
 
 
 def test_asking_in_tokens_and_bytes_at_once_is_refused() -> None:
@@ -138,13 +138,13 @@ def test_data_replicas_each_hold_whole_pages_of_their_share() -> None:
     )
 
 
-def test_an_engine_with_two_replicas_splits_its_pool_and_a_relayout_keeps_the_tokens() -> None:
+def test_a_runner_with_two_replicas_splits_its_pool_and_a_relayout_keeps_the_tokens() -> None:
     per_token = kv_pool.bytes_per_token(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, "float32")
     ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=4, kv_cache_memory=100 * per_token)
-    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("2x1", data=2), ecfg, jax.devices()[:2])
-    assert engine.replicas == 2 and engine.num_pages == 50 and engine.pages_per_replica == 25
-    assert engine.ecfg.kv_cache_tokens == 200 and engine.pool_bytes_per_device == 100 * per_token
-    assert {s.data.shape[1] for s in engine.cache.k.addressable_shards} == {25}
-    assert engine.max_request_tokens == 64
-    one = engine.relayout(Layout("1x1"), jax.devices()[:1])
+    runner = Runner(CFG, GRAPHDEF, PARAMS, Layout("2x1", data=2), ecfg, jax.devices()[:2])
+    assert runner.replicas == 2 and runner.num_pages == 50 and runner.pages_per_replica == 25
+    assert runner.ecfg.kv_cache_tokens == 200 and runner.pool_bytes_per_device == 100 * per_token
+    assert {s.data.shape[1] for s in runner.cache.k.addressable_shards} == {25}
+    assert runner.max_request_tokens == 64
+    one = runner.relayout(Layout("1x1"), jax.devices()[:1])
     assert one.num_pages == 50 and one.pool_bytes_per_device == 200 * per_token

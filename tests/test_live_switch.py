@@ -16,9 +16,10 @@ import pytest
 
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service.engine.config import EngineConfig
+from service.server.app import ServerThread
 from service.server.client import Client, make_request
-from service.engine import EngineConfig
-from service.server import ServerConfig, ServerThread
+from service.server.config import ServerConfig
 
 pytestmark = pytest.mark.slow  # a real server on the default model
 
@@ -84,7 +85,7 @@ def test_list_and_get_layouts(clients, pool_server) -> None:  # type: ignore[no-
     bulk = admin.GetLayout(apb.GetLayoutRequest(pool="bulk"), metadata=AUTH)
     assert (bulk.data, bulk.model, bulk.all_reduces_per_layer) == (4, 1, 0)
     # The paged pool's bytes on each device, as the engines placed them (bulk: a quarter each).
-    engines = {p.name: p.loop.engine for p in pool_server.running.service.pools}
+    engines = {p.name: p.loop.runner for p in pool_server.running.gateway.pools}
     assert fast.kv_cache_bytes_per_device == engines["fast"].pool_bytes_per_device
     assert (
         bulk.kv_cache_bytes_per_device == engines["bulk"].pool_bytes_per_device == fast.kv_cache_bytes_per_device // 4
@@ -165,15 +166,15 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server, mo
                 started.wait()
         results[prompt] = ids
 
-    loop = pool_server.running.service.pools[0].loop
+    loop = pool_server.running.gateway.pools[0].loop
     handed_over = threading.Event()  # SetLayout has built and warmed tp3 and gives it to the loop
-    switch_engine = loop.switch_engine
+    switch_runner = loop.switch_runner
 
     def hand_over(new_engine, timeout_s: float = 600.0) -> None:  # type: ignore[no-untyped-def]
         handed_over.set()
-        switch_engine(new_engine, timeout_s)
+        switch_runner(new_engine, timeout_s)
 
-    monkeypatch.setattr(loop, "switch_engine", hand_over)
+    monkeypatch.setattr(loop, "switch_runner", hand_over)
     steps_during_build = 0
 
     def hold(plan: object) -> None:  # on the loop thread, at the top of every step

@@ -15,10 +15,10 @@ from safetensors.numpy import save_file
 from tiny_gguf import write_tiny_llama_gguf
 
 from model.config import LlamaConfig
+from model.text.tokenizer import Tokenizer
 from model.weights.gguf_weights import load_gguf_params
 from model.weights.hf_weights import _expected_shapes, load_hf_llama
 from model.weights.loader import load_model, load_tokenizer, model_format, num_tensors, read_model_config
-from model.text.tokenizer import Tokenizer
 from sharding.layouts import load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan

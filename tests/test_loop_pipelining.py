@@ -1,127 +1,81 @@
 """The engine loop overlaps host and device work: step N+1 is dispatched before step N's ids
-are read, each step makes one device-to-host copy, and the results equal an unpipelined run."""
+are read, each step makes one device-to-host copy, the results equal an unpipelined run's and
+the dense reference's, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
 import threading
 
 import numpy as np
+from reference import CFG, make, reference, run, tiny_loop
 
-from model.config import LlamaConfig
-from model.weights.loader import random_llama
-from service import engine as engine_module
-from service.engine import Engine, EngineConfig
-from service.loop import EngineLoop
-from service.engine.request import Chunk, Request, SamplingOptions
-from service.scheduler import Scheduler
-from service.engine.text_stream import TextStream
-from sharding.layouts import Layout
+from service.engine import output
+from service.engine.loop import EngineLoop
 
-CFG = LlamaConfig.tiny()
+PROMPTS = [np.random.default_rng(0).integers(0, CFG.vocab_size, n).tolist() for n in (5, 11)]
 
 
-class Pieces:
-    def push(self, token_id: int) -> str:
-        return f"<{token_id}>"
+def traced(loop: EngineLoop, events: list[str]) -> None:
+    """Record "dispatch" for each ``Runner.step`` call and "host" for each host copy."""
+    step, host = loop.runner.step, output.StepOutput.host
 
-    def flush(self) -> str:
-        return ""
-
-
-def run(prompts: list[list[int]], max_tokens: int, pipelined: bool) -> tuple[list[list[int]], list[str]]:
-    graphdef, params = random_llama(CFG, seed=3)
-    engine = Engine(CFG, graphdef, params, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16))
-    loop = EngineLoop(engine, Scheduler(num_slots=2, max_queue=8, chunk_size=16))
-    events: list[str] = []
-    original_host = engine_module.StepOutput.host
-    original_dispatch = loop.dispatch
-
-    def host(self):  # type: ignore[no-untyped-def]
-        events.append("host")
-        return original_host(self)
-
-    def dispatch(plan):  # type: ignore[no-untyped-def]
+    def traced_step(batch, prev=None):  # type: ignore[no-untyped-def]
         events.append("dispatch")
-        return original_dispatch(plan)
+        return step(batch, prev)
 
-    engine_module.StepOutput.host = host  # type: ignore[method-assign]
-    loop.dispatch = dispatch  # type: ignore[method-assign]
-    done = threading.Event()
-    outputs: list[list[int]] = [[] for _ in prompts]
-    finished = [0]
+    def traced_host(self):  # type: ignore[no-untyped-def]
+        events.append("host")
+        return host(self)
 
-    def emit_for(i: int):  # type: ignore[no-untyped-def]
-        def emit(chunk: Chunk) -> None:
-            outputs[i].extend(chunk.token_ids)
-            if chunk.finish_reason is not None:
-                finished[0] += 1
-                if finished[0] == len(prompts):
-                    done.set()
-
-        return emit
-
-    try:
-        requests = [
-            Request(
-                request_id=str(i),
-                prompt_ids=p,
-                max_tokens=max_tokens,
-                sampling=SamplingOptions(temperature=0.0),
-                text=TextStream(Pieces()),
-                emit=emit_for(i),
-                eos_ids=frozenset(),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        if pipelined:
-            loop.start()
-            assert loop.ready.wait(120)
-            events.clear()
-            for r in requests:
-                loop.submit(r)
-            assert done.wait(120)
-            loop.stop()
-        else:
-            engine.warmup()
-            events.clear()
-            for r in requests:
-                loop.scheduler.waiting.append(r)
-            while not done.is_set():
-                loop.step(loop.scheduler.schedule())
-    finally:
-        engine_module.StepOutput.host = original_host  # type: ignore[method-assign]
-    return outputs, events
+    loop.runner.step = traced_step  # type: ignore[method-assign]
+    output.StepOutput.host = traced_host  # type: ignore[method-assign]
 
 
-def test_pipelined_loop_matches_the_unpipelined_one_and_overlaps() -> None:
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 11)]
-    plain, plain_events = run(prompts, 12, pipelined=False)
-    piped, piped_events = run(prompts, 12, pipelined=True)
-    assert piped == plain and all(len(o) == 12 for o in piped)
-    # Unpipelined: every dispatch is followed by its own host copy.
+def test_pipelined_loop_matches_the_unpipelined_one_and_overlaps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(output.StepOutput, "host", output.StepOutput.host)  # restored after the test
+    # Unpipelined: each plan dispatched, then its ids read before the next plan.
+    plain = tiny_loop(num_slots=2)
+    plain.runner.warmup()
+    plain_events: list[str] = []
+    traced(plain, plain_events)
+    requests = [make(p, 12) for p in PROMPTS]
+    for r in requests:
+        plain.scheduler.add(r)
+    while any(r.finish_reason is None for r in requests):
+        plan = plain.scheduler.schedule()
+        if not plan.empty:
+            plain.step(plan)
+        plain._finish_inflight()
+    unpipelined = [(r.output_ids, r.finish_reason) for r in requests]
     assert "dispatch,dispatch" not in ",".join(plain_events)
-    # Pipelined: a step is dispatched while the previous one's ids are still on the device,
-    # and each step costs exactly one host copy.
-    assert "dispatch,dispatch" not in ",".join(piped_events[:1])
-    assert ",".join(piped_events).count("dispatch,host") >= 5
-    assert piped_events.count("host") == piped_events.count("dispatch")
-    first_host = piped_events.index("host")
-    assert piped_events[:first_host].count("dispatch") == 2  # step 1 dispatched before step 0 was read
+    # Pipelined: the loop thread, as it serves.
+    piped = tiny_loop(num_slots=2)
+    piped.start()
+    assert piped.ready.wait(300)
+    events: list[str] = []
+    traced(piped, events)
+    try:
+        got = run(piped, [make(p, 12) for p in PROMPTS])
+    finally:
+        piped.stop()
+    assert got == unpipelined == [reference(p, 12) for p in PROMPTS]
+    # A step is dispatched while the previous one's ids are still on the device, and each step
+    # costs exactly one host copy.
+    assert ",".join(events).count("dispatch,host") >= 5
+    assert events.count("host") == events.count("dispatch")
+    first_host = events.index("host")
+    assert events[:first_host].count("dispatch") == 2  # step 1 dispatched before step 0 was read
 
 
 def test_nothing_compiles_after_warmup() -> None:
-    """After ``Engine.warmup`` the serving loop reuses the warm programs: its decode steps pass
-    the previous step's device outputs, and the warm-up's "no previous step" stand-ins have the
-    same argument signature (a numpy stand-in once made the loop's first steps compile again,
-    5.7 s for SmolLM2 in unrolled mode)."""
-    graphdef, params = random_llama(CFG, seed=4)
-    engine = Engine(CFG, graphdef, params, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16))
-    loop = EngineLoop(engine, Scheduler(num_slots=2, max_queue=8, chunk_size=16))
+    """After warm-up the serving loop reuses the warm programs: its steps pass the previous
+    step's device output, and the warm-up's "no previous step" stand-in has the same argument
+    signature (a numpy stand-in once made the loop's first steps compile again)."""
+    loop = tiny_loop(num_slots=2)
     done = threading.Event()
     finished = [0]
 
-    def emit(chunk: Chunk) -> None:
+    def emit(chunk) -> None:  # type: ignore[no-untyped-def]
         if chunk.finish_reason is not None:
             finished[0] += 1
             if finished[0] == 2:
@@ -129,30 +83,14 @@ def test_nothing_compiles_after_warmup() -> None:
 
     loop.start()
     try:
-        assert loop.ready.wait(120)  # the loop thread ran engine.warmup()
-        compiled = programs(engine)
+        assert loop.ready.wait(300)  # the loop thread ran runner.warmup()
+        compiled = {key: program._cache_size() for key, program in loop.runner._programs.items()}
         assert compiled and all(n == 1 for n in compiled.values())
-        rng = np.random.default_rng(1)
-        for i, n in enumerate((5, 9)):
-            loop.submit(
-                Request(
-                    request_id=str(i),
-                    prompt_ids=rng.integers(0, CFG.vocab_size, n).tolist(),
-                    max_tokens=10,
-                    sampling=SamplingOptions(temperature=0.0),
-                    text=TextStream(Pieces()),
-                    emit=emit,
-                    eos_ids=frozenset(),
-                )
-            )
-        assert done.wait(120)
+        for n in (5, 9):
+            r = make(PROMPTS[1][:n], 10)
+            r.emit = emit
+            loop.submit(r)
+        assert done.wait(300)
     finally:
         loop.stop()
-    assert programs(engine) == compiled
-
-
-def programs(engine: Engine) -> dict[tuple[str, int], int]:
-    """How many compiled variants each jitted step holds, keyed by (step, window)."""
-    out = {("decode", k): f._cache_size() for k, f in engine._decode_fns.items()}
-    out.update({("prefill", k): f._cache_size() for k, f in engine._prefill_fns.items()})
-    return out
+    assert {key: program._cache_size() for key, program in loop.runner._programs.items()} == compiled

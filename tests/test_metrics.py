@@ -10,8 +10,8 @@ import pytest
 from helpers import scrape, value, wait_for
 
 from service.server.client import Client, make_request
+from service.server.config import ServerConfig
 from service.server.metrics import FINISH_REASONS, Metrics
-from service.server import ServerConfig
 
 TIMEOUT_S = 120.0
 
@@ -40,7 +40,7 @@ def test_metrics_endpoint_names_and_pool_gauges(server) -> None:
     assert value(samples, "meshserve_active_slots", pool="default") == 0
     assert value(samples, "meshserve_queue_depth", pool="default") == 0
     assert value(samples, "meshserve_kv_cache_usage_ratio", pool="default") == 0
-    layout = server.running.service.pools[0].layout
+    layout = server.running.gateway.pools[0].layout
     layouts = [dict(labels) for name, labels in samples if name == "meshserve_pool_layout_info"]
     assert len(layouts) == 1
     assert layouts[0]["pool"] == "default" and layouts[0]["layout"] == layout.name == "single"

@@ -14,25 +14,25 @@ from benchmarks.mirror_cost import ROWS, batches_equal, record_decode_steps, rep
 
 
 def test_decode_batches_have_the_engine_shapes_and_replay() -> None:
-    from model.weights.build import random_llama
     from model.config import LlamaConfig
-    from service.engine import EngineConfig
-    from service.paged_engine import PagedEngine
+    from model.weights.build import random_llama
+    from service.engine.config import EngineConfig
+    from service.engine.runner import Runner
     from sharding.layouts import load_layout
 
     cfg = LlamaConfig.tiny()
     graphdef, params = random_llama(cfg, seed=0)
-    ecfg = EngineConfig(num_slots=ROWS, kv_cache="paged", kv_cache_tokens=ROWS * 2048)
-    engine = PagedEngine(cfg, graphdef, params, load_layout("single"), ecfg, jax.devices()[:1])
+    ecfg = EngineConfig(num_slots=ROWS, kv_cache_tokens=ROWS * 2048)
+    engine = Runner(cfg, graphdef, params, load_layout("single"), ecfg, jax.devices()[:1])
     steps = record_decode_steps(engine, prompt_len=5, decode_steps=3)
     assert len(steps) == 3 and all(ns > 0 for _, ns in steps)
     batches = [b for b, _ in steps]
     for k, b in enumerate(batches):
-        assert b.decode_tokens == ROWS and b.num_real == ROWS and b.prefill_max_position == -1
+        assert b.decode_tokens == len(b.tokens) == ROWS and b.num_real == ROWS and b.installs == ()
         for name in ("tokens", "positions", "rows", "source"):
             assert getattr(b, name).shape == (ROWS,) and getattr(b, name).dtype == np.int32, name
         assert b.generated.dtype == np.bool_ and b.generated.all()
-        assert b.page_tables.shape == (ROWS, engine.max_pages) == (ROWS, 2048 // 16)
+        assert b.page_tables.shape == (ROWS, engine.geometry.max_pages) == (ROWS, 2048 // 16)
         assert b.page_tables.dtype == np.int32 and b.last_index.dtype == np.int32
         assert sorted(b.rows.tolist()) == list(range(ROWS))
         assert (b.positions == 5 + k).all() and b.max_position == 5 + k

@@ -1,6 +1,6 @@
-"""The paged engine over two jax.distributed processes of 4 CPU devices each (one 8-device mesh):
-process 0 drives ``service.paged_loop.engine_loop`` over a ``service.engine.distributed.MirroredEngine``,
-process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary) and seeded ones
+"""The engine over two jax.distributed processes of 4 CPU devices each (one 8-device mesh):
+process 0 drives ``service.engine.loop.make_loop`` over a ``Runner`` that mirrors its calls
+(``Runner.channel``), process 1 ``follow``s (tests/mp_engine_worker.py); their greedy ids (with penalties, so they vary) and seeded ones
 must be the ids this process (8 CPU devices, no jax.distributed) gives for the same requests on
 the same layout: 1x8 and 8x1 here, one after the other in one job (2x4 is served through
 ``meshserve serve`` in tests/test_multiprocess_serve.py). Every worker has a hard timeout and is
@@ -8,6 +8,7 @@ killed with its process group when the other fails or time runs out."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import socket
@@ -21,13 +22,15 @@ import numpy as np
 import pytest
 from helpers import free_port, job_process_env
 from mp_engine_worker import EXIT_NO_DISTRIBUTED, build_engine, run_requests
+from reference import tiny_loop
 
 from benchmarks.multiprocess_channel import stop
-from service.engine.distributed import PREVIOUS, STOP, MirroredEngine, StepChannel, follow
-from service.engine import StepOutput
-from service.paged_engine import PagedEngine, RaggedBatch
-from service.paged_loop import engine_loop
+from service.engine.batch import RaggedBatch, RowInstall
+from service.engine.distributed import StepChannel, follow
+from service.engine.loop import make_loop
+from service.engine.output import StepOutput
 from service.engine.request import SamplingOptions
+from service.engine.runner import PREVIOUS, STOP
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "mp_engine_worker.py"
@@ -65,7 +68,7 @@ def two_processes(layouts: tuple[str, ...], folder: Path) -> tuple[dict, dict]: 
 
 def one_process(layout: str) -> list[list[int]]:
     """The same requests on the same layout over this process's 8 devices."""
-    loop = engine_loop(build_engine(layout), max_queue=8)
+    loop = make_loop(build_engine(layout), max_queue=8)
     loop.start()
     try:
         assert loop.ready.wait(300) and loop.error is None, loop.error
@@ -99,12 +102,11 @@ class FakeChannel:
         return self.inbox.pop(0)
 
 
-class FakeEngine:
-    """Records calls; each step returns a new output that names its step."""
+class FakeRunner:
+    """A follower's runner: records calls; each step returns a new output that names its step."""
 
     def __init__(self) -> None:
         self.calls: list = []  # type: ignore[type-arg]
-        self.seq_block = 16
 
     def step(self, batch: object, prev: object = None) -> StepOutput:
         self.calls.append(("step", batch, prev))
@@ -114,16 +116,10 @@ class FakeEngine:
         self.calls.append(("warmup", full))
         return 0.0
 
-    def set_sampling(self, slot: int, options: object, logprobs: bool = False, eos_ids: object = ()) -> None:
-        self.calls.append(("set_sampling", slot, options))
-
-    def set_history(self, slot: int, prompt_ids: list[int], generated_ids: list[int]) -> None:
-        self.calls.append(("set_history", slot, prompt_ids, generated_ids))
-
-    def relayout(self, layout: object, devices: list, params: object = None) -> FakeEngine:  # type: ignore[type-arg]
+    def relayout(self, layout: object, devices: list, params: object = None) -> FakeRunner:  # type: ignore[type-arg]
         self.calls.append(("relayout", layout, [d.id for d in devices]))
-        new = FakeEngine()
-        new.calls = self.calls  # one record of both engines' calls, in order
+        new = FakeRunner()
+        new.calls = self.calls  # one record of both runners' calls, in order
         new.name = "new"  # type: ignore[attr-defined]
         return new
 
@@ -135,61 +131,60 @@ class FakeEngine:
         self.calls.append(("adopt_state", getattr(self, "name", "old"), getattr(old, "name", "old")))
 
 
-def test_the_mirror_sends_each_call_before_making_it_and_prev_as_a_marker() -> None:
-    inner, channel = FakeEngine(), FakeChannel()
-    mirror = MirroredEngine(inner, channel)  # type: ignore[arg-type]
-    assert isinstance(mirror, PagedEngine) and mirror.seq_block == 16  # the loop's checks and reads
-    mirror.warmup()
-    mirror.set_sampling(2, SamplingOptions(temperature=0.0), eos_ids=frozenset({5}))
-    mirror.set_history(2, [1, 2], [3])
-    first = mirror.step("batch0")  # type: ignore[arg-type]
-    mirror.step("batch1", first)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="previous mirrored step"):
-        mirror.step("batch2", first)  # not the last output: a follower could not name it
-    with pytest.raises(AttributeError):
-        mirror.cache = None
-    mirror.stop()
-    assert [m[0] for m in channel.sent] == ["warmup", "set_sampling", "set_history", "step", "step", STOP]
-    assert channel.sent[3][1] == ("batch0", None) and channel.sent[4][1] == ("batch1", PREVIOUS)
-    assert inner.calls[-1] == ("step", "batch1", first)
+def test_the_runner_sends_each_call_before_making_it_and_prev_as_a_marker() -> None:
+    """Process 0's runner (a real one, ``channel`` set) sends warm-up once (not its steps),
+    each step with its batch (row installs included) and the previous output as a marker; a
+    follower replays them, the marker becoming its own previous output."""
+    runner, channel = tiny_loop(num_slots=2).runner, FakeChannel()
+    runner.channel = channel  # type: ignore[assignment]
+    runner.warmup()
+    g = runner.geometry
+    batch = g.empty_batch(g.decode_buckets[0], 0)
+    install = RowInstall(1, SamplingOptions(temperature=0.0, repetition_penalty=2.0), False, (5,), ((1, 2), (3,)))
+    first = runner.step(dataclasses.replace(batch, installs=(install,)))
+    runner.step(batch, first)
+    with pytest.raises(ValueError, match="past max_seq_len"):  # refused before the followers see it
+        runner.step(dataclasses.replace(batch, max_position=runner.ecfg.max_seq_len))
+    assert [m[0] for m in channel.sent] == ["warmup", "step", "step"]
+    assert channel.sent[1][1][0].installs == (install,) and channel.sent[1][1][1] is None
+    assert channel.sent[2][1][1] == PREVIOUS
 
-    # A follower replays them: the marker becomes its own previous output.
-    follower = FakeEngine()
-    assert follow(follower, FakeChannel(channel.sent)) == 2  # type: ignore[arg-type]
-    assert [c[0] for c in follower.calls] == ["warmup", "set_sampling", "set_history", "step", "step"]
-    assert follower.calls[4][2].logits == 4  # the output of its step 4 (its first step)
+    follower = FakeRunner()
+    assert follow(follower, FakeChannel([*channel.sent, (STOP, (), {})])) == 2  # type: ignore[arg-type]
+    assert [c[0] for c in follower.calls] == ["warmup", "step", "step"]
+    assert follower.calls[2][2].logits == 2  # the output of its first step
 
 
-def test_a_live_switch_is_mirrored_and_the_follower_steps_the_new_engine_after_it() -> None:
+def test_a_live_switch_is_mirrored_and_the_follower_steps_the_new_runner_after_it() -> None:
     import jax
 
-    inner, channel = FakeEngine(), FakeChannel()
-    old = MirroredEngine(inner, channel)  # type: ignore[arg-type]
-    old.step("batch0")  # type: ignore[arg-type]
-    new = old.relayout("L", jax.devices()[:2])  # type: ignore[arg-type]
-    assert isinstance(new, MirroredEngine)
+    old, channel = tiny_loop(num_slots=2).runner, FakeChannel()
+    old.channel = channel  # type: ignore[assignment]
+    g = old.geometry
+    old.step(g.empty_batch(g.decode_buckets[0], 0))
+    new = old.relayout(old.layout, jax.devices()[:1])
+    assert new.channel is channel
     with pytest.raises(ValueError, match="restored ones"):
-        old.relayout("L", jax.devices()[:2], params={})  # type: ignore[arg-type]
+        old.relayout(old.layout, jax.devices()[:1], params={})
     new.warmup_to_replace(old)
     new.adopt_state(old)
-    new.step("batch1")  # type: ignore[arg-type]
-    new.stop()
+    new.step(g.empty_batch(g.decode_buckets[0], 0))
     names = [m[0] for m in channel.sent]
-    assert names == ["step", "relayout", "warmup_to_replace", "adopt_state", "step", STOP]
-    assert channel.sent[1][1] == ("L", [jax.devices()[0].id, jax.devices()[1].id])
+    assert names == ["step", "relayout", "warmup_to_replace", "adopt_state", "step"]
+    assert channel.sent[1][1] == (old.layout, [jax.devices()[0].id])
 
-    follower = FakeEngine()
-    assert follow(follower, FakeChannel(channel.sent)) == 2  # type: ignore[arg-type]
+    follower = FakeRunner()
+    assert follow(follower, FakeChannel([*channel.sent, (STOP, (), {})])) == 2  # type: ignore[arg-type]
     assert [c[0] for c in follower.calls] == ["step", "relayout", "warmup_to_replace", "adopt_state", "step"]
     assert follower.calls[2][1:] == ("new", "old") and follower.calls[3][1:] == ("new", "old")
     assert follower.calls[4][2] is None  # the first step after a switch reads no previous output
     with pytest.raises(ValueError, match="no relayout"):
-        follow(FakeEngine(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
+        follow(FakeRunner(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
 
 
 def test_a_follower_refuses_a_call_that_is_not_mirrored() -> None:
     with pytest.raises(ValueError, match="not one of"):
-        follow(FakeEngine(), FakeChannel([("replacement_programs", (), {})]))  # type: ignore[arg-type]
+        follow(FakeRunner(), FakeChannel([("replacement_programs", (), {})]))  # type: ignore[arg-type]
 
 
 def test_the_step_channel_carries_a_ragged_batch_over_tcp() -> None:
@@ -198,7 +193,7 @@ def test_the_step_channel_carries_a_ragged_batch_over_tcp() -> None:
     b, _ = server.accept()
     server.close()
     leader, follower = StepChannel([a], 0), StepChannel([b], 1)
-    batch = RaggedBatch(*(np.arange(n, dtype=np.int32) for n in (8, 8, 8, 8, 8, 2, 2)),
+    batch = RaggedBatch(*(np.arange(n, dtype=np.int32) for n in (8, 8, 8, 8, 8, 2, 2)),  # type: ignore[arg-type]
                         page_tables=np.ones((2, 3), np.int32), num_real=3, max_position=2, decode_tokens=4)  # fmt: skip
     try:
         leader.send(("step", (batch, PREVIOUS), {}))

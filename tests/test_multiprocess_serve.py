@@ -30,9 +30,10 @@ from helpers import free_port, job_process_env
 from benchmarks.multiprocess_channel import stop
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
+from service.engine.config import EngineConfig
+from service.server.app import ServerThread
 from service.server.client import Client, make_request
-from service.engine import EngineConfig
-from service.server import ServerConfig, ServerThread
+from service.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT, SWITCHED = "2x4", "1x8"
@@ -254,7 +255,8 @@ def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: py
     import jax
 
     from service.engine.distributed import job_layout_problem
-    from service.server import ConfigError, GenerationService
+    from service.server.config import ConfigError
+    from service.server.gateway import Gateway
     from sharding.layouts import load_layout
 
     assert job_layout_problem(load_layout("single")) is None  # one process: any layout
@@ -265,17 +267,17 @@ def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: py
         job_layout_problem(load_layout("single"))
     )
     with pytest.raises(ConfigError, match="uses 4 devices"):
-        GenerationService(ServerConfig(layout="1x4"))._check_job()
+        Gateway(ServerConfig(layout="1x4"))._check_job()
     with pytest.raises(ConfigError, match="uses 2 devices"):
-        GenerationService(ServerConfig(pools=["p=1x2"]))._check_job()
-    GenerationService(ServerConfig(layout="8x1"))._check_job()
+        Gateway(ServerConfig(pools=["p=1x2"]))._check_job()
+    Gateway(ServerConfig(layout="8x1"))._check_job()
 
-    service = GenerationService(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
+    service = Gateway(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
     with pytest.raises(ConfigError, match="one pool"):
         service._check_job()
     slots = ServerConfig(engine=EngineConfig(kv_cache="slots"))
     with pytest.raises(ConfigError, match="paged"):
-        GenerationService(slots)._check_job()
+        Gateway(slots)._check_job()
 
 
 def test_serve_distributed_with_nothing_to_join_is_one_clear_error() -> None:

@@ -21,12 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model.attention.xla import ragged_paged_attention_blocks
 from model.native import cpu_paged_attention
-
-try:
-    from model.attention.xla import ragged_paged_attention_blocks
-except ImportError:  # before the attention package
-    from model.attention.xla import ragged_paged_attention_blocks  # type: ignore[no-redef]
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "cpu" or not cpu_paged_attention.available(), reason="native CPU kernels not built"

@@ -24,10 +24,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model.native import cpu_paged_attention
-from model.config import LlamaConfig
-from model.attention.xla import ragged_paged_attention, ragged_paged_attention_blocks
+from model.attention import cpu as cpu_attention
 from model.attention.pages import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
+from model.attention.xla import ragged_paged_attention, ragged_paged_attention_blocks
+from model.config import LlamaConfig
+from model.native import cpu_paged_attention
 
 CFG = LlamaConfig.tiny(num_heads=6)  # K = 2 KV heads, G = 3 query heads each, H = 16
 K, G, H = CFG.num_kv_heads, CFG.q_per_kv, CFG.head_dim
@@ -260,6 +261,75 @@ def test_the_native_kernel_equals_xla_for_every_group_size(group: int, head_dim:
     got = cpu_paged_attention.paged_attention(q, kp, vp, tables, seq, pos, 1)
     want = ragged_paged_attention(q, kp, vp, tables, seq, pos, window_pages=8, layer=1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_the_native_kernel_gives_zeros_past_the_table_and_clips_page_ids() -> None:
+    """A token whose position is at or past M x page_size (an idle row, as the per-slot engine
+    passed T_max) gets zeros while the other tokens are unaffected; page ids outside [0, P) in a
+    table are clipped into it, as XLA's path clips them."""
+    rng = np.random.default_rng(10)
+    kp = jnp.asarray(rng.standard_normal((1, 8, 1, 4, 16)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((1, 8, 1, 4, 16)), jnp.float32)
+    tables = jnp.asarray([[3, 99, -5]], jnp.int32)  # 12 positions, on pages 3, 7 and 0
+    rows = jnp.zeros(4, jnp.int32)
+    positions = jnp.asarray([9, 12, 5, 40], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, 1, 2, 16)) * 0.25, jnp.float32)
+    got = np.asarray(cpu_paged_attention.paged_attention(q, kp, vp, tables, rows, positions, 0))
+    assert not got[[1, 3]].any() and np.abs(got[[0, 2]]).min() > 0
+    clipped = jnp.asarray([[3, 7, 0]], jnp.int32)
+    want = ragged_paged_attention(
+        q, kp, vp, clipped, rows, positions.at[1].set(0).at[3].set(0), window_pages=3, layer=0
+    )
+    np.testing.assert_allclose(got[[0, 2]], np.asarray(want)[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_the_native_kernels_bad_operands_are_errors_not_crashes() -> None:
+    """Shapes, dtypes and a layer the decode kernel does not take: its error message, no crash
+    (the prefill kernel's are in test_native_paged_prefill.py)."""
+    rng = np.random.default_rng(11)
+    kp = jnp.asarray(rng.standard_normal((2, 4, 2, 8, 32)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((2, 4, 2, 8, 32)), jnp.float32)
+    tables = jnp.zeros((1, 4), jnp.int32)
+    rows = jnp.zeros(5, jnp.int32)
+    positions = jnp.arange(5, dtype=jnp.int32)
+    q = jnp.zeros((5, 2, 3, 32), jnp.float32)
+
+    def call(q=q, kp=kp, vp=vp, tables=tables, rows=rows, positions=positions, layer=0):  # type: ignore[no-untyped-def]
+        return np.asarray(cpu_paged_attention.paged_attention(q, kp, vp, tables, rows, positions, layer))
+
+    call()  # the operands as they are are fine
+    bad: list[tuple[dict, str]] = [
+        ({"q": jnp.zeros((5, 2, 9, 32))}, "between 1 and 8"),
+        ({"q": jnp.zeros((5, 2, 3, 24)), "kp": kp[..., :24], "vp": vp[..., :24]}, "multiple of 16"),
+        ({"q": jnp.zeros((5, 3, 3, 32))}, "with q's K and H"),
+        ({"vp": vp[:, :3]}, "keys and values alike"),
+        ({"kp": kp.astype(jnp.bfloat16)}, "both float32 or both bfloat16"),
+        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32 or both bfloat16"),
+        ({"positions": positions[:4]}, r"rows and positions must be \[N\]"),
+        ({"tables": jnp.zeros(4, jnp.int32)}, r"page tables must be \[R, M\]"),
+        ({"layer": 2}, "layer out of range"),
+        ({"layer": -1}, "layer out of range"),
+    ]
+    for kwargs, message in bad:
+        # The kernel's INVALID_ARGUMENT: a JaxRuntimeError, or a ValueError from a call whose
+        # executable jax has cached (the layer cases).
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=message):
+            call(**kwargs)
+
+
+def test_the_native_kernels_support_what_they_are_instantiated_for() -> None:
+    """1 to 8 query heads per KV head, head_dim a multiple of 16, a float32 or bfloat16 cache;
+    the backend's ``supports`` is the kernels'."""
+    assert cpu_paged_attention.supports(3, 64, jnp.float32)
+    assert cpu_paged_attention.supports(8, 128, jnp.bfloat16)
+    assert cpu_paged_attention.supports(1, 16, jnp.float32)
+    assert not cpu_paged_attention.supports(3, 60, jnp.float32)  # head_dim not a multiple of 16
+    assert not cpu_paged_attention.supports(9, 64, jnp.float32)  # more than 8 query heads per KV head
+    assert not cpu_paged_attention.supports(0, 64, jnp.float32)
+    assert not cpu_paged_attention.supports(3, 64, jnp.float16)
+    assert cpu_attention.supports is cpu_paged_attention.supports
 
 
 def rounding_bound(step: Step) -> np.ndarray:

@@ -213,22 +213,57 @@ def test_an_empty_text_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert exc.value.code == 2 and "no tokens in it" in capsys.readouterr().err
 
 
-def test_the_stored_row_serves_the_gguf_blocks_and_the_float_rows_ids(tmp_path: Path) -> None:
-    """``meshserve-stored`` runs the Engine over the file's Q4_1 blocks and decodes the ids of the
-    float32 row on the same file (the same weights' values)."""
+def greedy_dense(graphdef, params, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """``n`` greedy ids of the cache-less dense reference forward (tests/reference.py)."""
+    from reference import dense_logits
+
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(dense_logits(graphdef, params, ids)[-1])))
+    return ids[len(prompt) :]
+
+
+def test_the_float_row_serves_through_the_engine_loop(tmp_path: Path) -> None:
+    """``meshserve`` runs the served engine (a Runner on one device through its engine loop) and
+    gives the dense reference's greedy ids, every row done, round after round, the first token's
+    time stamped and the decode steps' dispatch timed."""
     from tiny_gguf import write_tiny_llama_gguf
 
-    from model.kernels import has_stored_blocks
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    wl = {"model": str(path), "threads": 2}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
+    runner = peers.make_runner("meshserve", wl)
+    assert "the served engine" in runner.notes and "KV cache float32" in runner.notes
+    want = greedy_dense(runner.graphdef, runner.params, rows[0], 6)
+    runner.setup(2, len(rows[0]), 6)
+    for _ in range(2):  # a second round prefills again (prefix cache off) and gives the same ids
+        runner.first_at = None
+        assert runner.generate(rows, 6) == want
+        assert runner.first_at is not None
+        stats = runner.stats()
+        assert stats["dispatch_ms"] > 0
+    runner.setup(1, len(rows[0]), 6)  # a new B: the previous loop stopped, a new pool
+    assert runner.generate(rows[:1], 6) == want
+    runner.close()
+
+
+def test_the_stored_row_serves_the_gguf_blocks_and_the_float_rows_ids(tmp_path: Path) -> None:
+    """``meshserve-stored`` runs the served engine over the file's Q4_1 blocks and decodes the ids
+    of the float32 row on the same file (the same weights' values)."""
+    from tiny_gguf import write_tiny_llama_gguf
+
+    from model.matmul import has_packed
 
     path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
-    wl = {"model": str(path), "threads": 2, "layers": "scan"}
-    rows = [[5, 17, 40, 99, 120, 7, 8, 9]]
+    wl = {"model": str(path), "threads": 2}
+    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
     got = {}
     for variant in ("meshserve", "meshserve-stored"):
         runner = peers.make_runner(variant, wl)
-        assert has_stored_blocks(runner.params) == (variant == "meshserve-stored")
-        runner.setup(1, len(rows[0]), 6)
+        assert has_packed(runner.params) == (variant == "meshserve-stored")
+        runner.setup(2, len(rows[0]), 6)
         got[variant] = runner.generate(rows, 6)
+        runner.close()
     assert len(got["meshserve"]) == 6 and got["meshserve-stored"] == got["meshserve"]
     assert "meshserve GGUF blocks as stored" in peers.QUANTIZED  # no fp32-bytes MBU for it
 
@@ -245,79 +280,55 @@ def test_the_int8_row_serves_q8_0_blocks_of_the_float_weights(tmp_path: Path) ->
     from model.weights.quant_panels import QuantPanels
 
     path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
-    wl = {"model": str(path), "threads": 2, "layers": "scan"}
+    wl = {"model": str(path), "threads": 2}
     rows = [[5, 17, 40, 99, 120, 7, 8, 9]]
     runner = peers.make_runner("meshserve-int8", wl)
     w_down = runner.params["layers"]["w_down"].get_value()
     assert isinstance(w_down, QuantPanels) and w_down.format == "q8_0"
     runner.setup(1, len(rows[0]), 6)
     got = runner.generate(rows, 6)
-    ref = peers.make_runner("meshserve", wl)
+    runner.close()
     floats = block_params.dequantize_params(nnx.to_pure_dict(runner.params), expected_shapes(runner.cfg), np.float32)
-    ref.graphdef, ref.params = llama_from_params(runner.cfg, floats)
+    ref = peers.MeshserveRunner.over(runner.cfg, *llama_from_params(runner.cfg, floats))
     ref.setup(1, len(rows[0]), 6)
     assert len(got) == 6 and got == ref.generate(rows, 6)
+    ref.close()
     assert "meshserve int8 (Q8_0 of fp32)" in peers.QUANTIZED
 
 
-def test_the_paged_row_serves_through_the_engine_loop(tmp_path: Path) -> None:
-    """``meshserve-paged`` runs the served default (paged KV cache, the engine loop) and gives
-    the per-slot row's ids on the same file, every row done, round after round."""
+def test_the_kv_bf16_row_holds_a_bfloat16_pool(tmp_path: Path) -> None:
+    """``meshserve-kv-bf16``: the served engine with a bfloat16 KV cache (EngineConfig.kv_dtype)."""
     from tiny_gguf import write_tiny_llama_gguf
 
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
-    wl = {"model": str(path), "threads": 2, "layers": "scan"}
-    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
-    ref = peers.make_runner("meshserve", wl)
-    ref.setup(2, len(rows[0]), 6)
-    want = ref.generate(rows, 6)
-    runner = peers.make_runner("meshserve-paged", wl)
-    runner.setup(2, len(rows[0]), 6)
-    for _ in range(2):  # a second round prefills again (prefix cache off) and gives the same ids
-        runner.first_at = None
-        assert runner.generate(rows, 6) == want
-        assert runner.first_at is not None
-    runner.setup(1, len(rows[0]), 6)  # a new B: the previous loop stopped, a new pool
-    assert runner.generate(rows[:1], 6) == want
+    runner = peers.make_runner("meshserve-kv-bf16", {"model": str(path), "threads": 2})
+    assert "KV cache bfloat16" in runner.notes
+    runner.setup(1, 8, 4)
+    assert runner.loop.runner.cache.k.dtype.name == "bfloat16"
+    assert len(runner.generate([[5, 17, 40, 99, 120, 7, 8, 9]], 4)) == 4
+    runner.close()
+    assert peers.KV_DTYPE["meshserve fp32, bf16 KV"] == "bfloat16"
 
 
-def test_the_paged_stored_and_int8_rows_hold_blocks_and_give_the_per_slot_rows_ids(tmp_path: Path) -> None:
-    """``meshserve-paged-stored`` and ``meshserve-paged-int8`` run the served default over the
-    file's Q4_1 blocks and over Q8_0 blocks of its float32 values, and decode the ids of the
-    per-slot rows over the same blocks."""
-    from tiny_gguf import write_tiny_llama_gguf
-
-    from model.weights.quant_panels import QuantPanels
-
-    path = write_tiny_llama_gguf(tmp_path / "q.gguf", quantize="Q4_1")
-    wl = {"model": str(path), "threads": 2, "layers": "scan"}
-    rows = [[5, 17, 40, 99, 120, 7, 8, 9], [6, 18, 41, 98, 121, 8, 9, 10]]
-    for paged, per_slot, fmt in (("meshserve-paged-stored", "meshserve-stored", "q4_1"),
-                                 ("meshserve-paged-int8", "meshserve-int8", "q8_0")):  # fmt: skip
-        ref = peers.make_runner(per_slot, wl)
-        ref.setup(2, len(rows[0]), 6)
-        want = ref.generate(rows, 6)
-        runner = peers.make_runner(paged, wl)
-        w_down = runner.params["layers"]["w_down"].get_value()
-        assert isinstance(w_down, QuantPanels) and w_down.format == fmt
-        runner.setup(2, len(rows[0]), 6)
-        assert len(want) == 6 and runner.generate(rows, 6) == want
-        runner.loop.stop()
-    assert {"meshserve stored, paged", "meshserve int8, paged"} <= peers.QUANTIZED
-
-
-def test_greedy_ids_are_compared_with_the_float32_row_that_ran() -> None:
-    """A run of the paged rows alone has no per-slot "meshserve fp32" row; its ids were then
-    compared with nothing (stop 36's table had no agreement line)."""
-    paged = {
-        "meshserve fp32, paged": [1, 2, 3, 4],
-        "meshserve stored, paged": [1, 2, 9, 4],
+def test_greedy_ids_are_compared_with_the_float32_row() -> None:
+    ids = {
+        "meshserve fp32": [1, 2, 3, 4],
+        "meshserve GGUF blocks as stored": [1, 2, 9, 4],
         "llama.cpp Q4_1": [1, 2, 3, 4],
     }
-    assert peers.id_agreement(paged) == {
-        "meshserve stored, paged": "greedy ids agree with meshserve fp32, paged for 2/4 tokens",
-        "llama.cpp Q4_1": "greedy ids agree with meshserve fp32, paged for 4/4 tokens",
+    assert peers.id_agreement(ids) == {
+        "meshserve GGUF blocks as stored": "greedy ids agree with meshserve fp32 for 2/4 tokens",
+        "llama.cpp Q4_1": "greedy ids agree with meshserve fp32 for 4/4 tokens",
     }
-    both = {"meshserve fp32": [1, 2, 3, 4], **paged}
-    assert peers.id_agreement(both)["meshserve fp32, paged"] == "greedy ids agree with meshserve fp32 for 4/4 tokens"
     assert peers.id_agreement({"llama.cpp Q4_1": [1]}) == {}
+
+
+def test_only_the_served_engines_rows_are_offered() -> None:
+    """The per-slot engine's options (its layer forms, bf16x3 matmuls) and the separate "paged"
+    rows are gone: every meshserve row is the served engine."""
+    assert set(peers.PEERS) == {"meshserve", "hf", "llamacpp", "vllm", "meshserve-kv-bf16", "meshserve-stored",
+                                "meshserve-int8"}  # fmt: skip
+    assert set(peers.REQUIRES) == set(peers.VARIANTS) == set(peers.PEERS)
+    for removed in (["--peers", "meshserve-paged"], ["--peers", "meshserve-bf16x3"], ["--layers", "scan"]):
+        with pytest.raises(SystemExit):
+            peers.main(removed)

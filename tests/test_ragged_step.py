@@ -1,9 +1,10 @@
-"""``model.llama.ragged_step`` (a flat batch of decode tokens and prefill chunks over a paged cache,
-stacked weights) against the model's other entry points on the tiny random model: ``prefill`` and
-``decode_step`` on a ``KVCache``, and the same sequences run alone.
+"""``model.llama.ragged_step`` (a flat batch of decode tokens and prefill chunks over a paged cache)
+on the tiny random model, against the cache-less dense reference forward (``reference.py``) and
+against the same sequences run alone, through each attention backend (XLA's, and the native CPU
+kernels where they are built).
 
 The flat batches are built by ``flat_batch``: decode tokens and a padding token first, then the
-prefill chunks. With ``block`` set, the chunks go to the blocked region (``prefill_from``), each
+prefill chunks. With ``block`` set, the chunks go to the blocked region (``decode_tokens``), each
 starting at a block boundary and padded to whole blocks with padding tokens of every kind (the
 layout ``ragged_step`` asks of the caller); without it, every token, padding included, is shuffled
 (any order is allowed when every token attends on its own); then padding up to a multiple of 16
@@ -19,37 +20,38 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import dense_kv, dense_logits
 
-from model.config import LlamaConfig
-from model.kv_cache import KVCache
-from model.llama import decode_step, prefill, ragged_step, unstack_layers
-from model.weights.loader import random_llama
+from model.attention import cpu as cpu_attention
+from model.attention.base import AttentionBackend, StepMeta
 from model.attention.pages import PagedKVCache
+from model.attention.xla import XlaAttention
+from model.config import LlamaConfig
+from model.llama import ragged_step, unstack_layers
+from model.weights.build import random_llama
 
 CFG = LlamaConfig.tiny()
 GRAPHDEF, PARAMS = random_llama(CFG, seed=0)
 TOL: dict = dict(rtol=1e-5, atol=1e-5)
+NATIVE = jax.devices()[0].platform == "cpu" and cpu_attention.available()
+BACKENDS = [XlaAttention()] + ([cpu_attention.NativeCpuAttention()] if NATIVE else [])
 
 
-def _ragged(params, cache, tokens, positions, seq, tables, last, window_pages, prefill_from, seq_block):  # type: ignore[no-untyped-def]
+def _ragged(params, cache, tokens, positions, seq, tables, last, window_pages, prefill_from, seq_block, attention):  # type: ignore[no-untyped-def]
     model = nnx.merge(GRAPHDEF, params)
-    return ragged_step(
-        model, cache, tokens, positions, seq, tables, last,
-        window_pages=window_pages, prefill_from=prefill_from, seq_block=seq_block,
+    meta = StepMeta.build(
+        tables, seq, positions, cache.page_size, window_pages=window_pages, decode_tokens=prefill_from,
+        seq_block=seq_block,
     )  # fmt: skip
+    return ragged_step(model, cache, tokens, meta, last, attention)
 
 
-RAGGED = jax.jit(_ragged, static_argnames=("window_pages", "prefill_from", "seq_block"), donate_argnums=1)
-PREFILL = jax.jit(
-    lambda p, c, t, s, n, slot, kv_len: prefill(nnx.merge(GRAPHDEF, p), c, t, s, n, slot, kv_len=kv_len),
-    static_argnames="kv_len",
-    donate_argnums=1,
-)
-DECODE = jax.jit(
-    lambda p, c, t, pos, kv_len: decode_step(nnx.merge(GRAPHDEF, p), c, t, pos, kv_len=kv_len),
-    static_argnames="kv_len",
-    donate_argnums=1,
-)
+RAGGED = jax.jit(_ragged, static_argnames=("window_pages", "prefill_from", "seq_block", "attention"), donate_argnums=1)
+
+
+def dense(ids: np.ndarray) -> np.ndarray:
+    """The reference's logits [len(ids), V] of one sequence."""
+    return dense_logits(GRAPHDEF, PARAMS, np.asarray(ids, np.int32))
 
 
 @dataclasses.dataclass
@@ -69,11 +71,11 @@ class Pool:
         tables = perm[: rows * max_pages].reshape(rows, max_pages).astype(np.int32)
         return cls(PagedKVCache.zeros(CFG, num_pages, page_size, dtype), tables)
 
-    def step(self, batch: Batch, window_pages: int) -> np.ndarray:
+    def step(self, batch: Batch, window_pages: int, attention: AttentionBackend = BACKENDS[0]) -> np.ndarray:
         """One ``ragged_step`` over ``batch``; updates the cache, returns logits [rows, V]."""
         logits, self.cache = RAGGED(
             PARAMS, self.cache, batch.tokens, batch.positions, batch.seq, self.tables, batch.last,
-            window_pages, batch.prefill_from, batch.block,
+            window_pages, batch.prefill_from, batch.block, attention,
         )  # fmt: skip
         return np.asarray(logits)
 
@@ -135,27 +137,20 @@ def ids_of(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, CFG.vocab_size, n).astype(np.int32)
 
 
-def padded(ids: np.ndarray, bucket: int) -> np.ndarray:
-    out = np.zeros(bucket, np.int32)
-    out[: len(ids)] = ids
-    return out
-
-
 # ---- (a) one prompt ------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", BACKENDS, ids=lambda b: b.name)
 @pytest.mark.parametrize("block", [None, 8], ids=["per-token", "blocks-of-8"])
-def test_one_prompt_matches_prefill(block: int | None) -> None:
-    """20 tokens of one prompt in one flat batch: the last position's logits are ``prefill``'s on
-    a ``KVCache`` (stacked weights), and the pages hold the keys and values ``prefill`` wrote."""
+def test_one_prompt_matches_the_dense_reference(block: int | None, attention: AttentionBackend) -> None:
+    """20 tokens of one prompt in one flat batch: the last position's logits are the dense
+    reference's, and the pages hold every layer's keys and values the reference computes."""
     ids = ids_of(1, 20)
-    ref_logits, ref_cache = PREFILL(PARAMS, KVCache.zeros(CFG, 2, 32), padded(ids, 32), 0, 20, 1, 0)
     pool = Pool.make(rows=1, max_pages=3, page_size=8)
-    logits = pool.step(flat_batch(1, [], [(0, ids, 0)], block), window_pages=3)
-    np.testing.assert_allclose(logits[0], np.asarray(ref_logits), **TOL)
+    logits = pool.step(flat_batch(1, [], [(0, ids, 0)], block), window_pages=3, attention=attention)
+    np.testing.assert_allclose(logits[0], dense(ids)[-1], **TOL)
 
     k, v = np.asarray(pool.cache.k), np.asarray(pool.cache.v)  # [L, P, K, ps, H]
     pages, offsets = pool.tables[0, np.arange(20) // 8], np.arange(20) % 8
-    ref_k = np.asarray(ref_cache.k[:, 1, :, :20]).transpose(0, 2, 1, 3)  # [L, 20, K, H]
-    ref_v = np.asarray(ref_cache.v[:, 1, :, :20]).transpose(0, 2, 1, 3)
+    ref_k, ref_v = dense_kv(GRAPHDEF, PARAMS, ids)  # [L, 20, K, H]
     np.testing.assert_allclose(k[:, pages, :, offsets].transpose(1, 0, 2, 3), ref_k, **TOL)
     np.testing.assert_allclose(v[:, pages, :, offsets].transpose(1, 0, 2, 3), ref_v, **TOL)
 
@@ -169,16 +164,18 @@ FIRST_CHUNK_0 = 8
 WINDOW_POSITIONS = 32  # covers every position of the scenario (at most 17); whole pages of 1, 8 and 16
 
 
-def mixed_scenario(page_size: int, block: int | None, seed: int = 0) -> np.ndarray:
+def mixed_scenario(
+    page_size: int, block: int | None, seed: int = 0, attention: AttentionBackend = BACKENDS[0]
+) -> np.ndarray:
     """Step 1: row 0's first chunk and rows 2, 3's prompts; step 2 (the mixed batch): row 0's
     later chunk, row 1's prompt, rows 2, 3's decode tokens. Returns step 2's logits [4, V]."""
     wp = WINDOW_POSITIONS // page_size
     pool = Pool.make(rows=4, max_pages=wp + 1, page_size=page_size, seed=seed)
     first = [(0, PROMPTS[0][:FIRST_CHUNK_0], 0), (2, PROMPTS[2], 0), (3, PROMPTS[3], 0)]
-    pool.step(flat_batch(4, [], first, block, seed), wp)
+    pool.step(flat_batch(4, [], first, block, seed), wp, attention)
     decode = [(r, DECODED[r], len(PROMPTS[r])) for r in (2, 3)]
     chunks = [(0, PROMPTS[0][FIRST_CHUNK_0:], FIRST_CHUNK_0), (1, PROMPTS[1], 0)]
-    return pool.step(flat_batch(4, decode, chunks, block, seed + 1), wp)
+    return pool.step(flat_batch(4, decode, chunks, block, seed + 1), wp, attention)
 
 
 def alone(row: int, page_size: int = 8) -> np.ndarray:
@@ -201,34 +198,30 @@ def alone_logits() -> np.ndarray:
     return np.stack([alone(r) for r in range(4)])
 
 
-@pytest.mark.parametrize("block", [None, 4, 16], ids=["per-token", "blocks-of-4", "blocks-of-16"])
-def test_a_mixed_batch_gives_each_row_what_it_gets_alone(block: int | None, alone_logits: np.ndarray) -> None:
+# The shuffled per-token layout (block None) is XLA's only: the native prefill kernel reads blocks.
+MIXED_CASES = [(b, a) for a in BACKENDS for b in (None, 4, 16) if b is not None or not a.native]
+
+
+@pytest.mark.parametrize(("block", "attention"), MIXED_CASES, ids=lambda x: getattr(x, "name", f"block-{x}"))
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
+    block: int | None, attention: AttentionBackend, alone_logits: np.ndarray
+) -> None:
     """Two prompts' chunks (one a later chunk) and two decode tokens in one flat batch: each
     row's logits are those of its sequence run alone, in the per-token layout (shuffled) and in
     the blocked one (chunks at block boundaries; 4 splits both chunks over blocks, 16 holds each
     in one)."""
-    mixed = mixed_scenario(page_size=8, block=block)
+    mixed = mixed_scenario(page_size=8, block=block, attention=attention)
     np.testing.assert_allclose(mixed, alone_logits, **TOL)
 
 
-def test_alone_matches_prefill_and_decode(alone_logits: np.ndarray) -> None:
-    """The rows run alone agree with ``prefill`` (whole, and chunked for row 0) and
-    ``decode_step`` on a ``KVCache``: the reference of the mixed test is itself right."""
+def test_alone_matches_the_dense_reference(alone_logits: np.ndarray) -> None:
+    """The rows run alone (row 0 in two chunks, rows 2 and 3 a decode token after their prompt)
+    agree with the dense reference over each sequence: the reference of the mixed test is
+    itself right."""
     ref = []
     for row in range(4):
-        ids = PROMPTS[row]
-        cache = KVCache.zeros(CFG, 4, 32)
-        if row == 0:
-            _, cache = PREFILL(PARAMS, cache, padded(ids[:FIRST_CHUNK_0], 8), 0, FIRST_CHUNK_0, row, 0)
-            logits, _ = PREFILL(PARAMS, cache, padded(ids[FIRST_CHUNK_0:], 8), FIRST_CHUNK_0, 5, row, 32)
-        else:
-            logits, cache = PREFILL(PARAMS, cache, padded(ids, 32), 0, len(ids), row, 0)
-        if row in DECODED:
-            tokens = np.zeros(4, np.int32)
-            positions = np.full(4, 32, np.int32)  # idle slots: writes dropped
-            tokens[row], positions[row] = DECODED[row], len(ids)
-            logits = DECODE(PARAMS, cache, tokens, positions, 32)[0][row]
-        ref.append(np.asarray(logits))
+        seq = list(PROMPTS[row]) + ([DECODED[row]] if row in DECODED else [])
+        ref.append(dense(np.asarray(seq))[-1])
     np.testing.assert_allclose(alone_logits, np.stack(ref), **TOL)
 
 
@@ -257,29 +250,15 @@ def greedy_ragged(page_size: int, dtype: jnp.dtype = jnp.float32, block: int | N
     return out, np.stack(all_logits)
 
 
-def test_greedy_generation_matches_prefill_and_decode_step() -> None:
-    """8 greedy tokens for 3 sequences: ``ragged_step`` generates the ids (and logits) that
-    ``prefill`` per slot then ``decode_step`` over the 3 slots of a ``KVCache`` do."""
-    cache = KVCache.zeros(CFG, 3, 32)
-    logits = []
-    for slot, p in enumerate(GREEDY_PROMPTS):
-        lg, cache = PREFILL(PARAMS, cache, padded(p, 16), 0, len(p), slot, 0)
-        logits.append(np.asarray(lg))
-    step_logits = [np.stack(logits)]
-    ref: list[list[int]] = [[] for _ in GREEDY_PROMPTS]
-    for step in range(NEW_TOKENS):
-        for r in range(3):
-            ref[r].append(int(np.argmax(step_logits[-1][r])))
-        if step == NEW_TOKENS - 1:
-            break
-        tokens = np.array([ref[r][-1] for r in range(3)], np.int32)
-        positions = np.array([len(p) + step for p in GREEDY_PROMPTS], np.int32)
-        lg, cache = DECODE(PARAMS, cache, tokens, positions, 32)
-        step_logits.append(np.asarray(lg))
-
+def test_greedy_generation_matches_the_dense_reference() -> None:
+    """8 greedy tokens for 3 sequences, decode tokens fed back step by step: ``ragged_step``
+    generates the ids (and logits) the dense reference gives each sequence alone."""
     out, ragged_logits = greedy_ragged(page_size=8)
-    assert out == ref
-    np.testing.assert_allclose(ragged_logits, np.stack(step_logits), **TOL)
+    for r, p in enumerate(GREEDY_PROMPTS):
+        seq = np.concatenate([p, out[r]])
+        ref = dense(seq)[len(p) - 1 : len(p) - 1 + NEW_TOKENS]  # the logits each generated id came from
+        assert [int(i) for i in np.argmax(ref, axis=-1)] == out[r]
+        np.testing.assert_allclose(ragged_logits[:, r], ref, **TOL)
 
 
 # ---- (d) page sizes and page tables --------------------------------------------------------
@@ -360,7 +339,7 @@ def test_the_cache_is_two_donated_leaves_whatever_the_pool() -> None:
         args = (PARAMS, cache, batch.tokens, batch.positions, batch.seq, tables, batch.last)
         counts.add(len(jax.tree.leaves(args)))
         old = cache.k
-        logits, cache = RAGGED(*args, 2, None, 1)
+        logits, cache = RAGGED(*args, 2, None, 1, BACKENDS[0])
         assert old.is_deleted()
         assert cache.num_pages == num_pages and len(jax.tree.leaves(cache)) == 2
         assert logits.shape == (1, CFG.vocab_size)
@@ -368,20 +347,17 @@ def test_the_cache_is_two_donated_leaves_whatever_the_pool() -> None:
 
 
 def test_bad_arguments() -> None:
-    model = nnx.merge(GRAPHDEF, PARAMS)
-    cache = PagedKVCache.zeros(CFG, 4, 8)
-    z = jnp.zeros(3, jnp.int32)
     tables = jnp.zeros((1, 2), jnp.int32)
-    last = jnp.zeros(1, jnp.int32)
+    z = jnp.zeros(3, jnp.int32)
     for kwargs, match in (
         (dict(window_pages=3), "window_pages"),
         (dict(window_pages=0), "window_pages"),
-        (dict(window_pages=1, prefill_from=4), "prefill_from"),
-        (dict(window_pages=1, prefill_from=-1), "prefill_from"),
-        (dict(window_pages=1, prefill_from=0, seq_block=0), "seq_block"),
+        (dict(window_pages=1, decode_tokens=4), "decode_tokens"),
+        (dict(window_pages=1, decode_tokens=-1), "decode_tokens"),
+        (dict(window_pages=1, decode_tokens=0, seq_block=0), "seq_block"),
     ):
         with pytest.raises(ValueError, match=match):
-            ragged_step(model, cache, z, z, z, tables, last, **kwargs)  # type: ignore[arg-type]
+            StepMeta.build(tables, z, z, 8, **kwargs)  # type: ignore[arg-type]
 
 
 def test_unrolled_layers_give_the_scanned_result(alone_logits: np.ndarray) -> None:
@@ -394,7 +370,7 @@ def test_unrolled_layers_give_the_scanned_result(alone_logits: np.ndarray) -> No
     def step(batch: Batch) -> np.ndarray:
         logits, pool.cache = RAGGED(
             per_layer, pool.cache, batch.tokens, batch.positions, batch.seq, pool.tables, batch.last,
-            wp, batch.prefill_from, batch.block,
+            wp, batch.prefill_from, batch.block, BACKENDS[0],
         )  # fmt: skip
         return np.asarray(logits)
 

@@ -1,6 +1,7 @@
-"""``python -m benchmarks.ragged_step`` end to end on the tiny random model: every variant measured,
-its JSON fields present and positive, each case's ratio against its own baseline (real values from
-a real run; no timing thresholds: they depend on the machine)."""
+"""``python -m benchmarks.ragged_step`` end to end on the tiny random model: every variant measured
+(the XLA attention backend, and the native one where its kernels are built), its JSON fields
+present and positive, each row's ratio against the XLA row of its own case and layout (real values
+from a real run; no timing thresholds: they depend on the machine)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax
 import pytest
 
 from benchmarks.ragged_step import config, main
-from model.native import cpu_paged_attention
+from model.attention import cpu as cpu_attention
 
 
 def test_a_tiny_run_measures_every_variant(tmp_path: Path) -> None:
@@ -21,22 +22,24 @@ def test_a_tiny_run_measures_every_variant(tmp_path: Path) -> None:
     assert main([*argv, "--page-size", "8", "--seq-blocks", "0", "8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    native = cpu_paged_attention.available() and jax.default_backend() == "cpu"  # the kernel's variants
+    native = cpu_attention.available() and jax.default_backend() == "cpu"  # the native backend's variants
+    assert result["native"] == native
+    backends = ["xla", "native"] if native else ["xla"]
     assert [(r["case"], r["variant"]) for r in rows] == [
-        ("decode", "ragged_step"),
-        ("decode", "decode_step"),
-        *([("decode", "ragged_step native")] if native else []),
-        ("prefill", "ragged_step per token"),
-        ("prefill", "ragged_step seq_block=8"),
-        *([("prefill", "ragged_step per token, native")] if native else []),
-        ("prefill", "prefill"),
+        *[("decode", b) for b in backends],
+        *[("prefill", f"{b} per token") for b in backends],
+        *[("prefill", f"{b} seq_block=8") for b in backends],
     ]
     for r in rows:
         assert r["runs"] == 2
         for key in ("median_ms", "min_ms", "ratio"):
             assert math.isfinite(r[key]) and r[key] > 0, key
         assert r["min_ms"] <= r["median_ms"]
-    assert [r["ratio"] for r in rows if r["variant"] in ("decode_step", "prefill")] == [1.0, 1.0]
+        assert r["baseline"] == "xla" + r["variant"][len(r["variant"].split(" ")[0]) :]
+    by = {(r["case"], r["variant"]): r for r in rows}
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["median_ms"] / by[r["case"], r["baseline"]]["median_ms"])
+    assert [r["ratio"] for r in rows if r["variant"].startswith("xla")] == [1.0, 1.0, 1.0]
     assert result["num_pages"] == 4 * 32 // 8  # the decode case's pages: 4 sequences x the window
 
 

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from benchmarks.sweep import model_to_time
+from model.config import LlamaConfig
 from model.weights import block_params, quant_panels
 from model.weights.build import random_block_llama, random_llama
-from model.config import LlamaConfig
 from model.weights.quant_panels import QuantPanels
 
 

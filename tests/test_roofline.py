@@ -143,7 +143,7 @@ def test_bytes_per_device_agree_with_sharding_plan(layout: str) -> None:
     for itemsize, dtype in ((4, "float32"), (2, "bfloat16")):
         assert rl.weight_bytes_per_device(SMOLLM2, par, itemsize) == plan.weight_bytes_per_device(SMOLLM2, itemsize)
         r = roofline(SMOLLM2, CHIP if dtype == "bfloat16" else PEERS_CPU, par, Workload(8 // par.dp, 2048, dtype=dtype))
-        assert r.kv_stored_bytes == plan.kv_bytes_per_device(SMOLLM2, 8, 2048, itemsize)
+        assert r.kv_stored_bytes == plan.kv_bytes_per_device(SMOLLM2, 8 * 2048, itemsize)  # a pool of 8 x 2048
         assert r.parallelism.all_reduces_per_layer == plan.all_reduces_per_layer
 
 
@@ -229,7 +229,7 @@ def test_measure_cpu_is_positive_and_cached() -> None:
 def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "r.json"
@@ -257,7 +257,7 @@ def test_cli_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     ],
 )
 def test_cli_rejects_nonsense_numbers(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["roofline", "--hardware", "h200", *flags])
@@ -269,12 +269,12 @@ def test_cli_errors_on_bad_model_json_path_and_no_usable_layout(
 ) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     not_gguf = tmp_path / "notes.txt"
     not_gguf.write_text("hello")
     for model in (tmp_path / "missing.gguf", not_gguf):
-        with pytest.raises(SystemExit, match="meshserve roofline: .*" + model.name):
+        with pytest.raises(SystemExit, match="meshserve-bench roofline: .*" + model.name):
             main(["roofline", "--hardware", "h200", "--model", str(model)])
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     with pytest.raises(SystemExit, match="no folder"):
@@ -339,7 +339,9 @@ def test_data_only_split_adds_only_the_gather() -> None:
     wl = Workload(batch=32, hop_latency_s=1e-6)
     # Source of the packed row: pack_step's 2 + 2 * TOP_LOGPROBS float32 columns.
     top = re.search(
-        r"^TOP_LOGPROBS = (\d+)", (Path(rl.__file__).parent.parent / "service" / "engine.py").read_text(), re.M
+        r"^TOP_LOGPROBS = (\d+)",
+        (Path(rl.__file__).parent.parent / "service" / "engine" / "output.py").read_text(),
+        re.M,
     )
     assert top and rl.PACKED_ROW_BYTES == (2 + 2 * int(top.group(1))) * 4 == 168
     for par, groups in ((Parallelism(dp=16), 2), (Parallelism(dp=2, tp=8, attention="replicated"), 2),
@@ -380,7 +382,7 @@ def test_layouts_that_do_not_tile_hosts_or_lack_a_link() -> None:
 def test_cli_prints_inside_and_across_host_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiny_gguf import write_tiny_llama_gguf
 
-    from service.server.cli import main
+    from benchmarks.cli import main
 
     model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "r.json"

@@ -1,325 +1,502 @@
-"""Scheduler and Request without a model: fake requests over a fake detokenizer, and a fake
-engine step that mirrors ``EngineLoop.step``'s postprocessing."""
+"""The scheduler without a model: fake requests, its own ``schedule`` (which advances what a
+step computes) and ``postprocess`` (which hands out ids, registers prefix pages and frees) over
+a stand-in step's ids, so the engine loop's whole bookkeeping runs here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import numpy as np
 import pytest
+from test_request import EOS, make_request
 
-from service.engine.request import Chunk, FinishReason, Request, RequestState, SamplingOptions
-from service.scheduler import PrefillChunk, QueueFull, Scheduler, StepPlan
-from service.engine.text_stream import TextStream
-
-EOS = 2
-# id -> text; the EOS id maps to its special-token spelling so a leak would show.
-PIECES = {EOS: "<|im_end|>", 5: "a", 6: "b", 7: "c", 10: "Hello", 11: " wor", 12: "ld", 13: "X", 14: "Y"}
+from service.engine.block_manager import BlockManager
+from service.engine.output import TOP_LOGPROBS, HostStep
+from service.engine.request import FinishReason, Request, RequestState
+from service.engine.scheduler import QueueFull, Scheduler, StepPlan
 
 
-class FakeDetokenizer:
-    def push(self, token_id: int) -> str:
-        return PIECES[token_id]
-
-    def flush(self) -> str:
-        return ""
+def scheduler(
+    num_pages: int = 64, page_size: int = 4, slots: int = 4, budget: int = 32, chunk: int = 16, max_seq_len: int = 64
+) -> Scheduler:
+    return Scheduler(slots, 16, chunk, budget, BlockManager(num_pages, page_size), max_seq_len)
 
 
-def make_request(
-    rid: str,
-    prompt_len: int = 3,
-    max_tokens: int = 8,
-    stop: Sequence[str] = (),
-    min_tokens: int = 0,
-    ignore_eos: bool = False,
-) -> tuple[Request, list[Chunk]]:
-    chunks: list[Chunk] = []
-    req = Request(
-        request_id=rid,
-        prompt_ids=[100 + i for i in range(prompt_len)],
-        max_tokens=max_tokens,
-        sampling=SamplingOptions(),
-        text=TextStream(FakeDetokenizer(), stop),
-        emit=chunks.append,
-        eos_ids=frozenset({EOS}),
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
+def ids(sched: Scheduler, token: int = 5) -> HostStep:
+    """A step's results on the host: every row sampled ``token``."""
+    S = sched.num_slots
+    return HostStep(
+        ids=np.full(S, token, np.int32),
+        logprob=np.zeros(S, np.float32),
+        top_logprobs=np.zeros((S, TOP_LOGPROBS), np.float32),
+        top_ids=np.zeros((S, TOP_LOGPROBS), np.int32),
     )
-    return req, chunks
 
 
-def execute(sched: Scheduler, plan: StepPlan, token: int = 5) -> None:
-    """What the engine loop does after running a plan: advance the caches, accept one token per
-    decoding request (and the prefill's first token on a prompt's last chunk), free finished slots."""
-    chunk = plan.prefill
-    if chunk is not None:
-        chunk.request.num_cached += chunk.length
-        if chunk.is_last:
-            chunk.request.state = RequestState.DECODING
-            chunk.request.accept_token(token)
-    for r in plan.decode:
-        if r.state is RequestState.DECODING:
-            r.num_cached += 1
-            r.accept_token(token)
-    sched.release_finished()
+def land(sched: Scheduler, plan: StepPlan, token: int = 5) -> None:
+    """The step of ``plan`` lands: its ids, all ``token``, go to ``postprocess``."""
+    sched.postprocess(plan, ids(sched, token))
 
 
 def step(sched: Scheduler, token: int = 5) -> StepPlan:
     plan = sched.schedule()
-    execute(sched, plan, token)
+    land(sched, plan, token)
     return plan
 
 
-# ---- admission and the plan -----------------------------------------------------------------------
+def check_pages(sched: Scheduler, plan: StepPlan) -> None:
+    """After ``schedule``: every running request holds pages for exactly its cached tokens
+    (which count what the plan will write; a whole prompt is reserved at admission), and its
+    table row matches the block manager's."""
+    bm = sched.pools[0]
+    for r in sched.running:
+        assert r.slot is not None
+        table = bm.page_table(r)
+        reserved = r.prefill_len if r.state is RequestState.PREFILLING else r.num_cached
+        assert bm.num_tokens(r) == reserved
+        assert list(sched.page_tables[r.slot, : len(table)]) == table
+    assert bm.num_used + bm.num_cached + bm.num_free == bm.num_pages
 
 
-def test_fcfs_admission_into_free_slots() -> None:
-    sched = Scheduler(num_slots=2, max_queue=8, chunk_size=16)
-    reqs = [make_request(f"r{i}", max_tokens=3)[0] for i in range(4)]
+def test_several_prompts_share_one_step_under_the_budget() -> None:
+    sched = scheduler(budget=32, chunk=16)
+    reqs = [make_request(f"r{i}", prompt_len=10)[0] for i in range(4)]
     for r in reqs:
         sched.add(r)
-    assert sched.queue_depth == 4 and sched.active_slots == 0
-
-    p1 = step(sched)
-    assert p1.prefill is not None and p1.prefill.request is reqs[0] and p1.prefill.slot == 0
-    assert p1.decode == ()
-    p2 = step(sched)
-    assert p2.prefill is not None and p2.prefill.request is reqs[1] and p2.prefill.slot == 1
-    assert p2.decode == (reqs[0],)
-    assert sched.active_slots == 2 and list(sched.waiting) == reqs[2:]
-
-    # No free slot: nothing is admitted, both running requests decode.
-    p3 = step(sched)
-    assert p3.prefill is None and p3.decode == (reqs[0], reqs[1])
-    assert reqs[0].state is RequestState.FINISHED  # max_tokens 3: prefill token + 2 decodes
-    assert reqs[0].finish_reason is FinishReason.LENGTH
-    assert sched.slots == [None, reqs[1]]
-
-    # The freed slot goes to the oldest waiting request.
-    p4 = step(sched)
-    assert p4.prefill is not None and p4.prefill.request is reqs[2] and p4.prefill.slot == 0
-    assert p4.decode == (reqs[1],)
-    assert list(sched.waiting) == [reqs[3]]
-    assert sched.prefills_started == 3
+    plan = sched.schedule()
+    # 10 + 10 + 10 fit in 32; the fourth gets the 2 tokens left.
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [
+        ("r0", 0, 10),
+        ("r1", 0, 10),
+        ("r2", 0, 10),
+        ("r3", 0, 2),
+    ]
+    assert plan.admitted == frozenset(reqs) and plan.num_tokens == 32
+    check_pages(sched, plan)
+    land(sched, plan)
+    plan = sched.schedule()
+    # Decode tokens for the three finished prompts, and the rest of r3.
+    assert [t.request.request_id for t in plan.decode] == ["r0", "r1", "r2"]
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("r3", 2, 8)]
+    assert not plan.admitted
 
 
-def test_queue_bound_raises_queue_full() -> None:
-    sched = Scheduler(num_slots=1, max_queue=2, chunk_size=16)
-    sched.add(make_request("a")[0])
-    sched.add(make_request("b")[0])
-    with pytest.raises(QueueFull):
-        sched.add(make_request("c")[0])
-    assert sched.queue_depth == 2
-
-
-def test_long_prompt_is_prefilled_one_chunk_per_step() -> None:
-    sched = Scheduler(num_slots=3, max_queue=8, chunk_size=4)
-    short, _ = make_request("short", prompt_len=2, max_tokens=50)
-    long, _ = make_request("long", prompt_len=10, max_tokens=50)
-    other, _ = make_request("other", prompt_len=3, max_tokens=50)
-    for r in (short, long, other):
+def test_chunks_are_charged_in_aligned_units() -> None:
+    sched = Scheduler(4, 16, 16, 32, BlockManager(64, 4), 64, chunk_align=8)
+    reqs = [make_request(f"r{i}", prompt_len=n)[0] for i, n in enumerate((3, 9, 20))]
+    for r in reqs:
         sched.add(r)
+    plan = sched.schedule()
+    # 3 -> 8, 9 -> 16: 24 of 32; r2 gets the last unit, 8 tokens.
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("r0", 3), ("r1", 9), ("r2", 8)]
 
-    plan = step(sched)
-    assert plan.prefill == PrefillChunk(short, 0, 0, 2) and plan.prefill.is_last
-    assert short.state is RequestState.DECODING and short.num_cached == 2
 
-    chunks = []
+def test_a_long_prompt_goes_in_chunks_of_chunk_size() -> None:
+    sched = scheduler(budget=64, chunk=16)
+    r, _ = make_request("long", prompt_len=40)
+    sched.add(r)
+    starts = []
     for _ in range(3):
         plan = step(sched)
-        assert plan.prefill is not None and plan.prefill.request is long and plan.prefill.slot == 1
-        assert plan.prefill.length <= sched.chunk_size
-        chunks.append((plan.prefill.start, plan.prefill.length, plan.prefill.is_last))
-        # Only DECODING requests decode: the long prompt's slot is excluded while it prefills,
-        # and the third request is not admitted until the long prompt is fully cached.
-        assert plan.decode == (short,)
-        assert other.state is RequestState.WAITING and other.slot is None
-    assert chunks == [(0, 4, False), (4, 4, False), (8, 2, True)]
-    assert long.state is RequestState.DECODING and long.num_cached == 10
-    assert long.output_ids == [5]  # the first token comes with the last chunk
-
-    plan = step(sched)
-    assert plan.prefill == PrefillChunk(other, 2, 0, 3)
-    assert plan.decode == (short, long)
-    assert all(r.state is RequestState.DECODING for r in plan.decode)
-    assert sched.prefills_started == 3
+        starts += [(c.start, c.length) for c in plan.prefills]
+    assert starts == [(0, 16), (16, 16), (32, 8)]
+    assert r.state is RequestState.DECODING and len(r.output_ids) == 1
 
 
-def test_decode_set_contains_only_decoding_requests() -> None:
-    sched = Scheduler(num_slots=4, max_queue=8, chunk_size=4)
-    a, _ = make_request("a", prompt_len=1)
-    b, _ = make_request("b", prompt_len=9)
+def test_rows_bound_the_running_sequences() -> None:
+    sched = scheduler(slots=2)
+    reqs = [make_request(f"r{i}", prompt_len=3, max_tokens=2)[0] for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert {c.request.request_id for c in plan.prefills} == {"r0", "r1"} and sched.queue_depth == 1
+    land(sched, plan)
+    step(sched)  # r0 and r1 reach max_tokens = 2
+    assert reqs[0].finish_reason is FinishReason.LENGTH
+    plan = sched.schedule()
+    assert [c.request.request_id for c in plan.prefills] == ["r2"]
+
+
+def test_finished_and_cancelled_requests_return_their_pages_at_once() -> None:
+    sched = scheduler(num_pages=16, page_size=4)
+    a, _ = make_request("a", prompt_len=9, max_tokens=1)
+    b, chunks = make_request("b", prompt_len=9, max_tokens=50)
     sched.add(a)
     sched.add(b)
-    step(sched)  # a: prefilled, DECODING
-    plan = sched.schedule()  # b: first of three chunks
-    assert plan.prefill is not None and plan.prefill.request is b
-    assert b.state is RequestState.PREFILLING
-    assert plan.decode == (a,)
-    assert {r.state for r in plan.decode} == {RequestState.DECODING}
+    step(sched)  # both prefilled; a finishes (max_tokens 1)
+    assert a.state is RequestState.FINISHED
+    assert sched.pools[0].num_used == 3  # b's 9 tokens: 3 pages; a's went back
+    b.cancel()
+    sched.schedule()
+    assert b.finish_reason is FinishReason.CANCELLED and chunks[-1].finish_reason is FinishReason.CANCELLED
+    assert sched.pools[0].num_used == 0 and sched.active_slots == 0
 
 
-def test_empty_plan_when_idle() -> None:
-    sched = Scheduler(num_slots=2, max_queue=4, chunk_size=8)
-    plan = sched.schedule()
-    assert plan.empty and plan.prefill is None and plan.decode == ()
-
-
-# ---- cancellation ---------------------------------------------------------------------------------
-
-
-def test_cancelled_waiting_request_never_gets_a_slot() -> None:
-    sched = Scheduler(num_slots=1, max_queue=8, chunk_size=8)
-    running, _ = make_request("running", max_tokens=100)
-    waiting, chunks = make_request("waiting")
-    sched.add(running)
-    sched.add(waiting)
+def test_a_shared_prefix_is_not_prefilled_again() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=64)
+    first, _ = make_request("first", prompt_len=13)
+    sched.add(first)
     step(sched)
-    assert sched.prefills_started == 1
+    second, _ = make_request("second", prompt_len=13)  # the same ids (make_request's prompt is 100..)
+    sched.add(second)
+    plan = sched.schedule()
+    chunk = next(c for c in plan.prefills if c.request is second)
+    # 13 tokens: pages [0,4) [4,8) [8,12) full; the last token's page is never matched.
+    assert (chunk.start, chunk.length) == (12, 1)
+    assert sched.pools[0].hit_tokens == 12 and sched.pools[0].queried_tokens == 26
+    assert sched.pools[0].page_table(second)[:3] == sched.pools[0].page_table(first)[:3]
 
-    waiting.cancel()
-    plan = step(sched)
-    assert waiting.state is RequestState.FINISHED and waiting.finish_reason is FinishReason.CANCELLED
-    assert waiting.slot is None and waiting.num_cached == 0
-    assert sched.queue_depth == 0 and sched.prefills_started == 1
-    assert plan.prefill is None and plan.decode == (running,)
-    assert len(chunks) == 1
-    assert chunks[0].finish_reason is FinishReason.CANCELLED
-    assert chunks[0].token_ids == [] and chunks[0].completion_tokens == 0 and chunks[0].prompt_tokens == 3
 
-    # Even with a free slot, a request cancelled before its first step is never prefilled.
-    sched2 = Scheduler(num_slots=2, max_queue=8, chunk_size=8)
-    r, chunks2 = make_request("early")
-    sched2.add(r)
+def test_the_prefix_cache_opt_out() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=64)
+    first, _ = make_request("first", prompt_len=13)
+    sched.add(first)
+    step(sched)
+    second, _ = make_request("second", prompt_len=13)
+    second.prefix_cache = False
+    sched.add(second)
+    plan = sched.schedule()
+    chunk = next(c for c in plan.prefills if c.request is second)
+    assert (chunk.start, chunk.length) == (0, 13) and sched.pools[0].hit_tokens == 0
+
+
+def test_out_of_pages_preempts_the_newest_and_recomputes_it() -> None:
+    # 6 pages of 4: two sequences of 8 prompt tokens hold 4 pages; each decode page costs one more.
+    sched = scheduler(num_pages=6, page_size=4, slots=4, budget=32)
+    old, old_chunks = make_request("old", prompt_len=8, max_tokens=12)
+    new, new_chunks = make_request("new", prompt_len=8, max_tokens=12)
+    sched.add(old)
+    sched.add(new)
+    tokens = iter(range(5, 15))
+    plan = step(sched, next(tokens))
+    assert len(plan.prefills) == 2
+    preempted_at = None
+    for i in range(12):
+        plan = sched.schedule()
+        check_pages(sched, plan)
+        if sched.preemptions and preempted_at is None:
+            preempted_at = i
+            assert new.state is RequestState.WAITING and new.num_cached == 0 and list(sched.resuming) == [new]
+            assert [t.request.request_id for t in plan.decode] == ["old"]
+        land(sched, plan, 5)
+        if old.state is RequestState.FINISHED and new.state is RequestState.FINISHED:
+            break
+    assert preempted_at is not None
+    # Drain: the preempted request is prefilled again over its prompt and its ids, then decodes.
+    for _ in range(40):
+        if new.state is RequestState.FINISHED:
+            break
+        plan = step(sched)
+    assert old.finish_reason is FinishReason.LENGTH and new.finish_reason is FinishReason.LENGTH
+    assert len(new.output_ids) == 12 and new.preemptions >= 1
+    assert all(c.error is None for c in new_chunks + old_chunks)
+    assert sum(len(c.token_ids) for c in new_chunks) == 12  # nothing streamed twice
+    assert sched.pools[0].num_used == 0
+
+
+def test_a_recomputation_prefills_the_prompt_and_the_streamed_ids() -> None:
+    sched = scheduler(num_pages=64, page_size=4)
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    r.prefix_cache = False  # no hits: the whole recomputation is prefilled
+    sched.add(r)
+    for _ in range(4):
+        step(sched)
+    assert len(r.output_ids) == 4 and r.num_cached == 8
+    sched._preempt(r)
+    plan = sched.schedule()
+    (chunk,) = plan.prefills
+    assert (chunk.start, chunk.length) == (0, 9) and chunk.is_last and r in plan.admitted
+    assert r.prefill_ids(0, 9) == r.prompt_ids + r.output_ids
+
+
+def test_a_preempted_request_waits_for_its_last_id_to_land() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    in_flight = sched.schedule()  # r's second id is in flight
+    sched._preempt(r)
+    assert sched.schedule().empty  # not re-admitted: its ids are not all known
+    land(sched, in_flight)
+    plan = sched.schedule()
+    (chunk,) = plan.prefills
+    # Prompt (5) + 2 ids; its own first full page was registered, so the recomputation hits it.
+    assert chunk.request is r and (chunk.start, chunk.start + chunk.length) == (4, 7)
+
+
+def test_an_id_that_lands_after_preemption_can_finish_the_request() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    in_flight = sched.schedule()
+    sched._preempt(r)
+    land(sched, in_flight, EOS)
+    assert r.finish_reason is FinishReason.EOS and not sched.resuming
+    assert sched.schedule().empty and sched.pools[0].num_used == 0
+
+
+def test_cancel_while_waiting_to_resume() -> None:
+    sched = scheduler()
+    r, _ = make_request("r", prompt_len=5, max_tokens=20)
+    sched.add(r)
+    step(sched)
+    sched._preempt(r)
     r.cancel()
-    plan = sched2.schedule()
-    assert plan.empty and sched2.prefills_started == 0 and r.slot is None
-    assert r.finish_reason is FinishReason.CANCELLED and [c.finish_reason for c in chunks2] == [FinishReason.CANCELLED]
+    assert sched.schedule().empty
+    assert r.finish_reason is FinishReason.CANCELLED and not sched.all_requests()
 
 
-def test_cancelled_running_request_frees_its_slot_at_next_schedule() -> None:
-    sched = Scheduler(num_slots=1, max_queue=8, chunk_size=8)
-    a, a_chunks = make_request("a", max_tokens=100)
-    b, _ = make_request("b", max_tokens=100)
+def test_the_queue_bound_counts_new_requests_only() -> None:
+    sched = Scheduler(1, 1, 16, 16, BlockManager(64, 4), 64)
+    a, _ = make_request("a")
     sched.add(a)
-    sched.add(b)
-    step(sched)
-    step(sched)
-    assert a.state is RequestState.DECODING and a.output_ids == [5, 5]
-    assert sched.slots == [a] and list(sched.waiting) == [b]
+    with pytest.raises(QueueFull):
+        sched.add(make_request("b")[0])
 
-    a.cancel()
-    assert sched.slots == [a]  # nothing happens until the loop schedules again
+
+def test_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(8, 4, 16, 0, BlockManager(8, 4), 32)
+
+
+def test_the_n_sequences_of_one_request_share_the_prompt_pages() -> None:
+    sched = scheduler(page_size=4, budget=64, chunk=16)
+    siblings = [make_request(f"n.{i}", prompt_len=21)[0] for i in range(3)]
+    other, _ = make_request("other", prompt_len=5)
+    other.prompt_ids = [7] * 5
+    for r in siblings:
+        r.group = "n"
+        sched.add(r)
+    sched.add(other)
     plan = sched.schedule()
-    assert a.state is RequestState.FINISHED and a.finish_reason is FinishReason.CANCELLED
-    assert a not in plan.decode
-    # The slot was freed before admission, so the waiting request takes it in the same step.
-    assert plan.prefill is not None and plan.prefill.request is b and plan.prefill.slot == 0
-    assert sched.slots == [b]
-    last = a_chunks[-1]
-    assert last.finish_reason is FinishReason.CANCELLED and last.completion_tokens == 2 and last.token_ids == []
-    assert sum(c.finish_reason is not None for c in a_chunks) == 1
+    # The first sibling alone (its 21 tokens in chunks of 16); the other request goes past the rest.
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("n.0", 16), ("other", 5)]
+    land(sched, plan)
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.prefills] == [("n.0", 5)]
+    land(sched, plan)
+    plan = sched.schedule()
+    # Now both others, each prefilling only the page of its last token (pages [0, 20) shared).
+    assert [(c.request.request_id, c.start, c.length) for c in plan.prefills] == [("n.1", 20, 1), ("n.2", 20, 1)]
+    table = sched.pools[0].page_table(siblings[0])[:5]
+    assert sched.pools[0].page_table(siblings[1])[:5] == table == sched.pools[0].page_table(siblings[2])[:5]
 
 
-# ---- Request.accept_token ---------------------------------------------------------------------------
+def replicated(pages_each: int = 16, replicas: int = 2, slots: int = 4, budget: int = 32) -> Scheduler:
+    return Scheduler(slots, 16, 16, budget, [BlockManager(pages_each, 4) for _ in range(replicas)], 64)
 
 
-def test_eos_ends_without_adding_id_or_text() -> None:
-    r, chunks = make_request("r", max_tokens=10)
-    r.state = RequestState.DECODING
-    r.accept_token(5)
-    r.accept_token(6)
-    r.accept_token(EOS)
-    assert r.state is RequestState.FINISHED and r.finish_reason is FinishReason.EOS
-    assert r.output_ids == [5, 6]
-    assert [c.text for c in chunks] == ["a", "b", ""]
-    assert [c.token_ids for c in chunks] == [[5], [6], []]
-    assert chunks[-1].finish_reason is FinishReason.EOS
-    assert (chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (3, 2)
-    assert all(c.finish_reason is None for c in chunks[:-1])
+def ids_request(ids: list[int], max_tokens: int) -> Request:
+    r, _ = make_request(f"r{ids[0]}-{len(ids)}", prompt_len=len(ids), max_tokens=max_tokens)
+    r.prompt_ids = list(ids)
+    return r
 
 
-def test_eos_flushes_text_held_for_a_stop_string() -> None:
-    r, chunks = make_request("r", max_tokens=10, stop=["XYZ"])
-    r.accept_token(5)
-    r.accept_token(13)  # "X" is held: it could start "XYZ"
-    r.accept_token(EOS)
-    assert [c.text for c in chunks] == ["a", "", "X"]
-    assert chunks[-1].token_ids == [] and chunks[-1].finish_reason is FinishReason.EOS
-    assert "<|im_end|>" not in "".join(c.text for c in chunks)
+def test_data_replicas_own_their_rows_pools_and_budgets() -> None:
+    """Two replicas of 2 rows: new requests go to the replica running fewer (then the lower),
+    each replica's chunks have the whole budget, and pages come from the row's replica's pool."""
+    sched = replicated(budget=16)
+    reqs = [ids_request(list(range(1 + i, 17 + i)), max_tokens=4) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    # 16 tokens each: one chunk per replica fills its budget; the third waits.
+    assert [c.request for c in plan.prefills] == reqs[:2]
+    assert [sched.replica_of(r) for r in reqs[:2]] == [0, 1] and reqs[2].slot is None
+    assert [b.num_used for b in sched.pools] == [4, 4]
+    for r in reqs[:2]:
+        assert list(sched.page_tables[r.slot, :4]) == sched.pools[sched.replica_of(r)].page_table(r)
+    land(sched, plan)
+    step(sched)
+    assert sched.replica_of(reqs[2]) == 0  # a tie: the lower replica
+    # 17 positions each for the first two (5 pages), 16 for the third (4).
+    assert sched.page_counts() == {"used": 14, "cached": 0, "free": 18} and sched.num_pages == 32
 
 
-def test_max_tokens_is_exact() -> None:
-    for max_tokens in (1, 2, 5):
-        r, chunks = make_request("r", max_tokens=max_tokens)
-        r.accept_token(5)
-        for _ in range(max_tokens - 1):
-            assert r.state is not RequestState.FINISHED
-            r.accept_token(6)
-        assert r.state is RequestState.FINISHED and r.finish_reason is FinishReason.LENGTH
-        assert len(r.output_ids) == max_tokens
-        assert len(chunks) == max_tokens
-        assert [len(c.token_ids) for c in chunks] == [1] * max_tokens
-        assert chunks[-1].finish_reason is FinishReason.LENGTH
-        assert chunks[-1].completion_tokens == max_tokens
-        assert "".join(c.text for c in chunks) == "a" + "b" * (max_tokens - 1)
+def test_a_request_goes_to_the_replica_holding_its_prefix() -> None:
+    sched = replicated()
+    first = ids_request(list(range(100, 121)), max_tokens=1)  # 21 tokens: 5 full pages
+    busy = ids_request(list(range(1, 9)), max_tokens=30)
+    sched.add(busy)
+    step(sched)  # busy in replica 0
+    sched.add(first)
+    while first.state is not RequestState.FINISHED:
+        step(sched)
+    assert first.slot is None and busy.slot == 0  # first ran in replica 1 (rows 2, 3) and finished
+    again = ids_request([*range(100, 121), 7], max_tokens=1)
+    sched.add(again)
+    (chunk,) = sched.schedule().prefills
+    # replica 1 holds the prefix; replica 0 runs one sequence, replica 1 none: the prefix decides
+    assert sched.replica_of(again) == 1 and chunk.start == 20
+    assert sched.prefix_tokens()[1] == 20
 
 
-def test_stop_string_ends_with_stop_string() -> None:
-    r, chunks = make_request("r", max_tokens=10, stop=["o wo"])
-    r.accept_token(10)  # "Hello": the trailing "o" is held
-    r.accept_token(11)  # " wor": "o wo" completes
-    assert r.state is RequestState.FINISHED and r.finish_reason is FinishReason.STOP_STRING
-    assert r.output_ids == [10, 11]
-    assert [c.text for c in chunks] == ["Hell", ""]
-    assert [c.token_ids for c in chunks] == [[10], [11]]
-    assert chunks[-1].finish_reason is FinishReason.STOP_STRING and chunks[-1].completion_tokens == 2
+def test_out_of_pages_preempts_the_newest_of_the_same_replica() -> None:
+    # 2 rows per replica, 6 pages (24 positions) each. a and c (replica 0: 12 + 20 tokens each)
+    # outgrow it; b and d (replica 1: 4 + 4 each) fit in theirs, and are never preempted.
+    sched = replicated(pages_each=6)
+    a, c = (ids_request(list(range(10 * i, 10 * i + 12)), max_tokens=20) for i in (1, 2))
+    b, d = (ids_request(list(range(10 * i, 10 * i + 4)), max_tokens=4) for i in (3, 4))
+    for r in (a, b, c, d):
+        sched.add(r)
+    for _ in range(40):
+        step(sched)
+        if sched.preemptions:
+            break
+    assert [sched.replica_of(r) for r in (a, b)] == [0, 1]
+    assert sched.preemptions == 1 and c.preemptions == 1 and c.slot is None
+    assert not (a.preemptions or b.preemptions or d.preemptions)
 
 
-def test_stop_string_on_the_last_allowed_token_reports_stop_string() -> None:
-    r, chunks = make_request("r", max_tokens=2, stop=["lo"])
-    r.accept_token(13)
-    r.accept_token(10)  # "Hello" contains "lo" and is also the max_tokens-th token
-    assert r.finish_reason is FinishReason.STOP_STRING
-    assert "".join(c.text for c in chunks) == "XHel"
+def test_repartition_recomputes_every_sequence_over_the_new_pools() -> None:
+    sched = replicated()
+    reqs = [ids_request(list(range(1 + i, 9 + i)), max_tokens=8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    step(sched)
+    step(sched)
+    streamed = [list(r.output_ids) for r in reqs]
+    sched.repartition([BlockManager(40, 4)])
+    assert sched.running == [] and list(sched.resuming) == reqs  # the oldest resumes first
+    assert sched.pools[0].num_pages == 40 and sched.rows_per_replica == 4
+    plan = sched.schedule()
+    assert [c.request for c in plan.prefills] == reqs
+    assert all(c.start == 0 and c.length == 8 + len(s) for c, s in zip(plan.prefills, streamed, strict=True))
 
 
-def test_ignore_eos_makes_eos_an_ordinary_output_id() -> None:
-    r, chunks = make_request("r", max_tokens=3, ignore_eos=True)
-    for token in (5, EOS, 6):
-        r.accept_token(token)
-    assert r.finish_reason is FinishReason.LENGTH and r.output_ids == [5, EOS, 6]
-    assert [c.token_ids for c in chunks] == [[5], [EOS], [6]] and chunks[-1].completion_tokens == 3
-    assert "".join(c.text for c in chunks) == "a<|im_end|>b"  # the fake detokenizer spells every id
+def test_a_preemption_in_one_replica_does_not_hold_back_admission_to_another() -> None:
+    # Replica 0 (6 pages of 4) holds a and c, 12 prompt tokens each: their first decode tokens
+    # need a seventh page, so the next step preempts c. b (replica 1) is done by then.
+    sched = replicated(pages_each=6)
+    a, c = (ids_request(list(range(10 * i, 10 * i + 12)), max_tokens=20) for i in (1, 2))
+    b = ids_request([90, 91, 92, 93], max_tokens=1)
+    for r in (a, b, c):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [sched.replica_of(r) for r in (a, b, c)] == [0, 1, 0]
+    land(sched, plan)
+    assert b.state is RequestState.FINISHED
+    late = ids_request([80, 81, 82, 83], max_tokens=2)
+    sched.add(late)
+    plan = sched.schedule()
+    assert c.preemptions == 1 and sched.preemptions == 1
+    # Replica 0 admits nothing in the step it preempted in; replica 1 takes c back (resumed
+    # requests first) and late.
+    assert plan.admitted == {c, late} and [sched.replica_of(r) for r in (c, late)] == [1, 1]
+    assert [ch.request for ch in plan.prefills] == [c, late] and [t.request for t in plan.decode] == [a]
 
 
-def test_stop_strings_end_a_request_from_its_min_tokens_th_id_on() -> None:
-    """vLLM's rule: the text of the first min_tokens - 1 ids is not searched for stop strings
-    (it is sent as it comes); from the min_tokens-th id on, a stop string ends the request."""
-    r, chunks = make_request("r", max_tokens=10, stop=["b"], min_tokens=3)
-    r.accept_token(6)  # "b", the 1st id: not searched
-    r.accept_token(6)  # the 2nd: not searched
-    assert r.state is not RequestState.FINISHED and [c.text for c in chunks] == ["b", "b"]
-    r.accept_token(6)  # the 3rd: "b" ends it, and is not sent
-    assert r.finish_reason is FinishReason.STOP_STRING and r.output_ids == [6, 6, 6]
-    assert "".join(c.text for c in chunks) == "bb"
-    # A stop string that starts in unsearched text is not matched when it completes later.
-    r, chunks = make_request("r", max_tokens=4, stop=["o wo"], min_tokens=2)
-    for token in (10, 11, 5, 6):  # "Hello", " wor": "o wo" spans the 1st and 2nd ids
-        r.accept_token(token)
-    assert r.finish_reason is FinishReason.LENGTH
-    assert "".join(c.text for c in chunks) == "Hello worab"
-    # min_tokens 0 and 1 search from the first id, as without min_tokens.
-    for min_tokens in (0, 1):
-        r, chunks = make_request("r", max_tokens=10, stop=["b"], min_tokens=min_tokens)
-        r.accept_token(6)
-        assert r.finish_reason is FinishReason.STOP_STRING and r.output_ids == [6]
+def test_repartition_keeps_the_prefix_totals_and_fails_what_no_new_replica_holds() -> None:
+    sched = replicated()
+    done = ids_request(list(range(1, 22)), max_tokens=1)
+    sched.add(done)
+    while done.state is not RequestState.FINISHED:
+        step(sched)
+    hit = ids_request([*range(1, 22), 3], max_tokens=3)
+    sched.add(hit)
+    step(sched)
+    big, big_chunks = make_request("big", prompt_len=30, max_tokens=20)  # 50 tokens: more than 8 pages of 4
+    sched.add(big)
+    step(sched)
+    totals = sched.prefix_tokens()
+    assert totals[1] == 20
+    sched.repartition([BlockManager(8, 4), BlockManager(8, 4)])
+    assert sched.prefix_tokens() == totals  # monotonic: the metrics add the differences
+    assert big.state is RequestState.FINISHED and big not in sched.resuming
+    assert big_chunks[-1].error and "pool of 32 tokens" in big_chunks[-1].error
+    while hit.state is not RequestState.FINISHED:
+        step(sched)
+    assert sched.prefix_tokens()[0] > totals[0]
 
 
-def test_finish_is_idempotent_and_cancel_after_finish_emits_nothing() -> None:
-    r, chunks = make_request("r", max_tokens=1)
-    r.accept_token(5)
-    assert r.finish_reason is FinishReason.LENGTH and len(chunks) == 1
-    r.cancel()
-    r.finish(FinishReason.CANCELLED)
-    r.fail("engine died")
-    assert r.finish_reason is FinishReason.LENGTH and len(chunks) == 1
+def test_the_queue_bound_counts_new_requests_not_ones_resuming() -> None:
+    from service.engine.loop import EngineLoop
+
+    sched = Scheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # max_queue 2
+    loop = EngineLoop(object(), sched)  # type: ignore[arg-type]
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(4)]
+    for r in reqs[:2]:
+        sched.add(r)
+    step(sched)
+    for r in reqs[2:]:
+        sched.add(r)
+    step(sched)
+    sched.repartition([BlockManager(32, 4), BlockManager(32, 4)])
+    assert len(sched.resuming) == 4 and not sched.waiting
+    assert loop.queue_full() is None
+
+
+def test_requests_the_free_slots_will_take_do_not_count_as_waiting() -> None:
+    """A burst into an idle server: the first num_slots requests take the free slots at the
+    next step, so only the rest count against max_queue (a burst of 10 into 4 idle slots with a
+    queue of 8 had one refused; a queue of 0 refused everything)."""
+    from service.engine.loop import EngineLoop
+
+    sched = Scheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # 4 slots, max_queue 2
+    loop = EngineLoop(object(), sched)  # type: ignore[arg-type]
+    loop._pending = 5  # in the inbox: 4 take the free slots, 1 waits
+    assert loop.queue_full() is None
+    loop._pending = 6
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    loop._pending = 0
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(6)]
+    for r in reqs:  # what the loop moves from its inbox, counted in submit already
+        sched.add(r, reserved=True)
+    with pytest.raises(QueueFull):
+        sched.add(ids_request([1, 2, 3], max_tokens=4))  # unreserved: the scheduler's own bound
+    step(sched)
+    assert sched.active_slots == 4 and len(sched.waiting) == 2
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"  # the slots are taken now
+
+
+def test_cancelled_requests_do_not_hold_queue_room() -> None:
+    """Clients that gave up (a deadline, a hang-up) leave the queue only at the next step, which
+    can be seconds away: they held its room meanwhile, and a fresh request was refused with
+    nobody waiting (stop 36's breaker: 70 clients with 0.3 s deadlines behind long prefills)."""
+    from service.engine.loop import EngineLoop
+
+    sched = Scheduler(4, 2, 16, 32, BlockManager(64, 4), 64)  # 4 slots, max_queue 2
+    loop = EngineLoop(object(), sched)  # type: ignore[arg-type]
+    reqs = [ids_request([i, i + 1, i + 2], max_tokens=4) for i in range(6)]
+    for r in reqs:
+        sched.add(r, reserved=True)
+    step(sched)
+    assert sched.active_slots == 4 and len(sched.waiting) == 2
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    reqs[4].cancel()
+    assert loop.queue_full() is None  # one waits: room for one more
+    gone = ids_request([7, 8, 9], max_tokens=4)  # submitted, then cancelled, still in the inbox
+    loop._inbox.append(gone)
+    loop._pending += 1
+    assert loop.queue_full() == "queue full: 2 requests waiting (max 2)"
+    gone.cancel()
+    assert loop.queue_full() is None
+
+
+def test_the_step_observer_counts_across_a_repartition() -> None:
+    """The server's per-step metrics add the scheduler's totals' differences: after a switch
+    to new pools they keep counting (they once went negative and stopped)."""
+    import types
+
+    from service.server.gateway import Gateway
+    from service.server.metrics import Metrics
+
+    def total(m: Metrics, name: str) -> float:
+        return next(s.value for metric in m.registry.collect() for s in metric.samples if s.name == name)
+
+    sched = replicated()
+    m = Metrics()
+    on_step = Gateway._step_observer(types.SimpleNamespace(metrics=m), "p", sched)  # type: ignore[arg-type]
+    first = ids_request(list(range(1, 22)), max_tokens=2)
+    sched.add(first)
+    while first.state is not RequestState.FINISHED:
+        on_step(step(sched), 0.01)
+    sched.add(ids_request([*range(1, 22), 3], max_tokens=3))
+    on_step(step(sched), 0.01)
+    sched.repartition([BlockManager(32, 4)])
+    sched.add(ids_request(list(range(50, 60)), max_tokens=1))
+    for _ in range(4):
+        on_step(step(sched), 0.01)
+    queried, hits = sched.prefix_tokens()
+    assert total(m, "meshserve_preemptions_total") == sched.preemptions == 1
+    assert total(m, "meshserve_prefix_cache_queried_tokens_total") == queried > 21 + 22
+    assert total(m, "meshserve_prefix_cache_hit_tokens_total") == hits >= 20

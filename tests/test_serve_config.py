@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from service.engine.config import EngineConfig
 from service.server.cli import _serve_config, build_parser, main
-from service.engine import EngineConfig
-from service.server import ConfigError, ServerConfig, read_server_config, server_config
+from service.server.config import ConfigError, ServerConfig, read_server_config, server_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "configs" / "serve.yaml"
@@ -51,9 +51,9 @@ def test_engine_mapping_flat_keys_and_flags(tmp_path: Path) -> None:
     assert cfg.engine == EngineConfig(num_slots=8, kv_dtype="bfloat16")
     path.write_text("num_slots: 2\nmax_seq_len: 128\nlayout: 1x2\n")  # flat engine keys
     assert serve_config("--config", str(path)).engine == EngineConfig(num_slots=2, max_seq_len=128)
-    cfg = serve_config("--config", str(path), "--num-slots", "6", "--port", "7000", "--layers", "scan")
+    cfg = serve_config("--config", str(path), "--num-slots", "6", "--port", "7000", "--matmul", "xla")
     assert (cfg.port, cfg.layout) == (7000, "1x2")
-    assert cfg.engine == EngineConfig(num_slots=6, max_seq_len=128, layers="scan")
+    assert cfg.engine == EngineConfig(num_slots=6, max_seq_len=128, matmul="xla")
     assert serve_config("--slots", "3").engine.num_slots == 3  # no file: the flags alone
     assert serve_config("--kv-cache-memory", "2GiB").engine.kv_cache_memory == 2 * 2**30
     with pytest.raises(SystemExit):  # both sizes: the engine's config refuses it, one line
@@ -74,7 +74,7 @@ def test_empty_file_is_the_defaults(tmp_path: Path) -> None:
         ("xyzzy: 1\n", "unknown key 'xyzzy'; known: admin_host, "),
         (
             "engine:\n  slots: 2\n",
-            "unknown key 'engine.slots' (did you mean 'engine.num_slots'?); known: engine.chunk_size, ",
+            "unknown key 'engine.slots' (did you mean 'engine.num_slots'?); known: engine.attention, engine.chunk_size, ",
         ),
         ("port: abc\n", "port must be int, got 'abc'"),
         ("port: true\n", "port must be int, got True"),
@@ -124,9 +124,34 @@ def test_bad_flag_values_are_one_line_errors_too() -> None:
         main(["serve", "--num-slots", "0"])
     assert exc.value.code == "meshserve serve: error: flags: num_slots must be >= 1, got 0"
     with pytest.raises(SystemExit) as exc:
-        main(["serve", "--matmul", "bf16x3", "--layers", "scan"])
-    assert (
-        exc.value.code == "meshserve serve: error: flags: matmul='bf16x3' needs layers='unrolled' and dtype='float32'"
+        main(["serve", "--num-slots", "2", "--max-num-batched-tokens", "0"])
+    assert exc.value.code == "meshserve serve: error: flags: max_num_batched_tokens must be >= 1, got 0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--layers", "unrolled"], "--layers was removed: the per-slot engine and its per-layer weights are gone"),
+        (["--kv-cache", "slots"], "--kv-cache was removed: the KV cache is always paged now"),
+        (["--kv-cache"], "--kv-cache was removed"),
+        (["--matmul", "bf16x3"], "bf16x3 was removed with the per-slot engine"),
+        (["--matmul", "amx"], "invalid choice 'amx' (choose from auto, xla)"),
+    ],
+)
+def test_flags_of_the_removed_engine_are_usage_errors_saying_what_replaced_them(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_old_engine_keys_in_a_config_file_name_their_replacements(tmp_path: Path) -> None:
+    assert "unknown key 'engine.decode_attention' (did you mean 'engine.attention'?)" in error_of(
+        tmp_path, "engine:\n  decode_attention: xla\n"
+    )
+    assert "unknown key 'engine.layers' (did you mean 'engine.layer_loop'?)" in error_of(
+        tmp_path, "engine:\n  layers: scan\n"
     )
 
 

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import status_of
 
-from model.weights.gguf_file import field_value, open_gguf
 from model.text.tokenizer import Tokenizer
+from model.weights.gguf_file import field_value, open_gguf
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from service.server.client import Client, StreamResult, make_request
 
@@ -301,7 +301,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(client: Client) -> Non
 
 
 def test_cancelled_stream_frees_its_slot(server, client: Client) -> None:
-    scheduler = server.running.service.loop.scheduler
+    scheduler = server.running.gateway.pools[0].loop.scheduler
     call = client.stream(make_request(prompt="1, 2, 3, 4, 5,", temperature=0.0, max_tokens=400), timeout_s=TIMEOUT_S)
     first = next(call)
     assert len(first.token_ids) == 1 and not first.finish_reason

@@ -15,20 +15,22 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from test_engine_penalties import make, run
+from reference import make, run
+from test_golden import FIXTURE, first_difference, served
 from tiny_gguf import write_tiny_llama_gguf
 
+from model.config import LlamaConfig
 from model.weights import quant_panels
 from model.weights.build import llama_from_params
-from model.config import LlamaConfig
 from model.weights.gguf_weights import WeightError, load_gguf_params, stored_matmuls
 from model.weights.loader import load_model
 from model.weights.quant_panels import QuantPanels
+from service.engine.config import EngineConfig
+from service.engine.loop import make_loop
+from service.engine.runner import Runner
+from service.server.app import ServerThread
 from service.server.client import Client
-from service.engine import Engine, EngineConfig
-from service.paged_engine import PagedEngine
-from service.paged_loop import engine_loop
-from service.server import ServerConfig, ServerThread
+from service.server.config import ServerConfig
 from sharding.layouts import Layout
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1"]
@@ -98,23 +100,28 @@ def test_a_truncated_tensor_is_a_load_error_naming_it(quantized: Path, tmp_path:
         load_gguf_params(reader, cfg, stored=True)
 
 
-def engines(path: Path) -> dict[str, object]:
-    """Loops of the stored model on the engine forms of one CPU device, and the float one."""
+# The engine's forms on one CPU device: the default (native attention, scanned layers; blocks by
+# the native quantized kernel where built), the unrolled layer loop, and XLA's attention (and
+# XLA's dots for the float weights).
+FORMS = {"auto": {}, "unrolled": dict(layer_loop="unrolled"), "xla": dict(attention="xla", matmul="xla")}
+
+
+def engines(path: Path) -> dict[str, Runner]:
+    """Runners of the float model and of the stored one in each engine form, on one CPU device."""
     cfg = LlamaConfig.from_gguf(path)
-    ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32)
     out = {}
     for name, stored in (("float", False), ("stored", True)):
         graphdef, state = llama_from_params(cfg, load_gguf_params(path, cfg, stored=stored))
-        out[name] = PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg)
-        if stored:
-            for layers in ("scan", "unrolled"):
-                e = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, layers=layers, kv_cache="slots")
-                out[f"stored-{layers}"] = Engine(cfg, graphdef, state, Layout("1x1"), e)
+        for form, modes in FORMS.items():
+            ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32,
+                                **modes)  # fmt: skip
+            out[f"{name}-{form}"] = Runner(cfg, graphdef, state, Layout("1x1"), ecfg)
     return out
 
 
-def greedy(engine: object) -> list:
-    loop = engine_loop(engine, max_queue=8)  # type: ignore[arg-type]
+def greedy(runner: Runner) -> list:
+    """PROMPTS' greedy ids (N each) and finish reasons, served by ``runner`` behind its loop."""
+    loop = make_loop(runner, max_queue=8)
     loop.start()
     try:
         assert loop.ready.wait(300)
@@ -130,20 +137,22 @@ def tiny_q41(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_engine_form_gives_the_float_models_ids(tiny_q41: Path) -> None:
     runs = {name: greedy(e) for name, e in engines(tiny_q41).items()}
-    assert all(len(ids) == N for ids, _ in runs["float"])
+    want = runs["float-auto"]
+    assert all(len(ids) == N for ids, _ in want)
     for name, got in runs.items():
-        assert got == runs["float"], name
+        assert got == want, name
 
 
 def test_logits_of_a_prefill_equal_the_float_models(tiny_q41: Path) -> None:
-    cfg = LlamaConfig.from_gguf(tiny_q41)
-    ecfg = EngineConfig(num_slots=2, max_seq_len=64, chunk_size=32, kv_cache="slots", layers="scan")
-    logits = {}
-    for stored in (False, True):
-        graphdef, state = llama_from_params(cfg, load_gguf_params(tiny_q41, cfg, stored=stored))
-        logits[stored] = np.asarray(Engine(cfg, graphdef, state, Layout("1x1"), ecfg).prefill(0, PROMPTS[1], 0).logits)
-    # The same weights' values; only the float32 sums' order differs (a dot of 64 or 128 terms).
-    np.testing.assert_allclose(logits[True], logits[False], atol=2e-5, rtol=0)
+    """The last prompt token's logits, and the greedy ids, of the stored model equal the float
+    model's in every engine form."""
+    logits = {name: served(runner, [PROMPTS[1]], N) for name, runner in engines(tiny_q41).items()}
+    for form in FORMS:
+        (ids,), (got,) = logits[f"stored-{form}"]
+        (want_ids,), (want,) = logits[f"float-{form}"]
+        # The same weights' values; only the float32 sums' order differs (a dot of 64 or 128 terms).
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=form)
+        assert ids == want_ids, form
 
 
 @pytest.mark.parametrize(("data", "tp"), [(1, 2), (2, 4), (8, 1), (1, 8)], ids=["1x2", "2x4", "8x1", "1x8"])
@@ -153,8 +162,8 @@ def test_every_mesh_gives_one_devices_ids(tiny_q41: Path, data: int, tp: int) ->
     cfg = LlamaConfig.from_gguf(tiny_q41)
     graphdef, state = llama_from_params(cfg, load_gguf_params(tiny_q41, cfg, stored=True))
     ecfg = EngineConfig(num_slots=8, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32)
-    one = greedy(PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg))
-    mesh = PagedEngine(cfg, graphdef, state, Layout(f"{data}x{tp}", data=data, model=tp), ecfg)
+    one = greedy(Runner(cfg, graphdef, state, Layout("1x1"), ecfg))
+    mesh = Runner(cfg, graphdef, state, Layout(f"{data}x{tp}", data=data, model=tp), ecfg)
     wqkv = mesh.params["layers"]["wqkv"].get_value()
     assert isinstance(wqkv, QuantPanels) and wqkv.kernel == "xla"  # the native kernel is one device's
     if tp == 2:  # 2 KV heads over 2 devices: each holds its heads' panels only
@@ -163,14 +172,14 @@ def test_every_mesh_gives_one_devices_ids(tiny_q41: Path, data: int, tp: int) ->
 
 
 def test_a_relayout_moves_the_blocks_and_rechooses_their_kernel(tiny_q41: Path) -> None:
-    """A live switch's engine (``relayout``) takes the placed blocks to the new mesh, still
+    """A live switch's runner (``relayout``) takes the placed blocks to the new mesh, still
     blocks, and back on one device they are the native kernel's again where it is built."""
     from model.native import quant_matmul
 
     cfg = LlamaConfig.from_gguf(tiny_q41)
     graphdef, state = llama_from_params(cfg, load_gguf_params(tiny_q41, cfg, stored=True))
     ecfg = EngineConfig(num_slots=4, max_seq_len=64, chunk_size=16, page_size=8, max_num_batched_tokens=32)
-    one = PagedEngine(cfg, graphdef, state, Layout("1x1"), ecfg)
+    one = Runner(cfg, graphdef, state, Layout("1x1"), ecfg)
     native = "native" if quant_matmul.available() else "xla"
     assert one.params["layers"]["w_down"].get_value().kernel == native
     want = greedy(one)
@@ -232,30 +241,22 @@ def test_smollm2_blocks_equal_its_dequantized_weights(smollm2_model, smollm2_sto
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache", ["paged", "slots"])
-def test_smollm2_stored_matches_the_golden_logits_and_ids(smollm2_stored, kv_cache: str) -> None:  # type: ignore[no-untyped-def]
-    from test_golden import FIXTURE, greedy_run
-
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_smollm2_stored_matches_the_golden_logits_and_ids(smollm2_stored, layer_loop: str) -> None:  # type: ignore[no-untyped-def]
+    """The three golden prompts served together (the long one's two chunks beside the others'
+    decode tokens), the blocks multiplied by the native kernel where it is built: transformers'
+    last-token logits within 1e-3 and its 32 greedy ids."""
     cfg, graphdef, state = smollm2_stored
     with np.load(FIXTURE) as z:
         golden = {k: z[k] for k in z.files}
-    if kv_cache == "slots":  # the unrolled form: the native kernels' path where they are built
-        ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=512, layers="unrolled")
-        engine = Engine(cfg, graphdef, state, Layout("single"), ecfg)
-        for i in range(3):
-            logits, ids = greedy_run(engine, golden[f"prompt_ids_{i}"].tolist(), len(golden[f"greedy_{i}"]))
-            err = np.abs(logits - golden[f"last_logits_{i}"]).max()
-            assert err < 1e-3, f"prompt {i}: max |logit diff| {err:.2e}"
-            assert ids == golden[f"greedy_{i}"].tolist(), i
-        return
-    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512)
-    loop = engine_loop(PagedEngine(cfg, graphdef, state, Layout("single"), ecfg), max_queue=8)
-    loop.start()
-    try:
-        assert loop.ready.wait(600)
-        prompts = [golden[f"prompt_ids_{i}"].tolist() for i in range(3)]
-        got = run(loop, [make(p, len(golden[f"greedy_{i}"]), eos=frozenset()) for i, p in enumerate(prompts)])
-    finally:
-        loop.stop()
-    for i, (ids, _) in enumerate(got):
-        assert ids == golden[f"greedy_{i}"].tolist(), i
+    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, layer_loop=layer_loop)
+    runner = Runner(cfg, graphdef, state, Layout("single"), ecfg)
+    assert isinstance(runner.params["embed"].get_value(), QuantPanels)  # the Q8_0 table, as stored
+    prompts = [golden[f"prompt_ids_{i}"].tolist() for i in range(3)]
+    n = len(golden["greedy_0"])
+    ids, logits = served(runner, prompts, n)
+    for i in range(3):
+        err = np.abs(logits[i] - golden[f"last_logits_{i}"]).max()
+        assert err < 1e-3, f"prompt {i}: max |logit diff| {err:.2e}"
+        want = golden[f"greedy_{i}"].tolist()
+        assert ids[i] == want, f"prompt {i}: first difference at step {first_difference(ids[i], want)}"

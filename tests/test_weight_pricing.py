@@ -1,7 +1,7 @@
 """Weight bytes priced as the weights are held (issue 20): float arrays, or GGUF blocks (Q8_0,
 Q4_0, Q4_1 as stored; int8 quantized to Q8_0). ``ShardingPlan.weight_bytes_per_device`` must be
-what ``service.engine.bytes_per_device`` measures on the placed params of every layout, and
-``meshserve layouts``, the Admin service and ``meshserve roofline`` must quote it.
+what ``service.engine.runner.bytes_per_device`` measures on the placed params of every layout, and
+``meshserve layouts``, the Admin service and ``meshserve-bench roofline`` must quote it.
 
 The tiny model (tests/tiny_gguf.py): D 64, F 128, 4 query / 2 KV heads of 16, vocabulary 264
 (not whole 32-row panels: its tied embedding stays float32 in every file).
@@ -19,15 +19,19 @@ import numpy as np
 import pytest
 from tiny_gguf import write_tiny_llama_gguf
 
+from model.config import LlamaConfig
+from model.kernels import choose
 from model.weights import block_params
 from model.weights.build import llama_from_params
-from model.config import LlamaConfig
 from model.weights.gguf_weights import load_gguf_params
 from model.weights.loader import held_formats
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
-from service.engine import EngineConfig, bytes_per_device, place_params
-from service.server import ServerConfig, ServerThread, stored_formats
+from service.engine.config import EngineConfig
+from service.engine.runner import bytes_per_device, place_params
+from service.server.app import ServerThread
+from service.server.config import ServerConfig
+from service.server.startup import stored_formats
 from sharding.layouts import Layout, load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
@@ -46,9 +50,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def measured(state: object, cfg: LlamaConfig, layout: Layout, dtype: object = np.float32) -> set[int]:
-    """The bytes each device of ``layout`` holds once ``state`` is placed as an engine places it."""
-    params, _ = place_params(state, dtype, "scan", make_mesh(layout), make_plan(layout, cfg).rules)
+def measured(graphdef: object, state: object, cfg: LlamaConfig, layout: Layout, dtype: object = np.float32) -> set[int]:
+    """The bytes each device of ``layout`` holds once ``state`` is placed as a ``Runner`` places it
+    (in the form the layout's devices' kernels run: ``model.kernels.choose``)."""
+    mesh = make_mesh(layout)
+    kernels = choose(list(mesh.devices.flat), cfg, dtype, dtype)
+    _, params, _ = place_params(graphdef, state, jnp.dtype(dtype), kernels, mesh, make_plan(layout, cfg).rules)
     return set(bytes_per_device(params).values())
 
 
@@ -63,14 +70,14 @@ def test_the_prediction_is_what_the_placed_blocks_hold(files: dict[str, Path], f
     params = load_gguf_params(path, cfg, stored=True)
     if fmt == "int8":
         params = block_params.quantize_params(params)
-    _, state = llama_from_params(cfg, params)
+    graphdef, state = llama_from_params(cfg, params)
     formats = stored_formats(state)
     assert formats == held_formats(path, True, "int8" if fmt == "int8" else None)  # told without the weights
     assert set(formats) == {"wqkv", "wo", "w_gate_up", "w_down"}
     layout = Layout(f"{data}x{tp}", data=data, model=tp)
     plan = make_plan(layout, cfg)
     predicted = plan.weight_bytes_per_device(cfg, 4, formats)
-    assert measured(state, cfg, layout) == {predicted}
+    assert measured(graphdef, state, cfg, layout) == {predicted}
     if (data, tp) == (1, 1):  # one device holds the file's bytes (the blocks as stored, the rest float32)
         reader = gguf.GGUFReader(str(path))
         assert fmt == "int8" or predicted == sum(int(t.n_bytes) for t in reader.tensors)
@@ -80,10 +87,10 @@ def test_the_prediction_is_what_the_placed_blocks_hold(files: dict[str, Path], f
 @pytest.mark.parametrize(("data", "tp"), MESHES, ids=[f"{d}x{t}" for d, t in MESHES])
 def test_float_prediction_is_what_the_placed_floats_hold(files: dict[str, Path], data: int, tp: int) -> None:
     cfg = LlamaConfig.from_gguf(files["F32"])
-    _, state = llama_from_params(cfg, load_gguf_params(files["F32"], cfg))
+    graphdef, state = llama_from_params(cfg, load_gguf_params(files["F32"], cfg))
     layout = Layout(f"{data}x{tp}", data=data, model=tp)
     plan = make_plan(layout, cfg)
-    assert measured(state, cfg, layout, jnp.bfloat16 if tp == 2 else np.float32) == {
+    assert measured(graphdef, state, cfg, layout, jnp.bfloat16 if tp == 2 else np.float32) == {
         plan.weight_bytes_per_device(cfg, 2 if tp == 2 else 4)
     }
 
@@ -118,18 +125,18 @@ def test_admin_reports_the_stored_bytes(files: dict[str, Path]) -> None:
             apb.ListLayoutsRequest(), metadata=[("authorization", f"Bearer {TOKEN}")]
         )
         channel.close()
-        engine = srv.running.service.pools[0].loop.engine
+        runner = srv.running.gateway.pools[0].loop.runner
         (pool,) = resp.pools
-        assert set(engine.weight_bytes_per_device().values()) == {pool.layout.weight_bytes_per_device}
+        assert set(runner.weight_bytes_per_device().values()) == {pool.layout.weight_bytes_per_device}
         model_cfg = LlamaConfig.from_gguf(path)
-        _, state = llama_from_params(model_cfg, load_gguf_params(path, model_cfg, stored=True))
+        graphdef, state = llama_from_params(model_cfg, load_gguf_params(path, model_cfg, stored=True))
         assert {p.name for p in resp.presets} >= {"single", "latency", "hybrid"}
         for preset in resp.presets:
             if preset.unusable:  # e.g. "throughput": data 8 does not divide 2 slots
                 continue
             layout = load_layout(preset.name)
             plan = make_plan(layout, model_cfg)
-            assert measured(state, model_cfg, layout) == {preset.weight_bytes_per_device}, preset.name
+            assert measured(graphdef, state, model_cfg, layout) == {preset.weight_bytes_per_device}, preset.name
             assert preset.weight_bytes_per_device < plan.weight_bytes_per_device(model_cfg, 4)
     finally:
         srv.stop()
@@ -158,7 +165,7 @@ def test_layouts_prints_the_stored_bytes(files: dict[str, Path], capsys: pytest.
 def test_roofline_streams_the_blocks_bytes(files: dict[str, Path], tmp_path: Path) -> None:
     """A decode step on 1x1 reads every weight once: with the blocks as stored, the file's bytes
     (tied embedding: no rows looked up apart); float32, 4 bytes per parameter. Same FLOPs."""
-    from service.server.cli import main
+    from benchmarks.cli import main  # meshserve-bench roofline
 
     path = files["Q4_1"]
     cfg = LlamaConfig.from_gguf(path)
@@ -187,7 +194,7 @@ def test_roofline_streams_the_blocks_bytes(files: dict[str, Path], tmp_path: Pat
 
 
 def test_roofline_weights_and_dtype_must_agree(files: dict[str, Path]) -> None:
-    from service.server.cli import main
+    from benchmarks.cli import main  # meshserve-bench roofline
 
     with pytest.raises(SystemExit, match="--weights float32 and --dtype bfloat16 contradict"):
         main(

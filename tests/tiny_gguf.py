@@ -2,7 +2,7 @@
 
 For tests that need a real server without the 93 MB SmolLM2 download or its compile time::
 
-    from service.engine import EngineConfig
+    from service.engine.config import EngineConfig
     from tiny_gguf import write_tiny_llama_gguf  # tests/ is on sys.path under pytest
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     engine = EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32)

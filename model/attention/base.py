@@ -125,7 +125,9 @@ class AttentionBackend(abc.ABC):
     native: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta) -> jax.Array:
+    def attend(
+        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+    ) -> jax.Array:
         """Softmax attention (Vaswani et al. 2017, §3.2.1; grouped KV heads, Ainslie et al. 2023)
         of the step's N tokens over layer ``layer`` of the stacked pages.
 

@@ -34,12 +34,16 @@ class NativeCpuAttention(AttentionBackend):
     name: ClassVar[str] = "native CPU kernels"
     native: ClassVar[bool] = True
 
-    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta) -> jax.Array:
+    def attend(
+        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+    ) -> jax.Array:
         D, N = meta.decode_tokens, q.shape[0]
         parts = []
         if D > 0:
             rows, positions = meta.decode_region()
-            parts.append(cpu_paged_attention.paged_attention(q[:D], k_pages, v_pages, meta.page_tables, rows, positions, layer))
+            parts.append(
+                cpu_paged_attention.paged_attention(q[:D], k_pages, v_pages, meta.page_tables, rows, positions, layer)
+            )
         if D < N:
             rows, positions = meta.prefill_region()
             parts.append(

@@ -39,7 +39,7 @@ class PagedKVCache:
     Stacked over layers, one array each for keys and values: a jitted step's cache arguments
     are 2 leaves whatever L (the per-layer form's 2 x L leaves cost dispatch time per leaf,
     docs/performance.md, "Dispatch cost"), and the ``lax.scan`` over layers
-    (``model.llama.Llama.run_layers_paged``) carries both buffers, writing layer l's new
+    (``model.llama.Llama.forward``) carries both buffers, writing layer l's new
     tokens into them in place (a scatter at [l, page, :, offset, :]) and gathering layer l's
     pages straight out of them (``k[l, pages]``). Neither slices out a whole layer first: a
     dynamic slice of one layer is a copy of that layer's whole pool on XLA:CPU.

@@ -218,7 +218,9 @@ class XlaAttention(AttentionBackend):
 
     name: ClassVar[str] = "XLA gathers and dots"
 
-    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta) -> jax.Array:
+    def attend(
+        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+    ) -> jax.Array:
         D, N = meta.decode_tokens, q.shape[0]
         parts = []
         if D > 0:

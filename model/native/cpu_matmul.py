@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ class Panels:
     matrix ``matmul`` multiplies by, read in place (as ``QuantPanels.layer``: a scanned layer
     loop passes the whole stack and its index)."""
 
-    data: jax.Array
+    data: Any  # jax.Array (a sharding while placement is computed)
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     in_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     layer: jax.Array | None = None
@@ -66,7 +67,9 @@ def _as_matrix(w: jax.Array, in_dims: int) -> tuple[jax.Array, tuple[int, ...], 
     k = math.prod(in_shape)
     n = w.size // k
     if not supports(n, w.dtype):
-        raise ValueError(f"cannot pack a {w.dtype} weight [{k}, {n}] into panels (need float32, N a multiple of {PANEL})")
+        raise ValueError(
+            f"cannot pack a {w.dtype} weight [{k}, {n}] into panels (need float32, N a multiple of {PANEL})"
+        )
     return jnp.asarray(w).reshape(k, n), tuple(int(d) for d in in_shape), tuple(int(d) for d in out_shape)
 
 

@@ -4,8 +4,7 @@ one at a time (``paged_attention``) and prefill chunks a block of tokens at a ti
 
 XLA:CPU runs ``model.attention.xla.ragged_paged_attention`` as a gather of each token's whole
 window followed by 2 x N x K tiny batched matmuls ([G, H] x [H, window]), bound by per-product
-overhead rather than by memory (64 tokens over a 256-position window: about 18 ms a layer for
-25 MB of keys and values here). ``native/paged_attention.cc`` takes one (token, KV head) pair at
+overhead rather than by memory (docs/cpu-kernels.md). ``native/paged_attention.cc`` takes one (token, KV head) pair at
 a time: it reads the token's pages in place, only up to its own position, scores each key by one
 vectorised dot product, takes an exact softmax and accumulates the weighted values in registers,
 on XLA's intra-op threads.
@@ -19,8 +18,8 @@ against a few keys at a time, each row only up to its own position, an exact sof
 rows in vector lanes, and the values read in place from the pages, each shared by several rows.
 
 Both only read: the ragged step has written every token's key and value before attention
-(``model.llama.Llama.run_layers_paged``). Built and registered with the other kernels by
-``model.native`` (``available()``); where they cannot be built the paged engine keeps
+(``model.llama.Llama.forward``). Built and registered with the other kernels by
+``model.native`` (``available()``); where they cannot be built the engine keeps
 XLA's path.
 """
 

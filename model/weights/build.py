@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.weights import block_params
 from model.config import LlamaConfig
 from model.llama import Llama
+from model.weights import block_params
 from model.weights.quant_panels import QuantPanels
 
 

@@ -48,11 +48,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from model.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
+from model.text.tokenizer import TOKENIZER_META_FILE, Tokenizer
 from model.weights import block_params, quant_panels
 from model.weights.build import abstract_llama
-from model.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
 from model.weights.quant_panels import QuantPanels
-from model.text.tokenizer import TOKENIZER_META_FILE, Tokenizer
 
 FORMAT = "meshserve-checkpoint"
 FORMAT_VERSION = 2  # the newest written and read; 1: no blocks

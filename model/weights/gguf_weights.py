@@ -16,10 +16,10 @@ from typing import Any
 import gguf
 import numpy as np
 
-from model.weights import quant_panels
 from model.config import LlamaConfig
-from model.weights.gguf_file import GGUFMetadataError, open_gguf
 from model.llama import fuse_projections
+from model.weights import quant_panels
+from model.weights.gguf_file import GGUFMetadataError, open_gguf
 
 
 class WeightError(ValueError):

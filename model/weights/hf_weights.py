@@ -28,8 +28,8 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import LlamaConfig, RopeScaling
-from model.weights.gguf_weights import WeightError
 from model.llama import fuse_projections
+from model.weights.gguf_weights import WeightError
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"

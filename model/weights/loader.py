@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
+from model.config import LlamaConfig
+from model.text.tokenizer import Tokenizer
 from model.weights import block_params
 from model.weights.build import abstract_llama, llama_from_params, random_llama
-from model.config import LlamaConfig
 from model.weights.gguf_weights import load_gguf_params
-from model.text.tokenizer import Tokenizer
 
 __all__ = [
     "FORMATS",

@@ -10,10 +10,13 @@ outputs not whole 32-column panels).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax.numpy as jnp
 from flax import nnx
 
+from model.config import LlamaConfig
 from model.native import cpu_matmul
 from model.weights.quant_panels import QuantPanels
 
@@ -73,3 +76,16 @@ def _packable(w: Any, in_dims: int, lead: int) -> bool:
         return False
     shape = w.shape[lead:]
     return cpu_matmul.supports(math.prod(shape[in_dims:]), w.dtype)
+
+
+def packed_head_bytes(cfg: LlamaConfig, formats: Mapping[str, str], panels: bool) -> int:
+    """Bytes ``pack_panels`` adds beside a model's parameters: a tied model's packed head
+    (V x D float32) when its weights are packed (``panels``), its table is a float array (not
+    held as blocks: ``formats`` names the parameters held so) and the kernel takes it (V whole
+    panels); else 0. For predicting a runner's memory before it is built (a live layout
+    switch)."""
+    if not panels or not cfg.tie_word_embeddings or "embed" in formats:
+        return 0
+    if not cpu_matmul.supports(cfg.vocab_size, jnp.float32):
+        return 0
+    return 4 * cfg.vocab_size * cfg.hidden_size

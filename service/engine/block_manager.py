@@ -1,7 +1,5 @@
 """Pages of the paged KV cache: free list, reference counts and prefix caching.
 
-Used by the paged scheduler, issue 19: not yet wired.
-
 Plain Python and no JAX, so it is testable without a model. The KV cache is ``num_pages`` pages
 of ``page_size`` token positions each; a sequence's page table lists its pages in order, so
 position ``i`` lives at slot ``page_table[i // page_size] * page_size + i % page_size``
@@ -149,11 +147,6 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` positions: ceil(num_tokens / page_size)."""
         return -(-num_tokens // self.page_size)
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether ``allocate`` of ``num_tokens`` tokens succeeds even without a cache hit (a
-        hit lowers the pages needed by at least as much as it takes out of the evictable ones)."""
-        return self.pages_needed(num_tokens) <= len(self._free) + len(self._lru)
 
     def refcount(self, page: int) -> int:
         """Page tables holding ``page``."""
@@ -325,18 +318,6 @@ class BlockManager:
         seq.pages += added
         seq.num_tokens += num_tokens
         return added
-
-    def append_slot(self, seq_id: Hashable) -> int:
-        """Reserve one more position for ``seq_id`` and return its slot in the pool
-        (``page * page_size + offset``), where the new token's K/V go.
-
-        Raises KeyError for an unknown sequence, OutOfPages (nothing changed) when a new page
-        is needed and none is free or evictable.
-        """
-        self.grow(seq_id, 1)
-        seq = self._seqs[seq_id]
-        pos = seq.num_tokens - 1
-        return seq.pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def free(self, seq_id: Hashable) -> None:
         """Return a finished or cancelled sequence's pages at once: reference count - 1 on each;

@@ -6,8 +6,8 @@ schedules, and every process runs the same engine calls in the same order on the
   is first made).
 * ``StepChannel``: one TCP connection from process 0 to each other process, opened once (process
   0 publishes its listening address in the distributed runtime's key-value store), carrying
-  length-prefixed pickled messages (docs/multiprocess.md: ~0.3 ms a step plan here, against
-  1.5-5 ms for the key-value store or ``broadcast_one_to_all``). Pickle runs whatever the peer
+  length-prefixed pickled messages (cheaper per step than the key-value store or
+  ``broadcast_one_to_all``: docs/multiprocess.md has the figures). Pickle runs whatever the peer
   sends: the channel is for the processes of one job, on a trusted network.
 * Mirroring (``Runner.channel`` on process 0, ``follow`` on the others): each runner call that
   launches JAX work (``service.engine.runner.MIRRORED``: the step, warm-up and a live switch's

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Collection
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +65,6 @@ from sharding.mesh import make_mesh
 from sharding.plan import make_plan
 from sharding.rules import cache_shardings, param_shardings, replicated
 
-if TYPE_CHECKING:
-    from service.engine.distributed import StepChannel
-
 log = logging.getLogger(__name__)
 
 # The calls process 0's runner mirrors to its followers: a step's, and a live switch's (made on
@@ -78,6 +75,12 @@ STOP = "stop"  # process 0's last message: the followers leave
 WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-full
 
 Program = tuple[int, int, int]  # (decode bucket, prefill bucket, window pages)
+
+
+class Channel(Protocol):
+    """Where process 0 sends its mirrored calls (``service.engine.distributed.StepChannel``)."""
+
+    def send(self, message: Any) -> None: ...
 
 
 class Runner:
@@ -131,7 +134,7 @@ class Runner:
         # over ``data``: replica r holds pages [r P/d, (r + 1) P/d), numbered 0.. in its tables).
         self.replicas = d = layout.data
         # The pool's size, from what was asked or from the memory left once the weights are placed.
-        one_page = cache_shardings(PagedKVCache.abstract(cfg, d, ps, self.kv_dtype), self.mesh, rules).k
+        one_page: NamedSharding = cache_shardings(PagedKVCache.abstract(cfg, d, ps, self.kv_dtype), self.mesh, rules).k  # type: ignore[assignment]
         per_token = 2 * math.prod(one_page.shard_shape(PagedKVCache.shape(cfg, d, ps))) * self.kv_dtype.itemsize // ps
         tokens = kv_pool.pool_tokens(
             kv_cache_tokens=engine_cfg.kv_cache_tokens,
@@ -153,7 +156,9 @@ class Runner:
         self.num_pages = self.ecfg.num_pages
         self.pages_per_replica = self.num_pages // d
         self.pool_bytes_per_device = tokens // d * per_token
-        self._cache_sh = cache_shardings(PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules)
+        self._cache_sh = cache_shardings(
+            PagedKVCache.abstract(cfg, self.num_pages, ps, self.kv_dtype), self.mesh, rules
+        )
         log.info(
             "KV pool: %d pages of %d positions (%d tokens, %.1f MB per device, as `meshserve layouts` counts) "
             "in %d data replica(s)",
@@ -179,7 +184,7 @@ class Runner:
         self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
         self._no_prev = global_array(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
         self._set_row = jax.jit(TokenHistory.with_row, out_shardings=self.repl, donate_argnums=(0,))
-        self.channel: StepChannel | None = None  # process 0 of a job: the followers' (MIRRORED)
+        self.channel: Channel | None = None  # process 0 of a job: the followers' (MIRRORED)
 
     def _mirror(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Send call ``name`` to the followers first (process 0 of a job; else nothing)."""
@@ -198,7 +203,21 @@ class Runner:
         graphdef, argmax, attention = self.graphdef, self.kernels.argmax, self.kernels.attention
         d, ps, seq_block = self.replicas, self.ecfg.page_size, self.geometry.seq_block
 
-        def run(params, cache, history, sp, host_tokens, source, prev, positions, rows, generated, page_tables, last_index, ban):  # type: ignore[no-untyped-def]  # noqa: E501
+        def run(
+            params,
+            cache,
+            history,
+            sp,
+            host_tokens,
+            source,
+            prev,
+            positions,
+            rows,
+            generated,
+            page_tables,
+            last_index,
+            ban,
+        ):  # type: ignore[no-untyped-def]
             S = page_tables.shape[0]
             from_prev = prev[jnp.clip(rows, 0, S - 1), 0].astype(jnp.int32)
             tokens = jnp.where(source == 1, from_prev, host_tokens)
@@ -279,7 +298,7 @@ class Runner:
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
         split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
         if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
-            split = tuple(global_array(a, self.by_replica) for a in split)
+            split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
         tokens, source, positions, rows, generated, page_tables, last_index = split
         packed, logits, self.cache, self.history = program(
             self.params,
@@ -468,7 +487,9 @@ def place_params(
         # Each process places only its own shards of the host copy it read (``global_array``):
         # no collective per weight comparing whole arrays across processes.
         def place(s: jax.sharding.Sharding, sub: Any) -> Any:  # ``sharding`` is a prefix of ``params``
-            return jax.tree.map(lambda a: global_array(a, s) if isinstance(a, np.ndarray) else jax.device_put(a, s), sub)
+            return jax.tree.map(
+                lambda a: global_array(a, s) if isinstance(a, np.ndarray) else jax.device_put(a, s), sub
+            )
 
         return graphdef, jax.tree.map(place, sharding, params), sharding
     return graphdef, jax.device_put(params, sharding), sharding

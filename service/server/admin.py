@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from model.config import ITEMSIZE
+from model.kernels import choose
+from model.weights.packed_weights import packed_head_bytes
 from protos.meshserve.v1 import admin_pb2 as apb
 from protos.meshserve.v1 import admin_pb2_grpc as apb_grpc
 from service.engine import kv_pool
@@ -144,7 +146,14 @@ class AdminService(apb_grpc.AdminServicer):
         # The new runner is built beside the serving one: refuse what cannot fit before building.
         predicted = layout_info(self.gateway, layout)
         devices = pool.devices[: layout.num_devices]
-        need = predicted.weight_bytes_per_device + predicted.kv_cache_bytes_per_device
+        facts = self.gateway.facts
+        assert facts is not None
+        # A runner on one CPU device packs its float32 weights in place; a tied head is packed beside its table.
+        kernels = choose(
+            devices, facts.cfg, ecfg.dtype, resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype), matmul=ecfg.matmul
+        )
+        head = packed_head_bytes(facts.cfg, facts.formats, kernels.panels)
+        need = predicted.weight_bytes_per_device + predicted.kv_cache_bytes_per_device + head
         if (problem := kv_pool.switch_problem(devices, need)) is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"layout {layout.name!r}: {problem}")
         async with self._switch_lock:

@@ -45,7 +45,9 @@ class Removed(argparse.Action):
         self.why = why
         super().__init__(*args, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None
+    ) -> None:
         parser.error(f"{option_string} was removed: {self.why}")
 
 
@@ -64,6 +66,8 @@ def matmul_mode(text: str) -> str:
     if text not in ("auto", "xla"):
         raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from auto, xla)")
     return text
+
+
 # The --weights flag of serve and layouts (EngineConfig.weights).
 WEIGHTS_HELP = (
     "stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and "
@@ -401,8 +405,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         what = f"{args.dtype}; blocks {held}" if blocks else args.dtype
         t_read = time.perf_counter() - t0
         print(f"meshserve: writing {out} ({what})", file=sys.stderr)
-        assert model.text.tokenizer is not None  # asked for
-        save_checkpoint(out, cfg, params, model.text.tokenizer, args.dtype, source=str(src.resolve()))
+        assert model.tokenizer is not None  # asked for
+        save_checkpoint(out, cfg, params, model.tokenizer, args.dtype, source=str(src.resolve()))
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         # ValueError covers CheckpointError, HFConfigError, WeightError and GGUFMetadataError.
         raise SystemExit(f"meshserve convert: {exc}") from None
@@ -769,7 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in MEASUREMENT_TOOLS:
-        print(f"meshserve: error: '{argv[0]}' is a measurement tool now: run 'meshserve-bench {argv[0]}'", file=sys.stderr)
+        print(
+            f"meshserve: error: '{argv[0]}' is a measurement tool now: run 'meshserve-bench {argv[0]}'", file=sys.stderr
+        )
         return 2
     args = build_parser().parse_args(argv)
     try:

@@ -1,10 +1,12 @@
-"""The paged engine through its loop on the tiny random model, against the whole-sequence
-reference of tests/test_engine_penalties.py (one full forward per generated id, no cache):
-several prompts per step, page sizes, prefix hits, preemption, penalties, seeded sampling,
-cancellation and layouts all give the reference's ids."""
+"""The engine through its loop on the tiny random model, against the whole-sequence reference
+(``reference.reference``: one dense forward per generated id, no cache): several prompts per
+step, page sizes, prefix hits, preemption, penalties, seeded sampling, cancellation, both
+attention backends, both matmul forms, both layer loops and layouts all give the reference's
+ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -13,44 +15,23 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 import pytest
-from test_engine_penalties import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, T, make, reference, run
+from reference import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, PROMPT_C, N, make, reference, run, tiny_loop
 
-from model.native import cpu_matmul, cpu_paged_attention
-from service.engine import EngineConfig
-from service.paged_engine import PagedEngine
-from service.paged_loop import PagedEngineLoop, engine_loop
-from service.engine.request import FinishReason
+from model.attention import cpu as cpu_attention
+from model.native import cpu_matmul
+from service.engine.batch import RaggedBatch, RowInstall
+from service.engine.config import EngineConfig
+from service.engine.loop import EngineLoop, make_loop
+from service.engine.request import FinishReason, SamplingOptions
+from service.engine.runner import Runner
 from sharding.layouts import Layout
 
-_rng = np.random.default_rng(7)
-PROMPT_C = _rng.integers(0, CFG.vocab_size, 33).tolist()  # three chunks of 16
-N = 12
-
-
-def paged(page_size: int = 4, slots: int = 4, pool_tokens: int = 0, budget: int = 32, layout: str = "1x1",
-          devices: list | None = None, decode_attention: str = "auto", matmul: str = "auto") -> PagedEngineLoop:  # fmt: skip
-    ecfg = EngineConfig(
-        decode_attention=decode_attention,
-        matmul=matmul,
-        num_slots=slots,
-        max_seq_len=T,
-        chunk_size=CHUNK,
-        kv_cache="paged",
-        page_size=page_size,
-        kv_cache_tokens=pool_tokens,
-        max_num_batched_tokens=budget,
-    )
-    data, model = (int(n) for n in layout.split("x"))
-    lay = Layout(layout, data=data, model=model)
-    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, lay, ecfg, devices)
-    loop = engine_loop(engine, max_queue=16)
-    assert isinstance(loop, PagedEngineLoop)
-    return loop
+NATIVE = jax.devices()[0].platform == "cpu"
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[PagedEngineLoop]:
-    loop = paged()
+def loop() -> Iterator[EngineLoop]:
+    loop = tiny_loop()
     loop.start()
     assert loop.ready.wait(600)
     yield loop
@@ -62,13 +43,26 @@ def refs() -> dict[str, tuple[list[int], FinishReason]]:
     return {name: reference(p, N) for name, p in (("A", PROMPT_A), ("B", PROMPT_B), ("C", PROMPT_C))}
 
 
-def test_prompts_batched_in_one_step_give_each_ones_solo_ids(loop: PagedEngineLoop, refs: dict) -> None:
+def prompt_batch(runner: Runner, ids: list[int]) -> RaggedBatch:
+    """``ids`` as row 0's first and only chunk over pages 0, 1, ... (a fresh pool's), sampling
+    greedily at its last token: the flat batch the loop builds for a prompt at an idle server."""
+    g = runner.geometry
+    n, D = len(ids), g.decode_buckets[0]
+    b = g.empty_batch(D, g.prefill_bucket(g.padded(n)))
+    b.tokens[D : D + n], b.positions[D : D + n], b.rows[D : D + n] = ids, np.arange(n), 0
+    b.last_index[0] = D + n - 1
+    b.page_tables[0] = np.arange(g.max_pages) % runner.pages_per_replica
+    greedy = RowInstall(0, SamplingOptions(temperature=0.0), False, ())
+    return dataclasses.replace(b, num_real=n, max_position=n - 1, installs=(greedy,))
+
+
+def test_prompts_batched_in_one_step_give_each_ones_solo_ids(loop: EngineLoop, refs: dict) -> None:
     got = run(loop, [make(PROMPT_A, N), make(PROMPT_B, N), make(PROMPT_C, N)])
     assert got == [refs["A"], refs["B"], refs["C"]]
     assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]
 
 
-def test_several_prompts_really_share_steps(loop: PagedEngineLoop) -> None:
+def test_several_prompts_really_share_steps(loop: EngineLoop) -> None:
     seen: list[int] = []
     loop.on_step = lambda plan, seconds: seen.append(len(plan.prefills))
     try:
@@ -78,8 +72,8 @@ def test_several_prompts_really_share_steps(loop: PagedEngineLoop) -> None:
     assert max(seen) >= 2
 
 
-def test_a_prefix_hit_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
-    blocks = loop.scheduler.blocks
+def test_a_prefix_hit_gives_the_same_ids(loop: EngineLoop, refs: dict) -> None:
+    blocks = loop.scheduler.pools[0]
     assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]  # cached now, whatever ran before
     before = blocks.hit_tokens
     assert run(loop, [make(PROMPT_C, N)]) == [refs["C"]]
@@ -90,8 +84,8 @@ def test_a_prefix_hit_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> N
     assert run(loop, [miss]) == [refs["C"]] and blocks.hit_tokens == before
 
 
-def test_pages_go_back_when_requests_end_or_are_cancelled(loop: PagedEngineLoop) -> None:
-    blocks = loop.scheduler.blocks
+def test_pages_go_back_when_requests_end_or_are_cancelled(loop: EngineLoop) -> None:
+    blocks = loop.scheduler.pools[0]
     r = make(PROMPT_A, 40)
     first, release = threading.Event(), threading.Event()
 
@@ -114,7 +108,7 @@ def test_pages_go_back_when_requests_end_or_are_cancelled(loop: PagedEngineLoop)
     assert blocks.num_used == 0 and loop.scheduler.active_slots == 0 and r.finish_reason is FinishReason.CANCELLED
 
 
-def ids_of_a_and_c(loop: PagedEngineLoop) -> list:
+def ids_of_a_and_c(loop: EngineLoop) -> list:
     """Start ``loop``, run prompts A and C to N ids each on it, stop it: their (ids, finish)."""
     loop.start()
     try:
@@ -124,46 +118,60 @@ def ids_of_a_and_c(loop: PagedEngineLoop) -> list:
         loop.stop()
 
 
-def test_decode_attention_by_xla_or_the_native_kernel_gives_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
-    """The module's loop attends decode tokens through the native CPU kernel where it is built
-    (``model.native.cpu_paged_attention``); ``decode_attention="xla"`` keeps XLA's path: both give the
+def test_attention_by_xla_or_the_native_kernels_gives_the_same_ids(loop: EngineLoop, refs: dict) -> None:
+    """The module's loop attends through the native CPU kernels where they are built (both
+    regions: ``model.attention.cpu``); ``attention="xla"`` keeps XLA's path: both give the
     reference's ids."""
-    assert loop.engine.kernels.native is (cpu_paged_attention.available() and jax.devices()[0].platform == "cpu")
-    xla = paged(decode_attention="xla")
-    assert not xla.engine.kernels.native
+    assert loop.runner.kernels.attention.native is (NATIVE and cpu_attention.available())
+    xla = tiny_loop(attention="xla")
+    assert not xla.runner.kernels.attention.native
     assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
 
 
-def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: PagedEngineLoop, refs: dict) -> None:
+def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: EngineLoop, refs: dict) -> None:
     """On one CPU device with the kernels built, the float32 layer matmuls and the LM head run
-    through the native panel kernel over stacked panels read at the scan's layer index
-    (``PagedEngine.panels``); ``matmul="xla"`` keeps XLA's dots: both give the reference's ids,
-    and one prefill step's logits agree to float32 rounding."""
-    native = cpu_matmul.available() and jax.devices()[0].platform == "cpu"
-    panels = loop.engine.panels or {}
-    assert set(panels) == ({"wqkv", "wo", "w_gate_up", "w_down", "lm_head"} if native else set())
+    through the native panel kernel, the weights held packed in place of the arrays (a tied
+    model gains a packed head beside its table); ``matmul="xla"`` keeps the arrays and XLA's
+    dots: both give the reference's ids, and one prefill step's logits agree to float32
+    rounding."""
+    native = cpu_matmul.available() and NATIVE
+    model = loop.runner.params
+    packed = {
+        name
+        for name in ("wqkv", "wo", "w_gate_up", "w_down")
+        if isinstance(model["layers"][name].get_value(), cpu_matmul.Panels)
+    }
+    assert packed == ({"wqkv", "wo", "w_gate_up", "w_down"} if native else set())
+    assert ("lm_head" in model) is native  # tiny is tied: the packed head is the one extra parameter
     if native:
-        assert panels["wqkv"].data.shape[:2] == (
-            CFG.num_layers,
-            CFG.num_kv_heads * (CFG.q_per_kv + 2) * CFG.head_dim // 32,
-        )
-        assert loop.engine.panel_bytes() == sum(int(p.data.nbytes) for p in panels.values()) > 0
-    # A live switch's prediction of the packed copy before building it: the same weights.
-    one = list(loop.engine.mesh.devices.flat)
-    assert loop.engine.packed_bytes_on(one) == loop.engine.panel_bytes()
-    xla = paged(matmul="xla")
-    assert xla.engine.panels is None and xla.engine.panel_bytes() == 0
-    assert xla.engine.packed_bytes_on(one) == 0
+        wqkv = model["layers"]["wqkv"].get_value()
+        assert wqkv.data.shape[:2] == (CFG.num_layers, CFG.num_kv_heads * (CFG.q_per_kv + 2) * CFG.head_dim // 32)
+    xla = tiny_loop(matmul="xla")
+    assert not any(
+        isinstance(v, cpu_matmul.Panels)
+        for v in jax.tree.leaves(xla.runner.params, is_leaf=lambda x: isinstance(x, cpu_matmul.Panels))
+    )
     assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
-    # One prompt's step on fresh engines of each kind (the module's loop owns its engine).
-    fresh = [paged(matmul=m).engine for m in ("xla", "auto")]
-    logits = [np.asarray(e.step(e.prompt_batch(PROMPT_A[:8])).logits)[0] for e in fresh]
+    # One prompt's step on fresh runners of each kind (the module's loop owns its runner).
+    fresh = [tiny_loop(matmul=m).runner for m in ("xla", "auto")]
+    logits = [np.asarray(r.step(prompt_batch(r, PROMPT_A[:8])).logits)[0] for r in fresh]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_unrolled_layer_loop_gives_the_same_ids(refs: dict) -> None:
+    """``layer_loop="unrolled"`` (per-layer weights, the accelerators' form) serves the
+    reference's ids on CPU too."""
+    unrolled = tiny_loop(layer_loop="unrolled")
+    assert (
+        unrolled.runner.ecfg.layer_loop == "unrolled"
+        and unrolled.runner.params["layers"]["wqkv"].get_value().__class__ is tuple
+    )
+    assert ids_of_a_and_c(unrolled) == [refs["A"], refs["C"]]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_page_sizes_give_the_same_ids(page_size: int, refs: dict) -> None:
-    loop = paged(page_size=page_size)
+    loop = tiny_loop(page_size=page_size)
     loop.start()
     try:
         assert loop.ready.wait(600)
@@ -174,7 +182,7 @@ def test_page_sizes_give_the_same_ids(page_size: int, refs: dict) -> None:
 
 def test_a_pool_too_small_preempts_and_the_ids_stay_the_reference(refs: dict) -> None:
     # 3 sequences of up to 33 + 12 tokens in 72 positions: they cannot all hold their pages.
-    loop = paged(page_size=4, slots=3, pool_tokens=72)
+    loop = tiny_loop(num_slots=3, kv_cache_tokens=72)
     loop.start()
     try:
         assert loop.ready.wait(600)
@@ -193,12 +201,12 @@ def test_a_pool_too_small_preempts_and_the_ids_stay_the_reference(refs: dict) ->
         before = loop.scheduler.preemptions
         crowded = run(loop, [make(PROMPT_A, N), make(PROMPT_B, N), make(PROMPT_C, N, **c)])[2]
         assert crowded == solo and solo[0] != refs["C"][0]
-        assert loop.scheduler.blocks.num_used == 0
+        assert loop.scheduler.pools[0].num_used == 0
     finally:
         loop.stop()
 
 
-def test_penalties_and_min_tokens_match_the_reference(loop: PagedEngineLoop) -> None:
+def test_penalties_and_min_tokens_match_the_reference(loop: EngineLoop) -> None:
     a = dict(repetition_penalty=3.0)
     b = dict(frequency_penalty=0.8, presence_penalty=0.3)
     got = run(loop, [make(PROMPT_A, N, **a), make(PROMPT_B, N, **b)])
@@ -209,7 +217,7 @@ def test_penalties_and_min_tokens_match_the_reference(loop: PagedEngineLoop) -> 
 
 
 def test_tensor_parallel_layout_gives_the_same_ids(refs: dict) -> None:
-    loop = paged(layout="1x2", devices=jax.devices()[:2])
+    loop = tiny_loop("1x2", jax.devices()[:2])
     loop.start()
     try:
         assert loop.ready.wait(600)
@@ -220,19 +228,20 @@ def test_tensor_parallel_layout_gives_the_same_ids(refs: dict) -> None:
 
 def test_the_step_signature_does_not_grow_with_the_pool() -> None:
     def leaves(pool_tokens: int) -> int:
-        engine = paged(pool_tokens=pool_tokens).engine
-        batch = engine.idle_batch(4, 16, 3)
-        args = (engine.params, engine.cache, engine.history, engine._sampling(), batch)
+        runner = tiny_loop(kv_cache_tokens=pool_tokens).runner
+        batch = runner.idle_batch((4, 16, 3))
+        args = (runner.params, runner.cache, runner.history, runner._sampling(), batch)
         return len(jax.tree.leaves(args))
 
     assert leaves(64) == leaves(4096)
 
 
 def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -> None:
-    engine = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048, decode_attention="xla"))
-    assert engine.prefill_buckets == [0, 64, 128, 256, 512] and engine.window_buckets == [8, 16, 32, 64, 128]
-    assert engine.decode_buckets == [4]  # 4 rows: one decode region
-    assert engine.warm_programs() == [
+    runner = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048, attention="xla"))
+    g = runner.geometry
+    assert g.prefill_buckets == (0, 64, 128, 256, 512) and g.window_buckets == (8, 16, 32, 64, 128)
+    assert g.decode_buckets == (4,)  # 4 rows: one decode region
+    assert runner.warm_programs() == [
         (4, 0, 8),
         (4, 64, 8),
         (4, 128, 8),
@@ -241,32 +250,31 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         (4, 0, 16),
         (4, 0, 32),
     ]
-    assert len(engine.warm_programs(full=True)) == 25
-    # Decode tokens attending natively: a window covers the prefill region only, so decode-only
-    # steps are one program, whatever their positions.
-    native = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
-    if native.kernels.native:
-        assert native.warm_programs() == [(4, p, 8) for p in (0, 64, 128, 256, 512)]
-        assert len(native.warm_programs(full=True)) == 5 + 4 * 4
-        long_decode = native.idle_batch(4, 0, 2047)
-        native.step(long_decode).host()
-        assert list(native._fns) == [(4, 0, 8)]
-    ecfg = EngineConfig(num_slots=64, max_seq_len=2048, decode_attention="xla")
-    many = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
-    assert many.decode_buckets == [8, 16, 32, 64]
+    assert len(runner.warm_programs(full=True)) == 25
+    # The native kernels read pages up to each token's position: one window, so one program per
+    # pair of regions, whatever the positions.
+    native = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
+    if native.kernels.attention.native:
+        assert native.geometry.window_buckets == (128,)
+        assert native.warm_programs() == [(4, p, 128) for p in (0, 64, 128, 256, 512)]
+        assert len(native.warm_programs(full=True)) == 5
+        native.step(native.idle_batch((4, 0, 128))).host()
+        assert list(native._programs) == [(4, 0, 128)]
+    many = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048, attention="xla"))
+    assert many.geometry.decode_buckets == (8, 16, 32, 64)
     assert len(many.warm_programs()) == 4 * 5 + 4 * 2
     # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
-    small = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
-    assert small.prefill_buckets == [0, 32, 64]
+    small = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
+    assert small.geometry.prefill_buckets == (0, 32, 64)
 
 
 @pytest.mark.parametrize("max_seq_len", [14, 60])
 def test_a_limit_that_is_not_whole_pages_warms_up_and_serves_to_its_end(max_seq_len: int) -> None:
     """``max_seq_len`` 60 with 16-position pages: the largest window's last page reaches past
     the limit, and warm-up ran a step there (it failed: "position 63 past max_seq_len 60"; so
-    did ``serve --max-seq-len 100``). The reference is limited to 64 positions."""
-    ecfg = EngineConfig(num_slots=2, max_seq_len=max_seq_len, chunk_size=8, kv_cache="paged", decode_attention="xla")
-    loop = engine_loop(PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg), max_queue=4)
+    did ``serve --max-seq-len 100``)."""
+    ecfg = EngineConfig(num_slots=2, max_seq_len=max_seq_len, chunk_size=8, attention="xla")
+    loop = make_loop(Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg), max_queue=4)
     loop.start()
     try:
         assert loop.ready.wait(600), loop.error
@@ -278,28 +286,30 @@ def test_a_limit_that_is_not_whole_pages_warms_up_and_serves_to_its_end(max_seq_
         loop.stop()
 
 
-def test_a_replacing_engine_compiles_what_the_old_one_used(caplog: pytest.LogCaptureFixture) -> None:
-    """A live switch's new engine warms the short-sequence programs and every program the old
-    engine compiled (a long window here), not all of them. A program compiled after warm-up is
+def test_a_replacing_runner_compiles_what_the_old_one_used(caplog: pytest.LogCaptureFixture) -> None:
+    """A live switch's new runner warms the short-sequence programs and every program the old
+    runner compiled (a long window here), not all of them. A program compiled after warm-up is
     logged, once (the step waited for it: 25 s for a long prompt, with no word of why)."""
-    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32)
-    old = PagedEngine(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
+    ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32,
+                        attention="xla")  # fmt: skip
+    old = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
     assert not old.warmed
     old.warmup()
     assert old.warmed
-    long = old.idle_batch(old.decode_buckets[0], old.prefill_buckets[1], 1023)  # a chunk's token, last position
-    with caplog.at_level(logging.INFO, logger="service.paged_engine"):
-        old.step(long).host()
-        old.step(long).host()
+    g = old.geometry
+    long = (g.decode_buckets[0], g.prefill_buckets[1], g.window_buckets[-1])  # a chunk's token at the last position
+    with caplog.at_level(logging.INFO, logger="service.engine.runner"):
+        old.step(old.idle_batch(long)).host()
+        old.step(old.idle_batch(long)).host()
     first_use = [r.getMessage() for r in caplog.records if "on first use" in r.getMessage()]
     assert len(first_use) == 1 and first_use[0].startswith(
-        f"compiled the ragged-step program for {old.decode_buckets[0]} decode + {old.prefill_buckets[1]} prefill tokens"
+        f"compiled the ragged-step program for {long[0]} decode + {long[1]} prefill tokens"
     )
-    used = set(old._fns)
+    used = set(old._programs)
     assert len(used) == len(old.warm_programs()) + 1
     new = old.relayout(Layout("1x1"), jax.devices()[:1])
     new.warmup_to_replace(old)
-    assert set(new._fns) == used
+    assert set(new._programs) == used
     assert len(used) < len(new.warm_programs(full=True))
 
 
@@ -307,14 +317,12 @@ def test_data_replicas_serve_the_reference_ids_from_their_own_pools(refs: dict) 
     """A 2x1 layout: two replicas of 2 rows, each with its own pool of 48 positions (12 pages):
     requests spread over both, a replica short of pages preempts its own newest sequence
     only, a prefix cached in one replica is found there, and the ids are the reference's."""
-    loop = paged(layout="2x1", devices=jax.devices()[:2], pool_tokens=96)
-    engine, sched = loop.engine, loop.scheduler
-    assert engine.replicas == 2 and engine.pages_per_replica == 12 and [b.num_pages for b in sched.pools] == [12, 12]
-    assert engine.max_request_tokens == 48
+    loop = tiny_loop("2x1", jax.devices()[:2], kv_cache_tokens=96)
+    runner, sched = loop.runner, loop.scheduler
+    assert runner.replicas == 2 and runner.pages_per_replica == 12 and [b.num_pages for b in sched.pools] == [12, 12]
+    assert runner.max_request_tokens == 48
     replicas_seen: set[int] = set()
-    loop.on_step = lambda plan, seconds: replicas_seen.update(
-        sched.replica_of(r) for r in plan.decode if r.slot is not None
-    )
+    loop.on_step = lambda plan, seconds: replicas_seen.update(runner.geometry.replica_of(t.slot) for t in plan.decode)
     loop.start()
     try:
         assert loop.ready.wait(600)
@@ -333,10 +341,10 @@ def test_data_replicas_serve_the_reference_ids_from_their_own_pools(refs: dict) 
 def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> None:
     """2x1 -> 1x1 with streams in flight: the pools are re-partitioned (every sequence
     recomputed over its prompt and streamed ids), and each stream's ids are the reference's."""
-    loop = paged(layout="2x1", devices=jax.devices()[:2])
+    loop = tiny_loop("2x1", jax.devices()[:2])
     # Built and warmed before the streams start, so that the switch lands while they run.
-    new = loop.engine.relayout(Layout("1x1"), jax.devices()[:1])
-    new.warmup_to_replace(loop.engine)
+    new = loop.runner.relayout(Layout("1x1"), jax.devices()[:1])
+    new.warmup_to_replace(loop.runner)
     loop.start()
     try:
         assert loop.ready.wait(600)
@@ -358,8 +366,8 @@ def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> No
             r.emit = emit
             loop.submit(r)
         assert started.wait(120)
-        loop.switch_engine(new)
-        assert loop.engine is new and len(loop.scheduler.pools) == 1
+        loop.switch_runner(new)
+        assert loop.runner is new and len(loop.scheduler.pools) == 1
         assert not all(d.is_set() for d in done)  # still streaming after the switch
         assert all(d.wait(300) for d in done)
         assert sum(r.preemptions for r in requests) >= 2  # recomputed at the switch
@@ -369,12 +377,12 @@ def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> No
         loop.stop()
 
 
-def test_a_replacing_engine_with_fewer_replicas_warms_the_merged_regions() -> None:
-    """2x1 -> 1x1: a program of the old engine (each replica's region 2 decode + 32 prefill
-    tokens) maps to this engine's buckets as it is and with both replicas' tokens in one region."""
-    old = paged(layout="2x1", devices=jax.devices()[:2], budget=64).engine
-    new = paged(budget=64).engine
-    assert old.prefill_buckets == [0, 16, 32] and new.prefill_buckets == [0, 16, 32, 64]
-    old._fns[(2, 32, 16)] = None  # as if compiled (16 pages: the one window of 64 positions)
+def test_a_replacing_runner_with_fewer_replicas_warms_the_merged_regions() -> None:
+    """2x1 -> 1x1: a program of the old runner (each replica's region 2 decode + 32 prefill
+    tokens) maps to this runner's buckets as it is and with both replicas' tokens in one region."""
+    old = tiny_loop("2x1", jax.devices()[:2], max_num_batched_tokens=64, attention="xla").runner
+    new = tiny_loop(max_num_batched_tokens=64, attention="xla").runner
+    assert old.geometry.prefill_buckets == (0, 16, 32) and new.geometry.prefill_buckets == (0, 16, 32, 64)
+    old._programs[(2, 32, 16)] = None  # as if compiled (16 pages: the one window of 64 positions)
     assert new.replacement_programs(old) == [(4, 32, 16), (4, 64, 16)]
     assert old.replacement_programs(new) == []

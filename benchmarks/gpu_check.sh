@@ -6,7 +6,7 @@
 #
 # Runs from the repository root with the machine's own python3, jax (CUDA) and flax; the
 # project's other dependencies must be importable (pip install -e . or PYTHONPATH).
-#   1. `meshserve sweep` with random bfloat16 weights at Llama 3 8B's shapes
+#   1. `meshserve-bench sweep` with random bfloat16 weights at Llama 3 8B's shapes
 #      (configs/models/llama-3-8b), one device, 128-token prompts, both layer forms
 #      (`--layers scan unrolled`): at batch 1 with the prompt's prefill (TTFT's proxy), then
 #      decode only at batch 8-128. TPOT (steps pipelined as the engine loop runs them), the
@@ -39,7 +39,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 run_sweep() {  # name, timeout, sweep flags...
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python3 -m service.server.cli sweep "${common[@]}" "$@" --out "$out/$name" 2>&1 | tee "$out/$name.log"
+  timeout "$limit" python3 -m benchmarks.cli sweep "${common[@]}" "$@" --out "$out/$name" 2>&1 | tee "$out/$name.log"
   return "${PIPESTATUS[0]}"
 }
 run_sweep b1 "$sweep_timeout" --batches 1

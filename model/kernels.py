@@ -12,9 +12,9 @@ against.
 
 The layer loop: ``lax.scan`` over stacked weights on CPU (one block compiled: the fast start
 on few cores, and the native kernels read a stacked weight in place at the scan's index) and
-an unrolled loop over per-layer weights on accelerators (a scanned 32-layer chain of Llama 3 8B
-matmuls read its weights at about a third of the unrolled one's rate on an H200,
-docs/performance.md; ``benchmarks/gpu_check.sh`` measures both forms of the served engine).
+an unrolled loop over per-layer weights on accelerators, where a scanned chain of matmuls read
+its weights at a fraction of the unrolled one's rate (docs/performance.md;
+``benchmarks/gpu_check.sh`` measures both forms of the served engine).
 """
 
 from __future__ import annotations

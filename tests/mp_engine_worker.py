@@ -4,7 +4,7 @@
     python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json
 
 For each layout in turn, both processes build the tiny random model and a ``Runner`` on
-the layout over all 8 devices; process 0 drives ``service.paged_loop.make_loop`` over a
+the layout over all 8 devices; process 0 drives ``service.engine.loop.make_loop`` over a
 runner mirroring its calls over the step channel, runs ``REQUESTS`` (greedy) and stops the followers (``STOP``), process 1
 ``follow``s; process 0 then writes every layout's ids as JSON. One job for all the layouts: a
 job's start (two interpreters, jax.distributed, gloo) costs about 15 s here. Importable without JAX

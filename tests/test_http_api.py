@@ -34,6 +34,7 @@ from model.text.tokenizer import Tokenizer
 from service.engine.config import EngineConfig
 from service.engine.request import Chunk, FinishReason, TokenLogprob
 from service.engine.scheduler import StepPlan
+from service.server import app
 from service.server.app import PortInUse, ServerThread, start_server
 from service.server.client import Client, make_request
 from service.server.config import ServerConfig
@@ -655,13 +656,13 @@ def test_streamed_event_bytes_are_the_event_as_compact_json(
 
 def test_503_while_loading_and_after_the_engine_dies(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loading = threading.Event()
-    original = Gateway.load
+    original = app.load
 
-    def held_load(self: Gateway) -> None:
+    def held_load(gateway: Gateway, job: object = None) -> int:
         loading.wait(60)
-        original(self)
+        return original(gateway, job)
 
-    monkeypatch.setattr(Gateway, "load", held_load)
+    monkeypatch.setattr(app, "load", held_load)
     http_port = free_port()
     srv = ServerThread(
         ServerConfig(

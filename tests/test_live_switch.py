@@ -194,7 +194,7 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server, mo
 
     def watch_swap() -> None:
         while not swapped and any(t.is_alive() for t in threads):
-            if loop.engine.layout.name == "tp3":
+            if loop.runner.layout.name == "tp3":
                 swapped.append(time.monotonic())
             time.sleep(0.005)
 
@@ -212,7 +212,7 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server, mo
     assert steps_during_build >= 1, "no step ran while SetLayout built the new engine"
     assert swapped, "the streams ended before the switch: not a mid-stream test"
     switched_at = swapped[0]
-    assert loop.engine.layout.name == "tp3"
+    assert loop.runner.layout.name == "tp3"
     for p in PROMPTS:
         assert results[p] == reference[p]
         assert arrivals[p][-1] > switched_at, "the stream ended before the switch: not a mid-stream test"

@@ -167,7 +167,7 @@ class Stream:
 
 def one_process_ids(model: Path) -> tuple[list[list[int]], list[int]]:
     """``REQUESTS``' ids and ``LONG``'s on one process (8 devices) on ``LAYOUT``."""
-    ecfg = EngineConfig(num_slots=SLOTS, max_seq_len=MAX_LEN, kv_cache="paged", kv_cache_tokens=POOL)
+    ecfg = EngineConfig(num_slots=SLOTS, max_seq_len=MAX_LEN, kv_cache_tokens=POOL)
     cfg = ServerConfig(model=str(model), port=0, metrics_port=0, layout=LAYOUT, engine=ecfg)
     srv = ServerThread(cfg).start()
     try:
@@ -249,14 +249,14 @@ def test_a_follower_lost_mid_stream_ends_the_stream_unavailable(
 
 
 def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several pools, the slots cache, or a layout without every process's devices, over several
+    """Several pools or a layout without every process's devices, over several
     processes: a clear error on process 0 (checked before the channel opens; its followers then
     see process 0 go and exit). The same layout rule refuses a live switch (Admin)."""
     import jax
 
     from service.engine.distributed import job_layout_problem
     from service.server.config import ConfigError
-    from service.server.gateway import Gateway
+    from service.server.startup import check_job
     from sharding.layouts import load_layout
 
     assert job_layout_problem(load_layout("single")) is None  # one process: any layout
@@ -267,17 +267,12 @@ def test_a_config_the_job_cannot_run_is_refused_before_it_starts(monkeypatch: py
         job_layout_problem(load_layout("single"))
     )
     with pytest.raises(ConfigError, match="uses 4 devices"):
-        Gateway(ServerConfig(layout="1x4"))._check_job()
+        check_job(ServerConfig(layout="1x4"))
     with pytest.raises(ConfigError, match="uses 2 devices"):
-        Gateway(ServerConfig(pools=["p=1x2"]))._check_job()
-    Gateway(ServerConfig(layout="8x1"))._check_job()
-
-    service = Gateway(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
+        check_job(ServerConfig(pools=["p=1x2"]))
+    check_job(ServerConfig(layout="8x1"))
     with pytest.raises(ConfigError, match="one pool"):
-        service._check_job()
-    slots = ServerConfig(engine=EngineConfig(kv_cache="slots"))
-    with pytest.raises(ConfigError, match="paged"):
-        Gateway(slots)._check_job()
+        check_job(dataclasses.replace(ServerConfig(), pools=["a=single", "b=single"]))
 
 
 def test_serve_distributed_with_nothing_to_join_is_one_clear_error() -> None:

@@ -7,7 +7,8 @@ re-laid out once as column panels [N/32, K, 32], each panel one contiguous,
 software-prefetched stream, with a tile of rows of x held against a panel in vector registers
 (the micro-kernel of Goto & van de Geijn 2008, section 4), sized by the build target's
 registers. Where it is faster than XLA's dots depends on that target: ``faster_than_xla``
-holds the rule the engine follows, and docs/cpu-kernels.md the measurements behind it.
+states the measured rule and docs/cpu-kernels.md the measurements behind it. The engine does
+not consult it per shape: ``model.kernels.choose`` packs panels wherever the kernel is built.
 
 Panels are a form of the parameters, as stored GGUF blocks are (``model.matmul``): the engine
 packs its float32 weights once on one CPU device (``model.weights.packed_weights``) and keeps
@@ -138,8 +139,7 @@ def faster_than_xla(rows: int) -> bool:
     ``benchmarks/native_decode.py``): an AVX-512 build at every size measured (1 to 512 rows);
     an AVX2 build from 2 to 32 rows (at 1 row XLA's matrix-vector product streams the weights
     about as fast, and from 64 rows XLA's matmuls were as fast or faster, decode steps and
-    prefill chunks alike); any other build never (not measured). The engine decides by this alone; call
-    ``available()`` first.
+    prefill chunks alike); any other build never (not measured). Call ``available()`` first.
 
     Raises:
         RuntimeError: the compiler could not be asked for the target's ISA.

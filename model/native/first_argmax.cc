@@ -9,7 +9,7 @@
 // Operand: logits [R, V] f32. Result: ids [R] s32, each row's first index of its largest value
 // (jnp.argmax's tie rule); a row holding a NaN gives V - 1 (a valid id, as
 // model.sampling.first_argmax gives).
-// Built and registered by model/native_kernels.py.
+// Built and registered by model/native/__init__.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

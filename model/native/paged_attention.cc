@@ -17,7 +17,7 @@
 // [N, K, G, H] f32, zeros for a padding token (a row outside [0, R), or a position outside
 // [0, M x page_size)). Page ids are clipped into [0, P), as the XLA path clips them. head_dim a
 // multiple of 16 (meshserve::kHeadDimMultiple), 1 <= G <= 8. Built and registered by
-// model/native_kernels.py; model/cpu_paged_attention.py is its Python side.
+// model/native/__init__.py; model/native/cpu_paged_attention.py is its Python side.
 #include <algorithm>
 #include <cstdint>
 #include <vector>

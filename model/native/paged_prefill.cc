@@ -43,7 +43,7 @@
 // as in the decode kernel (paged_attention.cc). head_dim a multiple of 16
 // (meshserve::kHeadDimMultiple), 1 <= G <= 8, as the decode kernel; M x page_size at most 2^24
 // (ranges are compared as float32 in vector lanes, exact up to there). Built and registered by
-// model/native_kernels.py; model/cpu_paged_attention.py is its Python side.
+// model/native/__init__.py; model/native/cpu_paged_attention.py is its Python side.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

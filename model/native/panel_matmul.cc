@@ -16,7 +16,7 @@
 // scalar in [0, L): the matrix of the stack multiplied, read in place (the scanned paged
 // engine's layer loop passes the whole stack and its index, as quant_matmul.cc's callers do, so
 // XLA materialises no slice of it per layer). Result: y [M, 32 P] f32. Work items are runs of
-// panels, shared by XLA's intra-op threads. Built and registered by model/native_kernels.py;
+// panels, shared by XLA's intra-op threads. Built and registered by model/native/__init__.py;
 // docs/cpu-kernels.md has the measurements behind the tile and prefetch choices.
 #include <algorithm>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ W[K, N] over GGUF-quantized weights kept as stored (Q8_0, Q4_0, Q4_1),
 // dequantized on the fly, as XLA FFI custom calls for the CPU.
 //
-// The weights are model/quant_panels.py's QuantPanels: codes [L, P, Kb, B, 32] (P = N/32
+// The weights are model/weights/quant_panels.py's QuantPanels: codes [L, P, Kb, B, 32] (P = N/32
 // panels of 32 output columns, Kb = K/32 blocks; Q8_0 int8 with B = 32, codes[l, p, b, j, c]
 // weight k = 32b + j of column 32p + c; Q4_* uint8 with B = 16, byte j holding weight 32b + j
 // in its low nibble and 32b + j + 16 in its high one), scales [L, P, Kb, 32] float16 d and,
@@ -45,7 +45,7 @@
 // Work items are runs of panels shared by XLA's intra-op threads (ParallelFor), as in
 // panel_matmul.cc. Float16 scales are widened with F16C (vcvtph2ps) where the target has it
 // (every AVX2 and AVX-512 target here), an exact scalar conversion otherwise. Built and
-// registered by model/native_kernels.py; model/quant_matmul.py is the Python side;
+// registered by model/native/__init__.py; model/native/quant_matmul.py is the Python side;
 // docs/cpu-kernels.md has the measurements behind kDirectMaxM and the tile sizes.
 #include <algorithm>
 #include <cstdint>

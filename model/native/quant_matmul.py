@@ -8,7 +8,8 @@ after ``quant_panels.dequantize`` (``quant_panels.xla_matmul``, which also write
 dequantized matrix). For few rows the kernel applies each block's scale to the block's
 partial sums (the "direct" path); for more rows it dequantizes each panel once into a float32
 scratch panel and reuses the float32 register-tile micro-kernel over every row (the
-"dequantized" path). ``faster_than_xla`` holds where the kernel was measured to win;
+"dequantized" path). ``faster_than_xla`` states where the kernel was measured to win (the
+engine does not consult it per shape: it runs the kernel wherever it is built);
 docs/cpu-kernels.md has the measurements (``benchmarks/quant_matmul.py``).
 
 Stacked weights (``lead`` (L,), the scanned model's layers) are read in place: ``layer``, a
@@ -82,12 +83,10 @@ def faster_than_xla(rows: int, fmt: str) -> bool:
     ``quant_panels.xla_matmul`` (XLA's dequantization, then its float32 dot) for ``rows`` rows
     of ``fmt`` weights (docs/cpu-kernels.md, ``benchmarks/quant_matmul.py``).
 
-    The rule: an AVX2 or AVX-512 build from 1 to 64 rows, any format; an "other" (SSE2) build
-    never (correct, not measured). On the AVX2 machine (2-core Zen 3, SmolLM2-135M's shapes,
-    Q4_1 and Q8_0) the kernel was 4-118x faster at 1 row, 2.5-21x at 8, 1.5-7x at 32 and
-    0.95-3.9x at 64; at 256 rows it ranged 0.74-1.48x by shape (XLA's dot amortises its
-    dequantization over the rows), and at 512 XLA was faster (0.66-0.77x). AVX-512 builds are
-    assumed to follow AVX2's (same code, wider vectors and tiles; not measured).
+    The rule: an AVX2 or AVX-512 build from 1 to 64 rows, any format (beyond that XLA's dot
+    amortises its dequantization over the rows); an "other" (SSE2) build never (correct, not
+    measured). AVX-512 builds are assumed to follow AVX2's (same code, wider vectors and tiles).
+    The figures behind it are in docs/cpu-kernels.md.
 
     Against ``model.native.cpu_matmul`` on the same weights dequantized into float32 panels (4 bytes
     a weight instead of 0.625-1.06, and a float32 copy held): see ``faster_than_panels``.
@@ -105,13 +104,10 @@ def faster_than_panels(rows: int, fmt: str) -> bool:
     """Whether the kernel was measured faster than ``model.native.cpu_matmul`` on float32 panels of the
     same weights dequantized (docs/cpu-kernels.md), as built here.
 
-    The rule: an AVX2 or AVX-512 build at 1 row; otherwise not. At 1 row the float32 panels
-    stream 4 bytes a weight and the kernel 0.625 (Q4_1) or 1.06 (Q8_0): 1.1-4.3x faster on
-    the larger matrices (gate/up, down, the LM head, which dominate a decode step), though the
-    smallest (576 x 576, 576 x 960) are mostly call overhead and went either way (0.5-1.4x).
-    From 8 rows on the matmuls are bound by arithmetic, not by the weights' bytes, and the
-    kernel's widening of the codes costs what the bytes save: 0.65-1.7x by shape, about even
-    overall. What the kernel always saves is memory: no float32 copy of the weights.
+    The rule: an AVX2 or AVX-512 build at 1 row, where the weights' bytes bound the matmul
+    (4 bytes a weight in float32 panels against 0.625 for Q4_1, 1.06 for Q8_0); otherwise not:
+    from 8 rows the matmuls are bound by arithmetic and widening the codes costs what the bytes
+    save (docs/cpu-kernels.md). What the kernel always saves is memory: no float32 copy.
 
     Raises:
         ValueError: ``fmt`` is not one of ``quant_panels.FORMATS``.

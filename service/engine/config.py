@@ -29,7 +29,7 @@ class EngineConfig:
         num_slots: rows, the most sequences running at once (vLLM's ``max_num_seqs``).
         max_seq_len: the most tokens (prompt + generated) one sequence may hold.
         chunk_size: most prompt tokens of one sequence per step.
-        dtype: parameter dtype name ("float32" on CPU; "bfloat16" on accelerators).
+        dtype: parameter dtype name, "float32" (the default, everywhere) or "bfloat16".
         kv_dtype: KV-cache dtype name: "auto" (the parameters' ``dtype``), "float32" or
             "bfloat16". A bfloat16 cache with float32 weights halves the bytes each decode
             step's attention reads (vLLM's ``--kv-cache-dtype`` is the same choice); keys and

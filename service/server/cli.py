@@ -604,9 +604,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to listen on, for gRPC, metrics and the HTTP API (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, help="gRPC port (default 50051; 0 = any free port)")
     s.add_argument("--layout", help="layout preset name or YAML path (see 'meshserve layouts')")
-    s.add_argument("--num-slots", "--slots", dest="num_slots", type=int, help="decode slots")
-    s.add_argument("--max-seq-len", type=int, help="tokens per slot: prompt + generated")
-    s.add_argument("--chunk-size", type=int, help="prefill chunk, tokens")
+    s.add_argument(
+        "--num-slots",
+        "--slots",
+        dest="num_slots",
+        type=int,
+        help="rows: the most sequences running at once (vLLM's max_num_seqs)",
+    )
+    s.add_argument("--max-seq-len", type=int, help="the most tokens one sequence holds: prompt + generated")
+    s.add_argument("--chunk-size", type=int, help="most prompt tokens of one sequence per step")
     s.add_argument(
         "--max-queue", type=int, help="most requests waiting for a slot; more are RESOURCE_EXHAUSTED (default 64)"
     )

@@ -174,6 +174,21 @@ class Job:
             log.warning("not every follower left the job within 30 s of STOP")
 
 
+def check_job(cfg: ServerConfig) -> None:
+    """Process 0, before a job over several processes opens its step channel: can it serve ``cfg``?
+
+    Raises:
+        ConfigError: several pools, or a layout without every process's devices
+            (``job_layout_problem``).
+    """
+    if len(cfg.pools) > 1:
+        raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
+    layout = parse_pool(cfg.pools[0]).layout if cfg.pools else load_layout(cfg.layout)
+    problem = job_layout_problem(layout)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def join_job(cfg: ServerConfig) -> tuple[Job, ServerConfig]:
     """Open the step channel of a job over several processes (after
     ``service.engine.distributed.initialize``): process 0 sends its config (less the admin
@@ -187,12 +202,7 @@ def join_job(cfg: ServerConfig) -> tuple[Job, ServerConfig]:
         ConnectionError, TimeoutError: the step channel did not open, or closed early.
     """
     if jax.process_index() == 0:
-        if len(cfg.pools) > 1:
-            raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
-        layout = parse_pool(cfg.pools[0]).layout if cfg.pools else load_layout(cfg.layout)
-        problem = job_layout_problem(layout)
-        if problem is not None:
-            raise ConfigError(problem)
+        check_job(cfg)
         # Every interface: the followers reach it at the coordinator's host.
         channel = StepChannel.open(host=coordinator_host(), bind="")
         channel.send((CONFIG, (dataclasses.replace(cfg, admin_token=None),), {}))

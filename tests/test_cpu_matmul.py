@@ -1,8 +1,7 @@
 """The native CPU panel matmul (``model.native.cpu_matmul``) against numpy float64; packing into
 panels (``pack``, ``pack_stacked``, ``unpack``) and the model's weights in that form
 (``model.weights.packed_weights``); the engine's step over packed weights against XLA's dots
-(a ``Runner`` with matmul "auto" against one with "xla") and against the dense reference; and
-the rule of where the kernel is faster (``faster_than_xla``)."""
+(a ``Runner`` with matmul "auto" against one with "xla") and against the dense reference."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import pytest
 from flax import nnx
 from reference import dense_logits
 
-from model import native
 from model.config import LlamaConfig
 from model.native import cpu_matmul
 from model.weights.build import random_block_llama, random_llama
@@ -290,19 +288,3 @@ def test_a_runner_with_panels_matches_xla_and_the_dense_reference(tied: bool) ->
     want = dense_logits(graphdef, params, seq)[PROMPT_LEN - 1 :]
     np.testing.assert_allclose(logits_p, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(logits_x, want, rtol=1e-4, atol=1e-4)
-
-
-# ---- where the kernel is faster ---------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("isa", "faster"),
-    [
-        ("avx512", {1: True, 2: True, 64: True, 512: True}),
-        ("avx2", {1: False, 2: True, 8: True, 32: True, 33: False, 64: False, 128: False, 512: False}),
-        ("other", {1: False, 8: False, 512: False}),
-    ],
-)
-def test_faster_than_xla_follows_the_builds_isa(
-    monkeypatch: pytest.MonkeyPatch, isa: str, faster: dict[int, bool]
-) -> None:
-    monkeypatch.setattr(native, "isa", lambda: isa)
-    assert {rows: cpu_matmul.faster_than_xla(rows) for rows in faster} == faster

@@ -188,12 +188,3 @@ def test_trace_time_errors() -> None:
         quant_matmul.matmul(x, quant_panels.stack([w, w]))
     with pytest.raises(ValueError, match="unknown path"):
         quant_matmul.matmul(x, w, path="fast")
-
-
-def test_speed_rules_take_every_format() -> None:
-    for fmt in FORMATS:
-        assert isinstance(quant_matmul.faster_than_xla(1, fmt), bool)
-        assert not quant_matmul.faster_than_xla(4096, fmt)
-        assert isinstance(quant_matmul.faster_than_panels(1, fmt), bool)
-    with pytest.raises(ValueError, match="unknown block format"):
-        quant_matmul.faster_than_xla(1, "q5_k")

@@ -147,12 +147,6 @@ class AttentionBackend(abc.ABC):
         """The ``window_pages`` values the engine compiles steps for, ascending, the last
         ``max_pages``; ``min_pages``: the smallest window worth a program of its own."""
 
-    def window_for(self, max_position: int, page_size: int, buckets: list[int]) -> int:
-        """The window of a step whose real tokens reach ``max_position`` (-1: none): the
-        smallest of ``buckets`` covering it."""
-        need = max(max_position, 0) // page_size + 1
-        return next(b for b in buckets if b >= need) if need <= buckets[-1] else buckets[-1]
-
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
     """Powers of two from ``smallest`` while below ``largest``, then ``largest`` itself."""

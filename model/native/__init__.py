@@ -15,8 +15,7 @@ the AVX2 code path on any x86-64 CPU that has AVX2 (tests/test_cpu_portability.p
 
 They are built only on x86-64 (``SUPPORTED_MACHINES``), the only CPUs they are tested and
 measured on; elsewhere, or where they cannot be built (no compiler), ``available()`` is False
-and the engine keeps XLA's paths. ``isa()`` names the vector ISA the build targets, which the
-measured rules (``cpu_matmul.faster_than_xla``, ``quant_matmul.faster_than_xla``) read.
+and the engine keeps XLA's paths. ``isa()`` names the vector ISA the build targets.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ the machine's streaming rate. The kernel (``native/panel_matmul.cc``) reads the 
 re-laid out once as column panels [N/32, K, 32], each panel one contiguous,
 software-prefetched stream, with a tile of rows of x held against a panel in vector registers
 (the micro-kernel of Goto & van de Geijn 2008, section 4), sized by the build target's
-registers. Where it is faster than XLA's dots depends on that target: ``faster_than_xla``
-states the measured rule and docs/cpu-kernels.md the measurements behind it. The engine does
-not consult it per shape: ``model.kernels.choose`` packs panels wherever the kernel is built.
+registers. Where it is faster than XLA's dots depends on that target (docs/cpu-kernels.md); the
+engine does not choose per shape: ``model.kernels.choose`` packs panels wherever it is built.
 
 Panels are a form of the parameters, as stored GGUF blocks are (``model.matmul``): the engine
 packs its float32 weights once on one CPU device (``model.weights.packed_weights``) and keeps
@@ -131,25 +130,6 @@ def matmul(x: jax.Array, w: Panels) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
     data, layer = (w.data, w.layer) if stacked else (w.data[None], 0)  # one matrix: L = 1, a reshape
     return call(x.astype(jnp.float32), data, jnp.asarray(layer, jnp.int32)).reshape(m, *w.out_shape)
-
-
-def faster_than_xla(rows: int) -> bool:
-    """Whether the float32 panel kernel, as built here (``native.isa()``), was measured
-    faster than XLA's dots for matmuls of ``rows`` rows (docs/cpu-kernels.md,
-    ``benchmarks/native_decode.py``): an AVX-512 build at every size measured (1 to 512 rows);
-    an AVX2 build from 2 to 32 rows (at 1 row XLA's matrix-vector product streams the weights
-    about as fast, and from 64 rows XLA's matmuls were as fast or faster, decode steps and
-    prefill chunks alike); any other build never (not measured). Call ``available()`` first.
-
-    Raises:
-        RuntimeError: the compiler could not be asked for the target's ISA.
-    """
-    isa = native.isa()
-    if isa == "avx512":
-        return rows >= 1
-    if isa == "avx2":
-        return 2 <= rows <= 32
-    return False
 
 
 available = native.available  # whether the kernels are built and registered

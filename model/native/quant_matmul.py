@@ -8,9 +8,8 @@ after ``quant_panels.dequantize`` (``quant_panels.xla_matmul``, which also write
 dequantized matrix). For few rows the kernel applies each block's scale to the block's
 partial sums (the "direct" path); for more rows it dequantizes each panel once into a float32
 scratch panel and reuses the float32 register-tile micro-kernel over every row (the
-"dequantized" path). ``faster_than_xla`` states where the kernel was measured to win (the
-engine does not consult it per shape: it runs the kernel wherever it is built);
-docs/cpu-kernels.md has the measurements (``benchmarks/quant_matmul.py``).
+"dequantized" path). The engine runs the kernel wherever it is built;
+docs/cpu-kernels.md has where it was measured to win (``benchmarks/quant_matmul.py``).
 
 Stacked weights (``lead`` (L,), the scanned model's layers) are read in place: ``layer``, a
 traced int32 scalar, is an operand of the call and the kernel offsets into the buffers, so no
@@ -76,46 +75,6 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
     operands = [x.astype(jnp.float32), codes, scales, *([] if mins is None else [mins])]
     y = call(*operands, jnp.asarray(layer, jnp.int32), path=PATHS[path])
     return y.reshape(m, *w.out_shape)
-
-
-def faster_than_xla(rows: int, fmt: str) -> bool:
-    """Whether the kernel, as built here (``native.isa()``), was measured faster than
-    ``quant_panels.xla_matmul`` (XLA's dequantization, then its float32 dot) for ``rows`` rows
-    of ``fmt`` weights (docs/cpu-kernels.md, ``benchmarks/quant_matmul.py``).
-
-    The rule: an AVX2 or AVX-512 build from 1 to 64 rows, any format (beyond that XLA's dot
-    amortises its dequantization over the rows); an "other" (SSE2) build never (correct, not
-    measured). AVX-512 builds are assumed to follow AVX2's (same code, wider vectors and tiles).
-    The figures behind it are in docs/cpu-kernels.md.
-
-    Against ``model.native.cpu_matmul`` on the same weights dequantized into float32 panels (4 bytes
-    a weight instead of 0.625-1.06, and a float32 copy held): see ``faster_than_panels``.
-
-    Raises:
-        ValueError: ``fmt`` is not one of ``quant_panels.FORMATS``.
-        RuntimeError: the compiler could not be asked for the target's ISA.
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    return native.isa() != "other" and 1 <= rows <= 64
-
-
-def faster_than_panels(rows: int, fmt: str) -> bool:
-    """Whether the kernel was measured faster than ``model.native.cpu_matmul`` on float32 panels of the
-    same weights dequantized (docs/cpu-kernels.md), as built here.
-
-    The rule: an AVX2 or AVX-512 build at 1 row, where the weights' bytes bound the matmul
-    (4 bytes a weight in float32 panels against 0.625 for Q4_1, 1.06 for Q8_0); otherwise not:
-    from 8 rows the matmuls are bound by arithmetic and widening the codes costs what the bytes
-    save (docs/cpu-kernels.md). What the kernel always saves is memory: no float32 copy.
-
-    Raises:
-        ValueError: ``fmt`` is not one of ``quant_panels.FORMATS``.
-        RuntimeError: the compiler could not be asked for the target's ISA.
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    return native.isa() != "other" and rows == 1
 
 
 available = native.available  # whether the kernels are built and registered

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (``meshserve_*``), on a registry of its own.
 
 Each ``Metrics`` owns a fresh ``CollectorRegistry`` so several servers in one process (tests,
-benchmarks) never clash; ``service/server.py`` serves it over HTTP on ``metrics_port``.
+benchmarks) never clash; ``service/server/app.py`` serves it over HTTP on ``metrics_port``.
 
 Every metric, with its labels (``pool`` = the engine pool's name, "default" without ``--pool``):
 
@@ -39,34 +39,34 @@ Per request, recorded once when it ends:
     (A request with n sequences counts once here when refused, and n times in the per-request
     metrics above when admitted: each sequence is a request to the engine.)
 
-Per pool, read when scraped (the step histogram when each step ends):
-    meshserve_active_slots{pool}                     gauge: slots holding a request
-    meshserve_queue_depth{pool}                      gauge: requests waiting for a slot
-    meshserve_num_slots{pool}                        gauge: decode slots
-    meshserve_kv_cache_usage_ratio{pool}             gauge: cached tokens / (slots x max_seq_len)
-    meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
-    meshserve_model_weights_info{weights,formats}    info: how the weights are held: "stored" (GGUF
-                                                     blocks, formats e.g. "embed=q8_0,wqkv=q4_1"),
-                                                     "int8" (Q8_0 blocks quantized at load) or the
-                                                     float dtype (formats "")
-    meshserve_engine_step_seconds{pool}              histogram: one engine step (prefill chunk + decode)
-    meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
-                                                     prefill chunk tokens)
-With a paged KV cache (``--kv-cache paged``), also:
+Per pool, read when scraped (the step histograms when each step ends):
+    meshserve_active_slots{pool}                     gauge: rows holding a request
+    meshserve_queue_depth{pool}                      gauge: requests waiting for a row
+    meshserve_num_slots{pool}                        gauge: rows (``--slots``)
+    meshserve_kv_cache_usage_ratio{pool}             gauge: pages held by a sequence / pages in the pool
     meshserve_kv_cache_pages{pool,state}             gauge: pages by state: used (held by a sequence),
                                                      cached (unreferenced, kept for prefix hits,
                                                      evictable), free
     meshserve_prefix_cache_queried_tokens_total{pool}  counter: prompt tokens looked up in the prefix cache
     meshserve_prefix_cache_hit_tokens_total{pool}    counter: of those, tokens found cached (not prefilled)
     meshserve_preemptions_total{pool}                counter: sequences preempted for pages (recomputed later)
+    meshserve_engine_step_seconds{pool}              histogram: one engine step
+    meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
+                                                     prefill chunk tokens)
+    meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
 
-Server (process-wide, no pool label: health covers every pool):
+Server (process-wide, no pool label):
+    meshserve_model_weights_info{weights,formats}    info: how the weights are held: "stored" (GGUF
+                                                     blocks, formats e.g. "embed=q8_0,wqkv=q4_1"),
+                                                     "int8" (Q8_0 blocks quantized at load) or the
+                                                     float dtype (formats "")
     meshserve_serving                                gauge: 1 while grpc.health.v1 reports SERVING, else 0
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -77,6 +77,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+POOL = ("pool",)
 
 
 class Metrics:
@@ -84,123 +85,66 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        reg = self.registry
-        self.ttft = Histogram(
+
+        def make(kind: type, name: str, doc: str, labels: Sequence[str] = POOL, **kw: Any) -> Any:
+            return kind(name, doc, list(labels), namespace=NAMESPACE, registry=self.registry, **kw)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return make(Histogram, name, doc, buckets=buckets)
+
+        self.ttft = hist(
             "time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
-            ["pool"],
-            buckets=LATENCY_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+            LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = hist(
             "time_per_output_token_seconds",
             "Mean seconds per generated token after the first, per completed request.",
-            ["pool"],
-            buckets=TPOT_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+            TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = hist(
             "e2e_request_latency_seconds",
             "Seconds from a request's arrival to its last token, per completed request.",
-            ["pool"],
-            buckets=LATENCY_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+            LATENCY_BUCKETS,
         )
-        self.queue_time = Histogram(
-            "queue_time_seconds",
-            "Seconds a request waited from arrival until its prefill started.",
-            ["pool"],
-            buckets=LATENCY_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+        self.queue_time = hist(
+            "queue_time_seconds", "Seconds a request waited from arrival until its prefill started.", LATENCY_BUCKETS
         )
-        self.step_time = Histogram(
-            "engine_step_seconds",
-            "Seconds per engine step.",
-            ["pool"],
-            buckets=STEP_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+        self.step_time = hist("engine_step_seconds", "Seconds per engine step.", STEP_BUCKETS)
+        self.step_tokens = hist(
+            "engine_step_tokens", "Tokens per engine step (decode tokens plus prefill chunk tokens).", TOKEN_BUCKETS
         )
-        self.step_tokens = Histogram(
-            "engine_step_tokens",
-            "Tokens per engine step (decode tokens plus prefill chunk tokens).",
-            ["pool"],
-            buckets=TOKEN_BUCKETS,
-            namespace=NAMESPACE,
-            registry=reg,
+        self.kv_pages = make(Gauge, "kv_cache_pages", "Pages of the paged KV cache by state.", ("pool", "state"))
+        self.prefix_queried = make(
+            Counter, "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
         )
-        self.kv_pages = Gauge(
-            "kv_cache_pages",
-            "Pages of the paged KV cache by state.",
-            ["pool", "state"],
-            namespace=NAMESPACE,
-            registry=reg,
+        self.prefix_hits = make(
+            Counter, "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not prefilled)."
         )
-        self.prefix_queried = Counter(
-            "prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache.",
-            ["pool"],
-            namespace=NAMESPACE,
-            registry=reg,
-        )
-        self.prefix_hits = Counter(
-            "prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache (not prefilled).",
-            ["pool"],
-            namespace=NAMESPACE,
-            registry=reg,
-        )
-        self.preemptions = Counter(
-            "preemptions", "Sequences preempted for pages.", ["pool"], namespace=NAMESPACE, registry=reg
-        )
-        self.prompt_tokens = Counter(
+        self.preemptions = make(Counter, "preemptions", "Sequences preempted for pages.")
+        self.prompt_tokens = make(
+            Counter,
             "prompt_tokens",
             "Prompt tokens in the KV cache when a request ends, prefilled or found in the prefix cache.",
-            ["pool"],
-            namespace=NAMESPACE,
-            registry=reg,
         )
-        self.generation_tokens = Counter(
-            "generation_tokens", "Generated token ids (EOS excluded).", ["pool"], namespace=NAMESPACE, registry=reg
+        self.generation_tokens = make(Counter, "generation_tokens", "Generated token ids (EOS excluded).")
+        self.requests = make(
+            Counter, "requests", "Requests that reached an engine, by how they ended.", ("pool", "finish_reason")
         )
-        self.requests = Counter(
-            "requests",
-            "Requests that reached an engine, by how they ended.",
-            ["pool", "finish_reason"],
-            namespace=NAMESPACE,
-            registry=reg,
-        )
-        self.rejected = Counter(
+        self.rejected = make(
+            Counter,
             "requests_rejected",
             "Generate calls and HTTP completion requests refused before reaching an engine, by pool (empty "
             "before one was chosen) and reason.",
-            ["pool", "code"],
-            namespace=NAMESPACE,
-            registry=reg,
+            ("pool", "code"),
         )
-        self.active_slots = Gauge(
-            "active_slots", "Slots holding a request.", ["pool"], namespace=NAMESPACE, registry=reg
-        )
-        self.queue_depth = Gauge(
-            "queue_depth", "Requests waiting for a slot.", ["pool"], namespace=NAMESPACE, registry=reg
-        )
-        self.num_slots = Gauge("num_slots", "Decode slots.", ["pool"], namespace=NAMESPACE, registry=reg)
-        self.kv_usage = Gauge(
-            "kv_cache_usage_ratio",
-            "Fraction of the KV cache's slot-tokens holding cached tokens.",
-            ["pool"],
-            namespace=NAMESPACE,
-            registry=reg,
-        )
-        self.layout = Info(
-            "pool_layout", "The pool's current mesh layout.", ["pool"], namespace=NAMESPACE, registry=reg
-        )
-        self.weights = Info("model_weights", "How the served weights are held.", namespace=NAMESPACE, registry=reg)
-        self.serving = Gauge("serving", "1 while health reports SERVING, else 0.", namespace=NAMESPACE, registry=reg)
+        self.active_slots = make(Gauge, "active_slots", "Rows holding a request.")
+        self.queue_depth = make(Gauge, "queue_depth", "Requests waiting for a row.")
+        self.num_slots = make(Gauge, "num_slots", "Rows of the pool's batch.")
+        self.kv_usage = make(Gauge, "kv_cache_usage_ratio", "Fraction of the KV pool's pages held by a sequence.")
+        self.layout = make(Info, "pool_layout", "The pool's current mesh layout.")
+        self.weights = make(Info, "model_weights", "How the served weights are held.", ())
+        self.serving = make(Gauge, "serving", "1 while health reports SERVING, else 0.", ())
         self._layouts: dict[str, dict[str, str]] = {}
 
     def track_pool(

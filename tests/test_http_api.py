@@ -769,7 +769,13 @@ def test_http_connections_have_nagle_off() -> None:
 
 def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_path: Path) -> None:
     """uvicorn runs without its own signal handlers: SIGTERM reaches serve_forever's drain, which
-    stops the HTTP server too, and the process exits 0."""
+    lets the stream end, stops the HTTP server too, and the process exits 0.
+
+    Greedy on a prompt of real tokens, so that the stream runs to max_tokens: this test once
+    sampled (temperature 1) on the prompt [1, 2], whose special tokens' zero embeddings make every
+    first logit 0, and about 1 time in 200 (3 of 600 seeds) its first token was EOS, so the stream's first chunk was
+    also its last and nothing was left to read after SIGTERM (tests/test_drain.py holds the
+    drain's own guarantees)."""
     http_port = free_port()
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "service.server.cli", "serve", "--model", str(tiny_gguf), "--port", "0",
@@ -782,11 +788,19 @@ def test_serve_with_http_port_drains_and_exits_on_sigterm(tiny_gguf: Path, tmp_p
                 log_path.read_text()
             )
             c = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x", max_retries=0)
-            stream = iter(c.completions.create(model="tiny", prompt=[1, 2], max_tokens=20, stream=True))
-            next(stream)
+            stream = iter(
+                c.completions.create(
+                    model="tiny", prompt="the drain", max_tokens=60, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )  # fmt: skip
+            first = next(stream)
             proc.send_signal(signal.SIGTERM)
             rest = list(stream)  # the in-flight stream finishes within the grace period
-            assert rest[-1].choices[0].finish_reason in ("length", "stop")
+            chunks = [first, *rest]
+            assert chunks[-2].choices[0].finish_reason == "length"  # then the usage chunk
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 60
+            assert len(chunks) == 60 + 1
             assert proc.wait(30) == 0
         finally:
             if proc.poll() is None:

@@ -38,6 +38,9 @@ log = logging.getLogger("meshserve")
 # gRPC sets SO_REUSEPORT by default, so a second server could bind a port that a running one
 # holds and split its traffic; without it a busy port is a clear startup error.
 NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
+# After the grace period, how long the streams failed with UNAVAILABLE get to write that ending
+# before the servers stop: writing an event or a status takes milliseconds for a reading client.
+FLUSH_S = 2.0
 
 
 class RunningServer:
@@ -99,22 +102,26 @@ class RunningServer:
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop admitting (UNAVAILABLE, health NOT_SERVING), let in-flight streams finish for up
-        to ``grace_s`` seconds, then fail the rest with UNAVAILABLE and stop. Idempotent."""
+        to ``grace_s`` seconds, then fail the rest with UNAVAILABLE (gRPC's status; an error
+        event before ``[DONE]`` on HTTP), give their transports up to ``FLUSH_S`` seconds to
+        write that ending, and stop. A request is in flight until its response's last byte is
+        handed to its connection (``Gateway.inflight``), so a stream is never cut between its
+        last token and its end. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         gateway = self.gateway
         gateway.accepting = False
         await self.set_health(False)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(gateway.inflight.values()):
-            await asyncio.sleep(0.05)
-        left = sum(len(r) for r in gateway.inflight.values())
-        if left:
+        if not await self._drained(grace_s):
+            left = sum(len(r) for r in gateway.inflight.values())
             log.warning("grace period over: ending %d in-flight stream(s) with UNAVAILABLE", left)
         for pool in gateway.pools:
             await asyncio.to_thread(pool.loop.stop, 5.0)  # fails what is left with UNAVAILABLE
         gateway.fail_inflight(None, "the server is shutting down")  # whatever a stuck loop still holds
+        if not await self._drained(FLUSH_S):
+            left = sum(len(r) for r in gateway.inflight.values())
+            log.warning("%d stream(s) not written to their end in %.0f s: their clients do not read", left, FLUSH_S)
         if self.job is not None:
             self.job.release_followers()
         if self._watchdog is not None:
@@ -127,6 +134,16 @@ class RunningServer:
         if self.metrics_httpd is not None:
             await asyncio.to_thread(self.metrics_httpd.shutdown)
             self.metrics_httpd.server_close()
+
+    async def _drained(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for no request to be in flight; whether none is."""
+        inflight = self.gateway.inflight
+        deadline = time.monotonic() + timeout_s
+        while any(inflight.values()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 class PortInUse(RuntimeError):
@@ -357,6 +374,9 @@ class ServerThread:
         return f"{self.cfg.host}:{self.running.port}"
 
     def stop(self, grace_s: float = 0.0) -> None:
+        """Drain (``RunningServer.shutdown``) and stop the thread's event loop; idempotent."""
+        if not self._thread.is_alive():
+            return
         if self.running is not None:
             asyncio.run_coroutine_threadsafe(self.running.shutdown(grace_s), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -69,9 +69,10 @@ class Gateway:
         pools: the engine pools, the default first (empty while loading).
         accepting: False once a drain began (new requests are UNAVAILABLE).
         serving: what health reports (``RunningServer.set_health``), for HTTP's /health.
-        inflight: requests between submit and the end of their RPC or HTTP response, per pool
-            name; touched only on the event loop's thread; the watchdog fails them when their
-            pool's loop dies or stalls.
+        inflight: requests from submit until their response's last byte is handed to its
+            connection (``Generation.close``, called by the transport then), per pool name;
+            touched only on the event loop's thread; the watchdog fails them when their pool's
+            loop dies or stalls, and a drain waits for them.
         on_admit: called on the event loop before a request is first submitted (``serve_forever``:
             from then on a stop signal drains instead of ending the process).
         max_request_tokens: the most tokens (prompt + generated) a request may hold: set at
@@ -233,8 +234,9 @@ class Gateway:
         The checks run cheapest first, so that a burst is refused before any tokenizing: the
         model is loaded, the server is accepting, ``route()`` picks the pool, the pool can serve,
         its queue has room; only then ``prepare(tokenizer)`` tokenizes and validates, on a worker
-        thread (``Tokenizer.encode`` lets go of the GIL: a prompt of hundreds of kilobytes takes
-        0.1-0.2 s to tokenize, which on the event loop would stall every stream). Sequence i
+        thread (``Tokenizer.encode`` lets go of the GIL, and a long prompt takes long enough to
+        tokenize that on the event loop it would stall every stream: docs/performance.md,
+        "Tokenizing on the host"). Sequence i
         gets its own ``Request`` with the seed ``sequence_seed(seed, i)``; all are submitted at
         once (they share the prompt's pages) and tracked in ``inflight`` until the
         ``Generation`` is closed. Each sequence records its own metrics when it ends. A refusal

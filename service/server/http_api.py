@@ -335,7 +335,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         request: Request, generation: Generation, responses: Responses, stream: bool, include_usage: bool
     ) -> Response:
         if stream:
-            return StreamingResponse(
+            return _EventStream(
+                generation,
                 _events(generation, responses, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -357,11 +358,15 @@ def create_app(gateway: Gateway) -> FastAPI:
             OpenAIError: the request was refused (its HTTP status and message).
         """
         rid, generation = await admit(request, body.model, prepare)
-        responses = Responses(
-            chat, rid, _model_id(gateway, generation), generation.n, generation.prompt_tokens, logprobs,
-            _tokenizer(gateway),
-        )  # fmt: skip
-        return await answer(request, generation, responses, bool(body.stream), body.include_usage)
+        try:
+            responses = Responses(
+                chat, rid, _model_id(gateway, generation), generation.n, generation.prompt_tokens, logprobs,
+                _tokenizer(gateway),
+            )  # fmt: skip
+            return await answer(request, generation, responses, bool(body.stream), body.include_usage)
+        except BaseException:
+            generation.close()  # no response will close it
+            raise
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -397,9 +402,41 @@ def _model_id(gateway: Gateway, generation: Generation) -> str:
     return next(name for name, pool in model_ids(gateway) if pool.name == generation.pool)
 
 
+class _Closing(Response):
+    """A response that closes its ``Generation`` once its last byte is handed to the connection,
+    or its sending was cut (the client went away, or the server stopped): until then the request
+    is in flight (``Gateway.inflight``), so a drain waits for the end of the stream, not only
+    for the engine's last token."""
+
+    generation: Generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+class _EventStream(_Closing, StreamingResponse):
+    """The SSE response of ``generation`` (``_events``)."""
+
+    def __init__(self, generation: Generation, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.generation = generation
+
+
+class _Whole(_Closing, JSONResponse):
+    """The JSON body of a non-streamed ``generation`` (``_collect``)."""
+
+    def __init__(self, generation: Generation, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.generation = generation
+
+
 async def _events(generation: Generation, responses: Responses, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body: one event per chunk, the usage event when asked, then ``[DONE]``. Cancelled
-    (the client went away) or finished, it closes the generation."""
+    """The SSE body: one event per chunk, the usage event when asked, then ``[DONE]``; a sequence
+    that failed (its pool's loop died or stalled, or the drain's grace period ended) ends it with
+    an error event before ``[DONE]``. The response (``_EventStream``) closes the generation."""
     rid = generation.request_id
     try:
         async for index, chunk in generation:
@@ -413,14 +450,12 @@ async def _events(generation: Generation, responses: Responses, include_usage: b
     except asyncio.CancelledError:
         log.info("request %s: %d, the client closed the stream", rid, CLIENT_CLOSED)
         raise
-    finally:
-        generation.close()
     yield sse_event("[DONE]")
 
 
 async def _collect(request: Request, generation: Generation, responses: Responses) -> Response:
     """Run a non-streamed request to its end, or until the client goes away (then every sequence
-    is cancelled)."""
+    is cancelled at once); the response (``_Whole``) closes the generation after its body."""
     rid = generation.request_id
 
     async def run() -> None:
@@ -435,7 +470,7 @@ async def _collect(request: Request, generation: Generation, responses: Response
         gone.cancel()
         if not work.done():
             work.cancel()
-        generation.close()
+            generation.close()  # the client went away (or the handler was cancelled): free the rows now
     if not work.done() or work.cancelled():
         log.info("request %s: %d, the client closed the connection", rid, CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
@@ -443,9 +478,9 @@ async def _collect(request: Request, generation: Generation, responses: Response
         work.result()
     except StreamFailed as exc:
         log.warning("request %s: failed: %s", rid, exc)
-        return JSONResponse(error_body(503, str(exc)), status_code=503)
+        return _Whole(generation, error_body(503, str(exc)), status_code=503)
     log.info("request %s: finished, %d tokens", rid, responses.completion_tokens)
-    return JSONResponse(responses.completion())
+    return _Whole(generation, responses.completion())
 
 
 # ---- the uvicorn server ------------------------------------------------------------------------------

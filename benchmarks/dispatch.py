@@ -27,7 +27,8 @@ the previous output, the sampling arrays and the token history), and, per (confi
 the ratio of the largest T's dispatch to the smallest's. Issue 19's target: <= 1 ms everywhere,
 the largest within 1.2x of the smallest. The step's arguments are the same few arrays whatever
 T (the pool is two arrays, K and V), so only their sizes grow with T. Results:
-docs/performance.md ("Dispatch cost").
+docs/performance.md (the paged engine's under issue 19's "Dispatch", the per-slot engine's
+under "Dispatch cost"; not re-run since the tool times the ``Runner``).
 
 Configs (``CONFIGS``): ``smollm2-135m`` (SmolLM2-135M's shapes: 30 layers, hidden 576, 9 query
 and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied), ``32-layer`` (the same widths with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one short run: does the served engine (the paged engine `serve` runs) run
+# The GPU check, in one short run: does the served engine (what `serve` runs) run
 # unchanged on a GPU, which layer form is faster there, and what decode MBU does it reach?
 #
 #   benchmarks/gpu_check.sh OUT_DIR
@@ -14,8 +14,9 @@
 #      the device (e.g. h200). Weights' values do not change the speed.
 #   2. The same decode sweep with int8 weights (`--weights int8`: random Q8_0 blocks, a float16
 #      scale per 32 weights, multiplied by XLA's dequantize-then-dot path), batch 1 and 8.
-#   3. benchmarks/gpu_pick.py: the faster layer form at each batch (the choice `--layers auto`
-#      should make on this backend), and the batch-1 TPOT ratio int8 / bfloat16 (target <= 0.6).
+#   3. benchmarks/gpu_pick.py: the faster layer form at each batch (the choice the engine's
+#      `layer_loop: auto`, model.kernels.choose, should make on this backend), and the batch-1
+#      TPOT ratio int8 / bfloat16 (target <= 0.6).
 #   4. The engine's tests that need neither the default model's download nor 8 CPU devices, on
 #      the GPU: the ragged step against the other entry points and against itself alone, and
 #      paged attention against its reference; float32 matmuls at "highest" precision

@@ -1,4 +1,4 @@
-"""Read ``meshserve sweep`` results of several layer forms and say which form is faster at each
+"""Read ``meshserve-bench sweep`` results of several layer forms and say which form is faster at each
 batch, and the int8 / bfloat16 TPOT ratio (``benchmarks/gpu_check.sh``'s last step).
 
     python3 benchmarks/gpu_pick.py SWEEP_JSON [SWEEP_JSON ...] [--int8 SWEEP_JSON]

@@ -10,9 +10,10 @@ B in 1 8 32 64; plus the TTFT of one 512-token prompt. For each engine and B:
   B = 1; decode tok/s = B (N - 1) / decode;
 
 each the median of ``--repeats`` runs after one untimed warm-up run (which compiles meshserve's
-programs). Both come from the same N-token run: at B = 64 the prefill of the rows takes 10-50 s
-and the decode 4-18 s, so a TPOT taken as (N-token run - separate 1-token run) / (N - 1), as this
-script did before, moved by tens of ms with the prefill's own noise. An engine whose loop cannot be
+programs). Both come from the same N-token run: at B = 64 the prefill of the rows takes several
+times as long as the decode (docs/performance.md: the TTFT of B x 128 tokens against the TPOT), so
+a TPOT taken as (N-token run - separate 1-token run) / (N - 1), as this script did before, carried
+the noise of two prefills, each several times as long as that decode. An engine whose loop cannot be
 timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
 
 * ``meshserve``: what ``serve`` runs on one CPU device, without the gRPC front end: a

@@ -124,8 +124,8 @@ def choose(
 def keeps_blocks(platform: str, devices_per_pool: Sequence[int]) -> bool:
     """Whether ``weights="auto"`` keeps a model's GGUF blocks as stored: where every pool is one
     device of a CPU whose native quantized matmul is built (faster decode than float32 there,
-    and the same values; docs/performance.md, "Weights as stored"); elsewhere they are
-    dequantized to the engine's dtype."""
+    and the same values; docs/performance.md, "The one engine against the commit before it and
+    llama.cpp"); elsewhere they are dequantized to the engine's dtype."""
     return platform == "cpu" and all(n == 1 for n in devices_per_pool) and quant_matmul.available()
 
 

@@ -119,7 +119,8 @@ class StepMeta:
 
 class AttentionBackend(abc.ABC):
     """How a layer attends over the paged cache. ``name``: for the engine's logs; ``native``:
-    whether it runs native kernels (``reads_in_place`` says what that changes)."""
+    whether it runs native kernels (for the benchmarks' reports; what a backend changes in the
+    compiled steps is its ``window_buckets``)."""
 
     name: ClassVar[str]
     native: ClassVar[bool] = False

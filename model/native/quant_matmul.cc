@@ -38,9 +38,10 @@
 //   2008, section 4: R x 32 accumulators over the whole of K, the panel read from L1/L2). The
 //   widening is paid once per panel instead of once per tile of rows, as the direct path
 //   pays it, and the float32 tiles take 3 rows on AVX2 against the direct path's 2 (the
-//   widened codes need registers; float32 weights are FMA memory operands). On AVX2 the direct
-//   path was the faster up to about 16 rows and the slower from 64 (kDirectMaxM). The scratch
-//   panel is 64-byte aligned: a misaligned one cost the tiles about a fifth of their speed.
+//   widened codes need registers; float32 weights are FMA memory operands). So the direct path
+//   wins at few rows, where the weights' bytes bound the call, and loses once a panel's widening
+//   is shared by enough tiles of rows (kDirectMaxM). The scratch panel is 64-byte aligned, as
+//   XLA aligns its buffers: otherwise the tiles' vector loads of it straddle cache lines.
 //
 // Work items are runs of panels shared by XLA's intra-op threads (ParallelFor), as in
 // panel_matmul.cc. Float16 scales are widened with F16C (vcvtph2ps) where the target has it
@@ -83,8 +84,10 @@ constexpr int kBroadcastRegs = meshserve::kBroadcastOperand ? 0 : 1;
 // SSE2. With 3 rows on AVX2 GCC spilled sums to the stack inside the k loop.
 constexpr int kDirectRows =
     std::max(1, (meshserve::kVectorRegisters - kBroadcastRegs - kPanelVectors) / kPanelVectors);
-// The direct path up to this many rows, the dequantized one above: on AVX2 the direct path was
-// about 20 % faster at 8 rows, even at 16-32 and slower from 64 (docs/cpu-kernels.md).
+// The direct path up to this many rows, the dequantized one above: the direct path pays the
+// widening once per tile of rows, the dequantized one once per panel, so the dequantized one
+// wins as rows grow; 16 is where the two measured even on AVX2 (docs/cpu-kernels.md has the
+// figures and the command).
 constexpr int64_t kDirectMaxM = 16;
 constexpr int64_t kAheadBytes = 2048;  // prefetch distance in the codes stream (Q4_1: 3.2 blocks of a panel)
 
@@ -402,8 +405,8 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
       return;
     }
     // The scratch panel 64-byte aligned, as XLA aligns its buffers: at new[]'s 16 bytes every
-    // other 32-byte load of it crossed a cache line, and the tiles ran slower than over
-    // cpu_matmul's float32 panels.
+    // other 32-byte load of it would cross a cache line, which the float32 panels' tiles never
+    // do (docs/cpu-kernels.md has what it cost).
     std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(K * kPanel + 16)]);  // every used element written
     float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t{63});
     for (int64_t p = p0; p < p1; ++p) {

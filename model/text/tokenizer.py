@@ -450,7 +450,9 @@ class Tokenizer:
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text one token stands for (control tokens' own text included), at
-        least 1. Walks the vocabulary once (about 0.1 s for 49k tokens), then cached."""
+        least 1. It walks the whole vocabulary (``token_bytes`` of every id), so it is computed
+        once, on first use, and cached (its time: docs/performance.md, "Tokenizing on the
+        host")."""
         return max(1, *(len(self.token_bytes(t)) for t in range(self._vocab_size)))
 
     def tokens_at_least(self, text_bytes: int) -> int:

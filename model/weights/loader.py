@@ -7,8 +7,8 @@ model is built from what they return by ``model/weights/build.py``. This module 
 none of them imports it.
 
 A GGUF file or Hugging Face directory is read into host memory (numpy) and placed afterwards: by
-``load_model`` when given ``shardings``, else by the caller (``service.engine.Engine`` places
-host weights itself). A checkpoint is restored by orbax straight into the target shardings, each
+``load_model`` when given ``shardings``, else by the caller (``service.engine.runner.Runner``
+places host weights itself, ``place_params``). A checkpoint is restored by orbax straight into the target shardings, each
 device reading only its own shard, so no host copy of the full weights is made.
 """
 

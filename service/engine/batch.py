@@ -108,10 +108,10 @@ class Geometry:
         max_seq_len: int,
         chunk_size: int,
         max_num_batched_tokens: int,
-        window_buckets: list[int] | None = None,
+        window_buckets: list[int],
     ) -> Geometry:
-        """The geometry of an engine of these sizes; ``window_buckets`` None = the XLA
-        backend's ladder (powers of two from ``MIN_WINDOW`` tokens' pages)."""
+        """The geometry of an engine of these sizes; ``window_buckets``: the attention backend's
+        (``AttentionBackend.window_buckets``)."""
         max_pages = -(-max_seq_len // page_size)
         seq_block = min(SEQ_BLOCK, chunk_size)  # a chunk pads to a whole block: no bigger than a chunk
 
@@ -120,8 +120,6 @@ class Geometry:
 
         rows = num_slots // replicas
         region = min(blocks_of(max_num_batched_tokens), rows * blocks_of(chunk_size))
-        if window_buckets is None:
-            window_buckets = power_of_two_buckets(min(-(-MIN_WINDOW // page_size), max_pages), max_pages)
         return cls(
             num_slots=num_slots,
             replicas=replicas,

@@ -5,7 +5,7 @@ Each step runs a flat batch of tokens (``service.engine.batch.RaggedBatch``; the
 ``ragged_step``): one token for every decoding sequence and prefill chunks of any number of
 prompts, and samples one id for every row whose token is a decode token or the last of its
 prefill. Its jit arguments are the weights, the two cache arrays, the token history, the
-sampling parameters and eleven small metadata arrays: their number is the same whatever the pool
+sampling parameters and nine small metadata arrays: their number is the same whatever the pool
 size, the longest sequence or the number of rows, so the call's dispatch does not grow with them.
 
 What runs where is chosen once, by ``model.kernels.choose`` for the mesh's devices: the

@@ -39,13 +39,6 @@ class StreamResult:
     def text(self) -> str:
         return "".join(self.texts)
 
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens after the first, divided by the time after the first (tokens/s)."""
-        n = len(self.token_ids) - 1
-        dt = self.total_s - self.ttft_s
-        return n / dt if n > 0 and dt > 0 else 0.0
-
 
 def make_request(
     prompt: str | None = None,

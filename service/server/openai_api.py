@@ -20,7 +20,8 @@ What is served and what is refused (docs/api.md has the table):
   list of several prompts.
 
 Every ``InvalidRequest`` message starts with the field's name as the body spelled it
-(``messages[2].content[0].type``); ``http_server`` puts that name in the error's ``param``.
+(``messages[2].content[0].type``); ``service/server/http_api.py``'s ``error_body`` puts that name
+in the error's ``param``.
 """
 
 from __future__ import annotations

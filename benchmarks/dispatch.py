@@ -141,7 +141,7 @@ def decode_batches(runner: Any, slots: int, position: int) -> Any:
 
 
 def argument_leaves(runner: Any, sampling_leaves: int, batch: Any) -> dict[str, int]:
-    """The leaves of the jitted step's arguments (``Runner._compile``'s ``run``), by group:
+    """The leaves of the jitted step's arguments (``Runner._jit``'s ``run``), by group:
     "params" (the weights, in the form the kernels take), "cache" (the KV pool's arrays),
     "other" (the batch's host arrays: tokens, source, positions, rows, generated, page tables,
     last_index, ban_eos; the previous step's output; the ``sampling_leaves`` sampling arrays;

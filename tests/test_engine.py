@@ -308,9 +308,18 @@ def test_a_replacing_runner_compiles_what_the_old_one_used(caplog: pytest.LogCap
     used = set(old._programs)
     assert len(used) == len(old.warm_programs()) + 1
     new = old.relayout(Layout("1x1"), jax.devices()[:1])
+    cache, history = new.cache, new.history
     new.warmup_to_replace(old)
     assert set(new._programs) == used
     assert len(used) < len(new.warm_programs(full=True))
+    # Compiled only, nothing run (a step donates the pool and the history, and replaces them):
+    # the old runner keeps stepping on these devices meanwhile.
+    assert new.cache is cache and new.history is history
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="service.engine.runner"):
+        new.step(new.idle_batch(long)).host()
+    assert not [r for r in caplog.records if "on first use" in r.getMessage()]
+    assert new.cache is not cache and set(new._programs) == used
 
 
 def test_data_replicas_serve_the_reference_ids_from_their_own_pools(refs: dict) -> None:

@@ -131,7 +131,7 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layer_loop: str) -> tuple
     g = runner.geometry
     program = (g.decode_buckets[-1], 0, g.window_buckets[0])  # every row decoding
     b = runner.idle_batch(program)
-    hlo = runner._program(program).lower(
+    hlo = runner._jit(*program).lower(
         runner.params,
         runner.cache,
         runner.history,

@@ -220,3 +220,62 @@ def test_set_layout_mid_stream_keeps_every_stream_exact(clients, pool_server, mo
         # less the few steps one stream may lead another by and the hand-off).
         assert sum(t > switched_at for t in arrivals[p]) >= 10, "too few tokens after the switch"
     admin.SetLayout(apb.SetLayoutRequest(pool="fast", layout="1x4"), metadata=AUTH)
+
+
+def test_switches_under_load_keep_the_process_and_every_stream(smollm2_gguf: Path) -> None:
+    """single -> latency -> hybrid -> single on all 8 devices while 4 clients stream greedy
+    requests back to back: every switch completes, every stream ends OK with its reference ids.
+    The new layout's programs used to be warmed by running them beside the old layout's steps:
+    an all-reduce of latency's warm-up waited on a device busy with single's steps, and after
+    40 s XLA:CPU aborted the whole process (exit 134); now a switch compiles them without running
+    them, and moves the weights through the host (a reshard is a program of collectives)."""
+    cfg = ServerConfig(
+        model=str(smollm2_gguf), port=0, metrics_port=0, admin_token=TOKEN, admin_port=0,
+        engine=EngineConfig(num_slots=4, max_seq_len=256, chunk_size=64),
+    )  # fmt: skip
+    srv = ServerThread(cfg).start()
+    assert srv.running is not None
+    client = Client(srv.address)
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.running.admin_port}")
+    admin = apb_grpc.AdminStub(channel)
+    n = 24
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            reference = dict(
+                zip(PROMPTS, ex.map(lambda p: client.generate(greedy(p, n)).token_ids, PROMPTS), strict=True)
+            )
+        stop = threading.Event()
+        finished: list[str] = []
+        failures: list[object] = []
+
+        def stream(prompt: str) -> None:
+            while not stop.is_set():
+                try:
+                    ids = [t for resp in client.stream(greedy(prompt, n), timeout_s=600) for t in resp.token_ids]
+                except grpc.RpcError as exc:
+                    failures.append((prompt, exc.code(), exc.details()))
+                    return
+                if ids != reference[prompt]:
+                    failures.append((prompt, ids))
+                finished.append(prompt)
+
+        threads = [threading.Thread(target=stream, args=(p,), daemon=True) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for layout in ("latency", "hybrid", "single"):
+            before = len(finished)
+            info = admin.SetLayout(apb.SetLayoutRequest(layout=layout), metadata=AUTH, timeout=900)
+            assert info.name == layout
+            deadline = time.monotonic() + 300
+            while len(finished) < before + len(PROMPTS) and not failures and time.monotonic() < deadline:
+                time.sleep(0.05)  # streams run on the new layout before the next switch
+            assert not failures, failures[:3]
+            assert len(finished) >= before + len(PROMPTS)
+        stop.set()
+        for t in threads:
+            t.join(300)
+        assert not failures, failures[:3]
+    finally:
+        client.close()
+        channel.close()
+        srv.stop()

@@ -192,12 +192,17 @@ class Runner:
             self.channel.send((name, args, kwargs))
 
     # ---- the compiled step -----------------------------------------------------------------
-    def _program(self, key: Program) -> Any:
+    def _program(self, key: Program, args: tuple[Any, ...]) -> Any:
+        """Program ``key`` compiled (``jax.stages.Compiled``) for ``args``, the step's arguments
+        (``_arguments``), compiled on first use. Compiled ahead of its first call, and called as
+        compiled, so that compiling never runs it: a live switch compiles the new runner's
+        programs while the old one steps (``warmup_to_replace``)."""
         if key not in self._programs:
-            self._programs[key] = self._compile(*key)
+            self._programs[key] = self._jit(*key).lower(*args).compile()
         return self._programs[key]
 
-    def _compile(self, decode_tokens: int, prefill_tokens: int, window_pages: int) -> Any:
+    def _jit(self, decode_tokens: int, prefill_tokens: int, window_pages: int) -> Any:
+        """The jitted step of program (``decode_tokens``, ``prefill_tokens``, ``window_pages``)."""
         # Locals, not ``self``: a jitted function closing over its runner is a reference cycle
         # that kept old runners (weights, KV pool) alive until a full garbage collection.
         graphdef, argmax, attention = self.graphdef, self.kernels.argmax, self.kernels.attention
@@ -287,34 +292,28 @@ class Runner:
             )
         return decode, prefill, g.window(batch.max_position)
 
+    def _arguments(self, batch: RaggedBatch, prev: StepOutput | None) -> tuple[Any, ...]:
+        """The step's arguments for ``batch`` (the jitted ``run``'s, in order)."""
+        host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
+        split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
+        if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
+            split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
+        tokens, source, positions, rows, generated, page_tables, last_index = split
+        previous = prev.packed if prev is not None else self._no_prev
+        return (
+            self.params, self.cache, self.history, self._sampling(), tokens, source, previous, positions, rows,
+            generated, page_tables, last_index, batch.ban_eos,
+        )  # fmt: skip
+
     def _dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
         """``step`` without mirroring."""
         key = self._program_of(batch)
         for install in batch.installs:
             self._install(install)
         cold = self.warmed and key not in self._programs
-        program = self._program(key)
         t0 = time.perf_counter() if cold else 0.0
-        host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
-        split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
-        if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
-            split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
-        tokens, source, positions, rows, generated, page_tables, last_index = split
-        packed, logits, self.cache, self.history = program(
-            self.params,
-            self.cache,
-            self.history,
-            self._sampling(),
-            tokens,
-            source,
-            prev.packed if prev is not None else self._no_prev,
-            positions,
-            rows,
-            generated,
-            page_tables,
-            last_index,
-            batch.ban_eos,
-        )
+        args = self._arguments(batch, prev)
+        packed, logits, self.cache, self.history = self._program(key, args)(*args)
         if cold:  # compiled in the call: the step (and every stream) waited for it
             log.info(
                 "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages on first use "
@@ -376,11 +375,16 @@ class Runner:
         self._mirror("warmup", full=full, also=tuple(also))
         return self._warm([*self.warm_programs(full), *also])
 
-    def _warm(self, programs: list[Program]) -> float:
+    def _warm(self, programs: list[Program], run: bool = True) -> float:
+        """Compile ``programs`` and, with ``run``, run each once on an idle batch."""
         t0 = time.perf_counter()
         programs = list(dict.fromkeys(programs))
         for program in programs:
-            self._dispatch(self.idle_batch(program), None).host()
+            batch = self.idle_batch(program)
+            if run:
+                self._dispatch(batch, None).host()
+            else:
+                self._program(program, self._arguments(batch, None))
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
         self.warmed = True
@@ -390,9 +394,13 @@ class Runner:
     def warmup_to_replace(self, old: Runner) -> float:
         """Before this runner takes over from ``old`` (a live switch): compile the programs
         ``warmup`` does and ``replacement_programs(old)``, so traffic like ``old``'s compiles
-        nothing after the switch. Returns the seconds spent."""
+        nothing after the switch. Compiles only, runs nothing: ``old`` keeps stepping meanwhile
+        (``SetLayout`` builds beside the loop), and two programs with collectives running at
+        once on the same devices wait on each other (XLA:CPU aborted the process when an
+        all-reduce of the new layout's warm-up waited 40 s for a device busy with the old
+        layout's steps). Returns the seconds spent."""
         self._mirror("warmup_to_replace")
-        return self._warm([*self.warm_programs(), *self.replacement_programs(old)])
+        return self._warm([*self.warm_programs(), *self.replacement_programs(old)], run=False)
 
     def replacement_programs(self, old: Runner) -> list[Program]:
         """The programs here that serve the steps ``old`` has compiled: each of its (decode,
@@ -416,11 +424,12 @@ class Runner:
     def relayout(self, layout: Layout, devices: list[jax.Device], params: Any = None) -> Runner:
         """A new runner with this runner's weights on ``layout``'s mesh over ``devices``.
 
-        The weights move device to device (``jax.device_put`` to the new shardings, after taking
-        the form the new devices' kernels run), unless ``params`` (e.g. restored from a
-        checkpoint into the new shardings) are given; the new runner has its own empty pool and
-        history until ``adopt_state``. Safe to call from another thread while this runner keeps
-        stepping (it only reads the weights).
+        The weights move through the host (in a job over several processes device to device),
+        take the form the new devices' kernels run and are put on the new shardings, unless
+        ``params`` (e.g. restored from a checkpoint into the new shardings) are given; the new
+        runner has its own empty pool and history until ``adopt_state``. Safe to call from
+        another thread while this runner keeps stepping: it reads the weights and runs no
+        program with collectives (a job's loop thread calls it between two steps).
 
         Raises:
             LayoutError: the layout does not fit ``devices`` or the model's axes.
@@ -431,7 +440,11 @@ class Runner:
             raise ValueError("a job over several processes moves the live weights; restored ones cannot be mirrored")
         self._mirror("relayout", layout, [d.id for d in devices])
         if params is None:
-            new = Runner(self.cfg, self.graphdef, self.params, layout, self.ecfg, devices)
+            # Within one process, through the host: a device-to-device reshard is a program of
+            # collectives, which must not run beside this runner's steps (``warmup_to_replace``).
+            # Across processes the loop thread builds between two steps: nothing runs beside it.
+            live = self.params if self.mesh.is_multi_process else jax.device_get(self.params)
+            new = Runner(self.cfg, self.graphdef, live, layout, self.ecfg, devices)
         else:
             new = Runner(self.cfg, abstract_llama(self.cfg)[0], params, layout, self.ecfg, devices)  # as loaded
         new.channel = self.channel

@@ -30,10 +30,9 @@ from service.server.config import ServerConfig
 from service.server.gateway import Gateway
 from service.server.grpc_api import SERVICE_NAME, GenerationServicer
 from service.server.http_api import HttpServer, bind
+from service.server.logs import log
 from service.server.startup import Job, join_job, load
 from service.server.wire import add_servicer
-
-log = logging.getLogger("meshserve")
 
 # gRPC sets SO_REUSEPORT by default, so a second server could bind a port that a running one
 # holds and split its traffic; without it a busy port is a clear startup error.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +27,11 @@ from service.engine.scheduler import QueueFull, Scheduler, StepPlan
 from service.engine.text_stream import TextStream
 from service.server.config import ServerConfig
 from service.server.generation import Generation, Refusal, Refused
+from service.server.logs import log
 from service.server.metrics import Metrics
 from service.server.pools import Pool
 from service.server.validation import InvalidRequest, ValidatedRequest
 from sharding.layouts import Layout
-
-log = logging.getLogger("meshserve")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ Status codes, in one place:
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -29,12 +28,11 @@ from protos.meshserve.v1 import meshserve_pb2 as pb
 from protos.meshserve.v1 import meshserve_pb2_grpc as pb_grpc
 from service.server.gateway import Gateway
 from service.server.generation import Refusal, Refused, StreamFailed
+from service.server.logs import log
 from service.server.pools import Pool
 from service.server.startup import pool_weight_bytes
 from service.server.validation import InvalidRequest, ValidatedRequest, validate
 from sharding.plan import make_plan
-
-log = logging.getLogger("meshserve")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "meshserve.v1.Generation"
 GRPC_CODES = {

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import logging
 import re
 import socket
 import time
@@ -57,6 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.server.generation import Generation, Refusal, Refused, StreamFailed
+from service.server.logs import log
 from service.server.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
     from service.server.gateway import Gateway
     from service.server.pools import Pool
 
-log = logging.getLogger("meshserve")
 
 HTTP_STATUS = {
     Refusal.INVALID_ARGUMENT: 400,

@@ -14,7 +14,6 @@ fetch) and warm-up (running the compiled steps once).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from pathlib import Path
@@ -33,13 +32,12 @@ from service.engine.loop import make_loop
 from service.engine.runner import Runner
 from service.server.config import ConfigError, ServerConfig
 from service.server.gateway import Gateway, ModelFacts
+from service.server.logs import log
 from service.server.pools import Pool, PoolSpec, assign_devices, parse_pool
 from sharding.layouts import Layout, load_layout
 from sharding.mesh import make_mesh
 from sharding.plan import make_plan
 from sharding.rules import param_shardings
-
-log = logging.getLogger("meshserve")
 
 
 class CompileClock:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-log = logging.getLogger("meshserve")
+from service.server.logs import log
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,3 +184,36 @@ def penalized(
     mu = processors.RepetitionPenaltyLogitsProcessor(penalty=repetition)(input_ids, scores).numpy()[0]
     c = np.bincount(np.asarray(generated, np.int64), minlength=len(mu)).astype(np.float32)
     return mu - c * np.float32(frequency) - (c > 0).astype(np.float32) * np.float32(presence)
+
+
+class GrpcStream:
+    """A Generate stream read on its own thread: its ids, finish reason, final status code and
+    details, when it ended; ``first`` is set at its first chunk (or its end)."""
+
+    def __init__(self, client, request, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+        self.ids: list[int] = []
+        self.finish_reason = 0
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.ended_at: float | None = None
+        self.first = threading.Event()
+        self._call = client.stream(request, timeout_s)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for resp in self._call:
+                self.ids.extend(resp.token_ids)
+                self.finish_reason = resp.finish_reason
+                self.first.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details() or ""
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the stream did not end"

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import free_port, wait_for
+from helpers import GrpcStream, free_port, wait_for
 
 from service.engine.config import EngineConfig
 from service.engine.request import RequestState
@@ -29,6 +29,10 @@ from service.server.config import ServerConfig
 from service.server.http_api import create_app
 
 PROMPT = "the drain"  # real tokens: greedy decoding of the tiny model never emits EOS (tests/tiny_gguf.py)
+
+
+def greedy(max_tokens: int) -> Any:
+    return make_request(prompt=PROMPT, temperature=0.0, max_tokens=max_tokens)
 
 
 @pytest.fixture()
@@ -78,38 +82,6 @@ class SseStream:
         return self.events
 
 
-class GrpcStream:
-    """A greedy Generate on its own thread: ids, finish reason, final status."""
-
-    def __init__(self, address: str, max_tokens: int):
-        self.client = Client(address)
-        self.ids: list[int] = []
-        self.finish_reason = 0
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.first = threading.Event()
-        self._call = self.client.stream(make_request(prompt=PROMPT, temperature=0.0, max_tokens=max_tokens), 60)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for resp in self._call:
-                self.ids.extend(resp.token_ids)
-                self.finish_reason = resp.finish_reason
-                self.first.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details() or ""
-        finally:
-            self.first.set()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the gRPC stream did not end"
-        self.client.close()
-
-
 def drain_in_background(srv: ServerThread, grace_s: float) -> tuple[threading.Thread, list[float]]:
     """``srv.stop(grace_s)`` on a thread; the list gets the time it returned."""
     done: list[float] = []
@@ -130,17 +102,17 @@ def test_streams_running_at_the_drain_end_with_their_last_chunk_on_http_and_grpc
     assert srv.running is not None
     port, loop = srv.running.http_port, srv.running.gateway.pools[0].loop
     assert port is not None
-    solo = Client(srv.address)
-    expected = list(solo.generate(make_request(prompt=PROMPT, temperature=0.0, max_tokens=40)).token_ids)
-    solo.close()
+    client = Client(srv.address)
+    expected = list(client.generate(greedy(40)).token_ids)
     assert len(expected) == 40
     loop.step_hook = lambda plan: time.sleep(0.03)  # 40 tokens: over a second, the drain overlaps them
-    sse, rpc = SseStream(port, 40), GrpcStream(srv.address, 40)
+    sse, rpc = SseStream(port, 40), GrpcStream(client, greedy(40))
     assert sse.first.wait(30) and rpc.first.wait(30)
     thread, drained_at = drain_in_background(srv, grace_s=30.0)
 
     events = sse.join(60)
     rpc.join(60)
+    client.close()
     thread.join(60)
     assert not thread.is_alive()
     assert sse.status == 200 and events[-1] == "[DONE]", events[-3:]
@@ -157,13 +129,15 @@ def test_streams_that_outlive_the_grace_period_end_with_an_explicit_error(tiny_d
     srv = tiny_drained
     assert srv.running is not None and srv.running.http_port is not None
     srv.running.gateway.pools[0].loop.step_hook = lambda plan: time.sleep(0.1)  # 100 tokens: 10 s
-    sse, rpc = SseStream(srv.running.http_port, 100), GrpcStream(srv.address, 100)
+    client = Client(srv.address)
+    sse, rpc = SseStream(srv.running.http_port, 100), GrpcStream(client, greedy(100))
     assert sse.first.wait(30) and rpc.first.wait(30)
     signalled = time.monotonic()
     thread, _ = drain_in_background(srv, grace_s=0.5)
 
     events = sse.join(30)
     rpc.join(30)
+    client.close()
     thread.join(30)
     assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])
@@ -208,8 +182,8 @@ def test_a_request_is_in_flight_until_its_last_byte_is_handed_to_the_connection(
     assert last_write.wait(30)
     held = [r for requests in gateway.inflight.values() for r in requests]
     assert len(held) == 1 and held[0].state is RequestState.FINISHED  # the engine is done with it
-    drained = asyncio.run_coroutine_threadsafe(srv.running._drained(0.3), aloop).result(10)
-    assert not drained  # a drain would wait for the last byte
+    left = asyncio.run_coroutine_threadsafe(srv.running._inflight_after(0.3), aloop).result(10)
+    assert left == 1  # a drain would wait for the last byte
     aloop.call_soon_threadsafe(release.set)
     call.result(10)
     assert wait_for(lambda: not any(gateway.inflight.values()), 5)

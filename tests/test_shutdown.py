@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import free_port
+from helpers import GrpcStream, free_port
 
 from service.server.client import Client, make_request
 
@@ -81,36 +80,6 @@ def serve(smollm2_checkpoint: Path, tmp_path: Path) -> Iterator:  # type: ignore
         s.close()
 
 
-class Stream:
-    """A greedy Generate on its own thread: ids, finish reason, final status code."""
-
-    def __init__(self, client: Client, max_tokens: int):
-        self.ids: list[int] = []
-        self.finish_reason = 0
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.ended_at: float | None = None
-        self.first_chunk = threading.Event()
-        self._call = client.stream(make_request(prompt=LONG, temperature=0.0, max_tokens=max_tokens), 120)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for resp in self._call:
-                self.ids.extend(resp.token_ids)
-                self.finish_reason = resp.finish_reason
-                self.first_chunk.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details() or ""
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the stream did not end"
-
-
 def new_call_status(client: Client) -> tuple[grpc.StatusCode, str, float]:
     t0 = time.monotonic()
     try:
@@ -124,8 +93,8 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(serve) -> None:  # typ
     grace_s = 30.0
     s = serve(grace_s)
     solo = s.client.generate(make_request(prompt=LONG, temperature=0.0, max_tokens=40), timeout_s=120)
-    stream = Stream(s.client, max_tokens=40)
-    assert stream.first_chunk.wait(60)
+    stream = GrpcStream(s.client, make_request(prompt=LONG, temperature=0.0, max_tokens=40))
+    assert stream.first.wait(60)
     s.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
 
@@ -157,8 +126,8 @@ def test_sigterm_lets_a_running_stream_finish_and_exits_0(serve) -> None:  # typ
 def test_sigterm_with_a_tiny_grace_period_cancels_a_long_stream_with_unavailable(serve) -> None:  # type: ignore[no-untyped-def]
     grace_s = 1.0
     s = serve(grace_s)
-    stream = Stream(s.client, max_tokens=200)
-    assert stream.first_chunk.wait(60)
+    stream = GrpcStream(s.client, make_request(prompt=LONG, temperature=0.0, max_tokens=200))
+    assert stream.first.wait(60)
     os.kill(s.proc.pid, signal.SIGTERM)
     signalled = time.monotonic()
     stream.join(grace_s + 10)

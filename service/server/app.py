@@ -112,14 +112,12 @@ class RunningServer:
         gateway = self.gateway
         gateway.accepting = False
         await self.set_health(False)
-        if not await self._drained(grace_s):
-            left = sum(len(r) for r in gateway.inflight.values())
+        if left := await self._inflight_after(grace_s):
             log.warning("grace period over: ending %d in-flight stream(s) with UNAVAILABLE", left)
         for pool in gateway.pools:
             await asyncio.to_thread(pool.loop.stop, 5.0)  # fails what is left with UNAVAILABLE
         gateway.fail_inflight(None, "the server is shutting down")  # whatever a stuck loop still holds
-        if not await self._drained(FLUSH_S):
-            left = sum(len(r) for r in gateway.inflight.values())
+        if left := await self._inflight_after(FLUSH_S):
             log.warning("%d stream(s) not written to their end in %.0f s: their clients do not read", left, FLUSH_S)
         if self.job is not None:
             self.job.release_followers()
@@ -134,15 +132,13 @@ class RunningServer:
             await asyncio.to_thread(self.metrics_httpd.shutdown)
             self.metrics_httpd.server_close()
 
-    async def _drained(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds for no request to be in flight; whether none is."""
+    async def _inflight_after(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` seconds for no request to be in flight; how many still are."""
         inflight = self.gateway.inflight
         deadline = time.monotonic() + timeout_s
-        while any(inflight.values()):
-            if time.monotonic() >= deadline:
-                return False
+        while any(inflight.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return True
+        return sum(len(r) for r in inflight.values())
 
 
 class PortInUse(RuntimeError):

@@ -407,7 +407,9 @@ class _Closing(Response):
     is in flight (``Gateway.inflight``), so a drain waits for the end of the stream, not only
     for the engine's last token."""
 
-    generation: Generation
+    def __init__(self, generation: Generation, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # the response class after this one in the MRO
+        self.generation = generation
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -419,17 +421,9 @@ class _Closing(Response):
 class _EventStream(_Closing, StreamingResponse):
     """The SSE response of ``generation`` (``_events``)."""
 
-    def __init__(self, generation: Generation, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.generation = generation
-
 
 class _Whole(_Closing, JSONResponse):
     """The JSON body of a non-streamed ``generation`` (``_collect``)."""
-
-    def __init__(self, generation: Generation, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.generation = generation
 
 
 async def _events(generation: Generation, responses: Responses, include_usage: bool) -> AsyncIterator[bytes]:

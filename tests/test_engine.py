@@ -249,6 +249,8 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         (4, 512, 8),
         (4, 0, 16),
         (4, 0, 32),
+        (4, 0, 128),  # the largest window: a compiled program holds every batch
+        (4, 512, 128),
     ]
     assert len(runner.warm_programs(full=True)) == 25
     # The native kernels read pages up to each token's position: one window, so one program per
@@ -262,7 +264,7 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         assert list(native._programs) == [(4, 0, 128)]
     many = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048, attention="xla"))
     assert many.geometry.decode_buckets == (8, 16, 32, 64)
-    assert len(many.warm_programs()) == 4 * 5 + 4 * 2
+    assert len(many.warm_programs()) == 4 * 5 + 4 * 2 + 4 + 1
     # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
     small = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
     assert small.geometry.prefill_buckets == (0, 32, 64)
@@ -288,8 +290,8 @@ def test_a_limit_that_is_not_whole_pages_warms_up_and_serves_to_its_end(max_seq_
 
 def test_a_replacing_runner_compiles_what_the_old_one_used(caplog: pytest.LogCaptureFixture) -> None:
     """A live switch's new runner warms the short-sequence programs and every program the old
-    runner compiled (a long window here), not all of them. A program compiled after warm-up is
-    logged, once (the step waited for it: 25 s for a long prompt, with no word of why)."""
+    runner compiled (a long window here), not all of them. A program first needed after
+    warm-up compiles in the background, logged once, while its steps run in a larger one."""
     ecfg = EngineConfig(num_slots=2, max_seq_len=1024, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32,
                         attention="xla")  # fmt: skip
     old = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg)
@@ -298,27 +300,32 @@ def test_a_replacing_runner_compiles_what_the_old_one_used(caplog: pytest.LogCap
     assert old.warmed
     g = old.geometry
     long = (g.decode_buckets[0], g.prefill_buckets[1], g.window_buckets[-1])  # a chunk's token at the last position
+    assert long not in old._programs
     with caplog.at_level(logging.INFO, logger="service.engine.runner"):
-        old.step(old.idle_batch(long)).host()
-        old.step(old.idle_batch(long)).host()
-    first_use = [r.getMessage() for r in caplog.records if "on first use" in r.getMessage()]
-    assert len(first_use) == 1 and first_use[0].startswith(
-        f"compiled the ragged-step program for {long[0]} decode + {long[1]} prefill tokens"
+        old.step(old.idle_batch(long)).host()  # in a larger program, while its own compiles
+        future = old._compiling.get(long)
+        if future is not None:
+            future.result(timeout=300)
+        old.step(old.idle_batch(long)).host()  # in its own
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled the ragged-step")]
+    assert len(compiled) == 1 and compiled[0].startswith(
+        f"compiled the ragged-step program for {long[0]} decode + {long[1]} prefill tokens over {long[2]} pages "
+        "off the steps' path"
     )
+    assert (old.compiles.ahead, old.compiles.in_step, old.compiles.widened_steps) == (1, 0, 1)
     used = set(old._programs)
     assert len(used) == len(old.warm_programs()) + 1
     new = old.relayout(Layout("1x1"), jax.devices()[:1])
+    assert new.compiles is old.compiles  # the metrics count across switches
     cache, history = new.cache, new.history
     new.warmup_to_replace(old)
-    assert set(new._programs) == used
+    assert set(new._programs) == used and old.compiles.ahead == 1 + len(used)
     assert len(used) < len(new.warm_programs(full=True))
     # Compiled only, nothing run (a step donates the pool and the history, and replaces them):
     # the old runner keeps stepping on these devices meanwhile.
     assert new.cache is cache and new.history is history
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="service.engine.runner"):
-        new.step(new.idle_batch(long)).host()
-    assert not [r for r in caplog.records if "on first use" in r.getMessage()]
+    new.step(new.idle_batch(long)).host()
+    assert not new._compiling and (new.compiles.in_step, new.compiles.widened_steps) == (0, 1)
     assert new.cache is not cache and set(new._programs) == used
 
 

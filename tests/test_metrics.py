@@ -9,6 +9,7 @@ import grpc
 import pytest
 from helpers import scrape, value, wait_for
 
+from service.engine.runner import CompileCounts
 from service.server.client import Client, make_request
 from service.server.config import ServerConfig
 from service.server.metrics import FINISH_REASONS, Metrics
@@ -77,6 +78,10 @@ def test_a_finished_request_is_counted_once_with_its_latencies(server, client: C
     assert 0 <= delta("meshserve_queue_time_seconds_sum", pool="default") <= ttft
     # one prefill + 7 decode steps; the last may be observed just after the client got its chunk
     assert delta("meshserve_engine_step_seconds_count", pool="default") >= 7
+    # Host time per id: every iteration that brought ids observed once, each a share of the
+    # request's time (the last may land just after the client's chunk).
+    assert 7 <= delta("meshserve_engine_host_seconds_per_token_count", pool="default") <= 8
+    assert 0 < delta("meshserve_engine_host_seconds_per_token_sum", pool="default") < e2e
 
 
 @pytest.mark.slow
@@ -131,14 +136,34 @@ def test_the_docstring_lists_every_metric_with_its_labels_and_every_finish_reaso
     m.set_layout("default", "single", 1, 1, "heads")
     m.set_weights("stored", {"wqkv": "q4_1", "embed": "q8_0"})
     m.track_pages("default", lambda: {"used": 0, "cached": 0, "free": 8})
+    m.track_compiles("default", CompileCounts)
     m.rejected.labels(pool="", code="unavailable").inc()
     exported: dict[str, list[str]] = {}
     for family in m.registry.collect():
         suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
         exported[family.name + suffix] = sorted({k for s in family.samples for k in s.labels if k != "le"})
-    assert len(exported) == 21
+    assert len(exported) == 24
     assert documented == exported
     assert exported["meshserve_requests_rejected_total"] == ["code", "pool"]
     assert exported["meshserve_serving"] == []
     for reason in FINISH_REASONS:
         assert re.search(rf"^\s+{reason}\s{{2,}}\S", doc, re.MULTILINE), reason
+
+
+def test_compile_counts_are_read_when_scraped() -> None:
+    """Background compiles end between steps: the counters read the engine's counts at
+    scrape time, not at the next step."""
+    counts = CompileCounts()
+    m = Metrics()
+    m.track_compiles("default", lambda: counts)
+
+    def scraped(name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, {"pool": "default", **labels})
+
+    assert scraped("meshserve_compiles_after_serving_total", path="step") == 0
+    counts.add(ahead=2, widened_steps=5)
+    assert scraped("meshserve_compiles_after_serving_total", path="background") == 2
+    assert scraped("meshserve_compiles_after_serving_total", path="step") == 0
+    assert scraped("meshserve_steps_in_larger_program_total") == 5
+    counts.add(in_step=1)
+    assert scraped("meshserve_compiles_after_serving_total", path="step") == 1

@@ -108,9 +108,12 @@ class FakeRunner:
     def __init__(self) -> None:
         self.calls: list = []  # type: ignore[type-arg]
 
-    def step(self, batch: object, prev: object = None) -> StepOutput:
+    def dispatch(self, batch: object, prev: object = None) -> StepOutput:
         self.calls.append(("step", batch, prev))
         return StepOutput(packed=jnp.zeros(1), logits=len(self.calls))  # type: ignore[arg-type]
+
+    def compile_ahead(self, batch: object) -> None:
+        self.calls.append(("compile_ahead", batch))
 
     def warmup(self, full: bool = False, also: object = ()) -> float:
         self.calls.append(("warmup", full))
@@ -153,6 +156,29 @@ def test_the_runner_sends_each_call_before_making_it_and_prev_as_a_marker() -> N
     assert follow(follower, FakeChannel([*channel.sent, (STOP, (), {})])) == 2  # type: ignore[arg-type]
     assert [c[0] for c in follower.calls] == ["warmup", "step", "step"]
     assert follower.calls[2][2].logits == 2  # the output of its first step
+
+
+def test_a_step_run_in_a_wider_program_is_sent_as_run_after_its_compile_ahead() -> None:
+    """A step whose program is not compiled: process 0 sends ``compile_ahead`` with the batch
+    as built, then the step as it runs it (in a larger program, its window in the batch), so
+    a follower runs the same program whatever it has compiled itself."""
+    runner, channel = tiny_loop(num_slots=2, max_seq_len=1024, attention="xla").runner, FakeChannel()
+    runner.channel = channel  # type: ignore[assignment]
+    runner.warmup()
+    g = runner.geometry
+    key = (g.decode_buckets[0], g.prefill_buckets[1], g.window_buckets[-2])
+    assert key not in runner._programs
+    runner.step(runner.idle_batch(key)).host()
+    assert [m[0] for m in channel.sent] == ["warmup", "compile_ahead", "step"]
+    built, sent = channel.sent[1][1][0], channel.sent[2][1][0]
+    assert runner._program_of(built) == key
+    assert runner._program_of(sent) in runner.warm_programs() and sent.window_pages == g.window_buckets[-1]
+
+    follower = FakeRunner()
+    assert follow(follower, FakeChannel([*channel.sent, (STOP, (), {})])) == 1  # type: ignore[arg-type]
+    assert [c[0] for c in follower.calls] == ["warmup", "compile_ahead", "step"]
+    assert follower.calls[2][1].window_pages == sent.window_pages
+    runner.abandon_compiles()
 
 
 def test_a_live_switch_is_mirrored_and_the_follower_steps_the_new_runner_after_it() -> None:

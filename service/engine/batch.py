@@ -62,6 +62,9 @@ class RaggedBatch:
         max_position: the largest position of a real token (-1: none).
         decode_tokens: D, each region's decode region's length.
         installs: rows whose state the step installs first (``RowInstall``).
+        window_pages: the attention window the step runs with, in pages; 0: the smallest
+            window bucket covering ``max_position`` (``Geometry.window``). A wider one is set
+            where the step runs in a larger compiled program (``Geometry.widen``).
     """
 
     tokens: np.ndarray
@@ -76,6 +79,7 @@ class RaggedBatch:
     max_position: int
     decode_tokens: int
     installs: tuple[RowInstall, ...] = ()
+    window_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +158,46 @@ class Geometry:
     def padded(self, length: int) -> int:
         """A chunk of ``length`` tokens padded to whole blocks."""
         return -(-length // self.seq_block) * self.seq_block
+
+    def widen(self, batch: RaggedBatch, decode_tokens: int, prefill_tokens: int, window_pages: int) -> RaggedBatch:
+        """``batch`` laid out in larger regions (``decode_tokens`` + ``prefill_tokens`` per
+        replica, each at least ``batch``'s) and run over ``window_pages`` pages: the same tokens
+        at the same offsets of each region's decode and prefill parts, more padding after each,
+        ``last_index`` following its tokens. A step of it samples the same ids as ``batch``'s
+        (padding attends to nothing and a wider window only adds masked pages): what a step
+        runs while its own program compiles (``Runner.step``).
+
+        Raises:
+            ValueError: a region or the window smaller than ``batch``'s.
+        """
+        d = self.replicas
+        D, n = batch.decode_tokens, len(batch.tokens) // d
+        D2, n2 = decode_tokens, decode_tokens + prefill_tokens
+        if D2 < D or prefill_tokens < n - D or window_pages < self.window(batch.max_position):
+            raise ValueError(
+                f"regions of {D2} + {prefill_tokens} tokens over {window_pages} pages do not hold a batch of "
+                f"{D} + {n - D} tokens up to position {batch.max_position}"
+            )
+        wide = self.empty_batch(D2, prefill_tokens)
+        old = np.arange(len(batch.tokens))
+        # Each token's index in the wider layout: same region, same offset in its part.
+        region, offset = old // n, old % n
+        new = region * n2 + np.where(offset < D, offset, offset - D + D2)
+        for name in ("tokens", "positions", "rows", "source", "generated"):
+            getattr(wide, name)[new] = getattr(batch, name)
+        last = batch.last_index.astype(np.int64)
+        last_index = (last // n * n2 + np.where(last % n < D, last % n, last % n - D + D2)).astype(np.int32)
+        return dataclasses.replace(
+            batch,
+            tokens=wide.tokens,
+            positions=wide.positions,
+            rows=wide.rows,
+            source=wide.source,
+            generated=wide.generated,
+            last_index=last_index,
+            decode_tokens=D2,
+            window_pages=window_pages,
+        )
 
     def empty_batch(self, decode_tokens: int, prefill_tokens: int) -> RaggedBatch:
         """All padding: ``replicas`` regions of ``decode_tokens`` + ``prefill_tokens`` tokens,

@@ -304,7 +304,7 @@ def follow(runner: Runner, channel: StepChannel) -> int:
             batch, prev = args
             if prev == PREVIOUS and last is None:
                 raise ValueError("a step reads the previous step's output, but this follower ran none")
-            last = runner.step(batch, last if prev == PREVIOUS else None)
+            last = runner.dispatch(batch, last if prev == PREVIOUS else None)
             steps += 1
         elif name == "relayout":
             layout, ids = args

@@ -52,6 +52,12 @@ class EngineLoop:
         runner: the runner (its compiled steps are only ever called from the loop thread).
         scheduler: rows, queue and pages.
         on_step: optional hook called after each step with (plan, seconds), for metrics.
+
+    ``on_host`` (optional, for metrics) is called after each iteration that brought sampled ids
+    to the host with (seconds, ids): the loop thread's own time in that iteration (schedule,
+    build, dispatch, postprocess: handing ids to requests, detokenizing, emitting), not the
+    time it waited for the device, and the number of ids. Per token, that is what the host adds
+    to the device's step when it cannot hide it behind the step it dispatched.
     """
 
     def __init__(
@@ -63,6 +69,9 @@ class EngineLoop:
         self.runner = runner
         self.scheduler = scheduler
         self.on_step = on_step
+        self.on_host: Callable[[float, int], None] | None = None
+        self._waited = 0.0  # this iteration's seconds blocked on the device (``_finish_inflight``)
+        self._sampled = 0  # ids this iteration brought to the host
         # Requests submitted and not yet handed to the scheduler (append and popleft are atomic;
         # ``_waiting_for_a_slot`` reads a copy to leave out the cancelled ones).
         self._inbox: deque[Request] = deque()
@@ -185,6 +194,7 @@ class EngineLoop:
             # Each replica's pool is another range of pages: recompute every sequence over the new pools.
             self.scheduler.repartition(block_managers(new_runner))
         new_runner.adopt_state(self.runner)
+        self.runner.abandon_compiles()
         self.runner = new_runner
         log.info("layout switched to %s in %.2f s", new_runner.layout.name, time.perf_counter() - t0)
         done.set()
@@ -198,6 +208,7 @@ class EngineLoop:
             self.ready.set()
             while not self._stop.is_set():
                 self._apply_switch()
+                t0, self._waited, self._sampled = time.perf_counter(), 0.0, 0
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if not plan.empty:
@@ -208,11 +219,14 @@ class EngineLoop:
                     self.heartbeat = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
+                if self._sampled and self.on_host is not None:
+                    self.on_host(time.perf_counter() - t0 - self._waited, self._sampled)
             self._finish_inflight()
         except BaseException as exc:
             log.exception("engine loop died")
             self.error = exc
         finally:
+            self.runner.abandon_compiles()
             message = f"engine stopped: {self.error!r}" if self.error else "server shutting down"
             self._drain_inbox()
             for r in self.scheduler.all_requests():
@@ -235,7 +249,11 @@ class EngineLoop:
         if self._inflight is None:
             return
         step, self._inflight = self._inflight, None
-        self.scheduler.postprocess(step.plan, step.out.host())
+        t0 = time.perf_counter()
+        host = step.out.host()
+        self._waited += time.perf_counter() - t0
+        self._sampled += len(step.plan.samplers)
+        self.scheduler.postprocess(step.plan, host)
         self.steps += 1
         self.heartbeat = time.monotonic()
         if self.on_step is not None:

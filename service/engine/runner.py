@@ -22,8 +22,11 @@ call that launches JAX work (``MIRRORED``) over its ``channel`` before making it
 processes make the same calls on their own runners, in the same order.
 
 Programs = decode x prefill x window buckets (``Geometry``); ``warmup`` compiles the ones short
-sequences need (``warm_programs``); the rest compile on first use (and land in JAX's persistent
-compilation cache).
+sequences need and the largest window's (``warm_programs``). After warm-up no step waits for a
+compile: a step whose program is not compiled yet runs in the smallest compiled program that
+holds its batch (``Geometry.widen``: more padding, a wider window, the same ids) while its own
+compiles on a background thread (``compile_ahead``), which later steps of its shape then run
+(and which lands in JAX's persistent compilation cache). ``compiles`` counts them.
 
 The token history (``model.sampling.TokenHistory``, for the penalties): a row is written whole
 when its request is admitted (``RowInstall.history``: the prompt's ids and the ids it already
@@ -33,11 +36,14 @@ whose inputs are generated ids.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Collection
+from concurrent.futures import CancelledError, Future
 from functools import partial
 from typing import Any, Protocol
 
@@ -69,12 +75,37 @@ log = logging.getLogger(__name__)
 
 # The calls process 0's runner mirrors to its followers: a step's, and a live switch's (made on
 # the runner being built).
-MIRRORED = ("step", "warmup", "relayout", "warmup_to_replace", "adopt_state")
+MIRRORED = ("step", "compile_ahead", "warmup", "relayout", "warmup_to_replace", "adopt_state")
 PREVIOUS = "meshserve:previous-step-output"  # a mirrored step's ``prev``: the previous step's own output
 STOP = "stop"  # process 0's last message: the followers leave
 WARM_WINDOW = 512  # tokens: windows compiled before SERVING without --warmup-full
 
 Program = tuple[int, int, int]  # (decode bucket, prefill bucket, window pages)
+# One background compile at a time in the process: two would halve each other's cores and the steps'.
+_BACKGROUND_COMPILE = threading.Lock()
+
+
+class CompileCounts:
+    """Ragged-step programs compiled after warm-up, shared by a runner and the runners that
+    replace it (a live switch), for the metrics. Thread-safe.
+
+    Attributes:
+        ahead: compiled off the steps' path: a new shape, on a background thread, or a live
+            switch's programs, compiled before the new runner takes over.
+        in_step: compiled in a step, which waited for it (no compiled program held its batch,
+            or a wider EOS list made every program stale).
+        widened_steps: steps run in a larger compiled program while theirs compiled.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ahead = self.in_step = self.widened_steps = 0
+
+    def add(self, ahead: int = 0, in_step: int = 0, widened_steps: int = 0) -> None:
+        with self._lock:
+            self.ahead += ahead
+            self.in_step += in_step
+            self.widened_steps += widened_steps
 
 
 class Channel(Protocol):
@@ -174,8 +205,13 @@ class Runner:
             S, d, ps, self.ecfg.max_seq_len, self.ecfg.chunk_size, self.ecfg.max_num_batched_tokens,
             self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)),
         )  # fmt: skip
+        # Compiled programs, and those compiling on a background thread (``compile_ahead``). Read
+        # on the loop thread while a background compile inserts: copied (``list``) to iterate.
         self._programs: dict[Program, Any] = {}
-        self.warmed = False  # after warmup(): a program compiled later is logged (it stalls a step)
+        self._compiling: dict[Program, Future] = {}
+        self._compiles_abandoned = False
+        self.warmed = False  # after warmup(): new shapes compile ahead (``step``)
+        self.compiles = CompileCounts()
         # The rows' sampling parameters: host arrays written by the batches' installs, uploaded
         # once before the next step that follows a change (not on every step).
         self._sp = SamplingParams.host(S)
@@ -192,14 +228,28 @@ class Runner:
             self.channel.send((name, args, kwargs))
 
     # ---- the compiled step -----------------------------------------------------------------
-    def _program(self, key: Program, args: tuple[Any, ...]) -> Any:
+    def _program(self, key: Program, args: tuple[Any, ...], in_step: bool = True) -> Any:
         """Program ``key`` compiled (``jax.stages.Compiled``) for ``args``, the step's arguments
-        (``_arguments``), compiled on first use. Compiled ahead of its first call, and called as
-        compiled, so that compiling never runs it: a live switch compiles the new runner's
-        programs while the old one steps (``warmup_to_replace``)."""
-        if key not in self._programs:
-            self._programs[key] = self._jit(*key).lower(*args).compile()
-        return self._programs[key]
+        (``_arguments``): as compiled, by a background compile (waited for), or compiled now.
+        Compiled ahead of its first call, and called as compiled, so that compiling never runs
+        it: a live switch compiles the new runner's programs while the old one steps
+        (``warmup_to_replace``). ``in_step``: a step waits for it (counted after warm-up)."""
+        program = self._programs.get(key)
+        if program is None and (future := self._compiling.get(key)) is not None:
+            with contextlib.suppress(Exception):  # compiled again below, where an error is raised
+                program = future.result()
+        if program is None:
+            program = self._programs.get(key)  # inserted between the two looks
+        if program is None:
+            t0 = time.perf_counter()
+            program = self._programs[key] = self._jit(*key).lower(*args).compile()
+            if self.warmed and in_step:  # the step (and every stream) waited for it
+                self.compiles.add(in_step=1)
+                log.info(
+                    "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages in a step "
+                    "in %.1f s", *key, time.perf_counter() - t0,
+                )  # fmt: skip
+        return program
 
     def _jit(self, decode_tokens: int, prefill_tokens: int, window_pages: int) -> Any:
         """The jitted step of program (``decode_tokens``, ``prefill_tokens``, ``window_pages``)."""
@@ -268,9 +318,69 @@ class Runner:
         Raises:
             ValueError: a position past ``max_seq_len``, or regions no bucket holds.
         """
-        self._program_of(batch)  # a bad batch raises here, before the followers see it
+        key = self._program_of(batch)  # a bad batch raises here, before the followers see it
+        if key not in self._programs and self.warmed:
+            cover = self._cover(key)
+            if cover is not None:  # run in it while this shape compiles, rather than wait
+                self.compile_ahead(batch)
+                batch = self.geometry.widen(batch, *cover)
+                self.compiles.add(widened_steps=1)
         self._mirror("step", batch, PREVIOUS if prev is not None else None)
-        return self._dispatch(batch, prev)
+        return self.dispatch(batch, prev)
+
+    def _cover(self, key: Program) -> Program | None:
+        """The cheapest compiled program that holds a batch of program ``key`` (each region and
+        the window at least as large; fewest tokens, then the narrowest window), or None."""
+        d, p, w = key
+        fits = [k for k in list(self._programs) if k[0] >= d and k[1] >= p and k[2] >= w]
+        return min(fits, key=lambda k: (k[0] + k[1], k[2]), default=None)
+
+    def compile_ahead(self, batch: RaggedBatch) -> None:
+        """Compile the program ``batch`` needs on a background thread, unless it is compiled or
+        compiling; its steps run it once it is in (``_program``). The thread holds the GIL while
+        it traces, not while XLA compiles."""
+        key = self._program_of(batch)
+        if key in self._programs or key in self._compiling:
+            return
+        self._mirror("compile_ahead", batch)
+        specs = jax.tree.map(  # shapes and shardings only: the arrays may be donated meanwhile
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.weak_type)
+            if isinstance(a, jax.Array) else a,
+            self._arguments(batch, None),
+        )  # fmt: skip
+        width, jitted = self._sp["eos_ids"].shape[1], self._jit(*key)
+        future: Future = Future()
+        self._compiling[key] = future
+
+        def compile_in_background() -> None:
+            try:
+                with _BACKGROUND_COMPILE:
+                    if self._compiles_abandoned:
+                        raise CancelledError
+                    t0 = time.perf_counter()
+                    program = jitted.lower(*specs).compile()
+            except BaseException as exc:  # the step that needs it compiles it again, and raises
+                self._compiling.pop(key, None)
+                future.set_exception(exc)
+                return
+            if self._sp["eos_ids"].shape[1] == width:  # else every program went stale meanwhile
+                self._programs[key] = program
+            self._compiling.pop(key, None)
+            self.compiles.add(ahead=1)
+            log.info(
+                "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages off the steps' "
+                "path in %.1f s", *key, time.perf_counter() - t0,
+            )  # fmt: skip
+            future.set_result(program)
+
+        # Not a daemon (as the loop thread is): the interpreter's exit waits for it (XLA aborted the process when exit
+        # killed a thread in the middle of a compile); ``abandon_compiles`` drops those queued.
+        threading.Thread(target=compile_in_background, name="compile-ahead", daemon=False).start()
+
+    def abandon_compiles(self) -> None:
+        """Compile no more programs in the background (the runner is stopping or replaced): those
+        queued are dropped, the one compiling finishes."""
+        self._compiles_abandoned = True
 
     def _program_of(self, batch: RaggedBatch) -> Program:
         """The program ``batch`` runs: its regions' buckets and its window.
@@ -281,6 +391,11 @@ class Runner:
         if batch.max_position >= self.ecfg.max_seq_len:
             raise ValueError(f"position {batch.max_position} past max_seq_len {self.ecfg.max_seq_len}")
         g = self.geometry
+        window = batch.window_pages or g.window(batch.max_position)
+        if window not in g.window_buckets or window < g.window(batch.max_position):
+            raise ValueError(
+                f"a window of {window} pages: buckets are {g.window_buckets}, position {batch.max_position}"
+            )
         if len(batch.tokens) % self.replicas:
             raise ValueError(f"{len(batch.tokens)} tokens do not split into {self.replicas} equal regions")
         decode = batch.decode_tokens
@@ -290,7 +405,7 @@ class Runner:
                 f"regions of {decode} decode and {prefill} prefill tokens: buckets are "
                 f"{g.decode_buckets} and {g.prefill_buckets}"
             )
-        return decode, prefill, g.window(batch.max_position)
+        return decode, prefill, window
 
     def _arguments(self, batch: RaggedBatch, prev: StepOutput | None) -> tuple[Any, ...]:
         """The step's arguments for ``batch`` (the jitted ``run``'s, in order)."""
@@ -305,21 +420,15 @@ class Runner:
             generated, page_tables, last_index, batch.ban_eos,
         )  # fmt: skip
 
-    def _dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
-        """``step`` without mirroring."""
+    def dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
+        """A step of ``batch`` as it is: no mirroring, no other program chosen (a follower
+        runs what process 0 sent); its program compiled here if it is not yet (waiting for a
+        background compile of it)."""
         key = self._program_of(batch)
         for install in batch.installs:
             self._install(install)
-        cold = self.warmed and key not in self._programs
-        t0 = time.perf_counter() if cold else 0.0
         args = self._arguments(batch, prev)
         packed, logits, self.cache, self.history = self._program(key, args)(*args)
-        if cold:  # compiled in the call: the step (and every stream) waited for it
-            log.info(
-                "compiled the ragged-step program for %d decode + %d prefill tokens over %d pages on first use "
-                "in %.1f s (serve --warmup-full compiles %d programs before SERVING)",
-                *key, time.perf_counter() - t0, len(self.warm_programs(full=True)),
-            )  # fmt: skip
         return StepOutput(packed, logits)
 
     # ---- per-row state ---------------------------------------------------------------------
@@ -327,8 +436,12 @@ class Runner:
         """A request's row: its sampling parameters (uploaded before the step; more EOS ids than
         any request so far widen the per-row array to the next power of two, one recompile),
         and, when it uses penalties, its token history, written whole (asynchronously)."""
+        width = self._sp["eos_ids"].shape[1]
         write_sampling_row(self._sp, install)
         self._sp_device = None
+        if self._sp["eos_ids"].shape[1] != width:  # every program takes the old shape
+            self._programs.clear()
+            self._compiling.clear()
         if install.history is not None:
             prompt_ids, generated_ids = install.history
             V = self.cfg.vocab_size
@@ -358,20 +471,29 @@ class Runner:
     def warm_programs(self, full: bool = False) -> list[Program]:
         """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
         decode and prefill bucket at the smallest window (new prompts while sequences are
-        short), and decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
-        growing); with ``full``, every prefill bucket and window with all rows decoding, and
-        decode-only steps of every decode bucket and window. A backend with one window compiles
-        one program per (decode, prefill) pair."""
+        short), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
+        growing), and at the largest window decode-only steps of every decode bucket and the
+        largest of all, so that a compiled program holds every batch (``step``); with
+        ``full``, every prefill bucket and window with all rows decoding, and decode-only steps
+        of every decode bucket and window. A backend with one window compiles one program per
+        (decode, prefill) pair."""
         ps, g = self.ecfg.page_size, self.geometry
         D, Pb, W = g.decode_buckets, g.prefill_buckets, g.window_buckets
         if full:
             return list(dict.fromkeys([(D[-1], p, w) for p in Pb for w in W] + [(d, 0, w) for d in D[:-1] for w in W]))
         warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
-        return list(dict.fromkeys([(d, p, W[0]) for d in D for p in Pb] + [(d, 0, w) for d in D for w in warm]))
+        return list(
+            dict.fromkeys(
+                [(d, p, W[0]) for d in D for p in Pb]
+                + [(d, 0, w) for d in D for w in warm]
+                + [(d, 0, W[-1]) for d in D]
+                + [(D[-1], Pb[-1], W[-1])]
+            )
+        )
 
     def warmup(self, full: bool = False, also: Collection[Program] = ()) -> float:
         """Compile (and run once) ``warm_programs(full)`` and the programs ``also`` names; the rest
-        compile on first use. Returns the seconds spent."""
+        compile ahead when first needed (``step``). Returns the seconds spent."""
         self._mirror("warmup", full=full, also=tuple(also))
         return self._warm([*self.warm_programs(full), *also])
 
@@ -381,10 +503,9 @@ class Runner:
         programs = list(dict.fromkeys(programs))
         for program in programs:
             batch = self.idle_batch(program)
+            self._program(program, self._arguments(batch, None), in_step=False)
             if run:
-                self._dispatch(batch, None).host()
-            else:
-                self._program(program, self._arguments(batch, None))
+                self.dispatch(batch, None).host()
         elapsed = time.perf_counter() - t0
         log.info("warm-up compiled %d ragged-step programs in %.1f s", len(programs), elapsed)
         self.warmed = True
@@ -398,12 +519,16 @@ class Runner:
         (``SetLayout`` builds beside the loop), and two programs with collectives running at
         once on the same devices wait on each other (XLA:CPU aborted the process when an
         all-reduce of the new layout's warm-up waited 40 s for a device busy with the old
-        layout's steps). Returns the seconds spent."""
+        layout's steps). Counted as compiled ahead in the ``compiles`` this runner shares with
+        ``old`` (``relayout``). Returns the seconds spent."""
         self._mirror("warmup_to_replace")
-        return self._warm([*self.warm_programs(), *self.replacement_programs(old)], run=False)
+        programs = list(dict.fromkeys([*self.warm_programs(), *self.replacement_programs(old)]))
+        elapsed = self._warm(programs, run=False)
+        self.compiles.add(ahead=len(programs))
+        return elapsed
 
     def replacement_programs(self, old: Runner) -> list[Program]:
-        """The programs here that serve the steps ``old`` has compiled: each of its (decode,
+        """The programs here that serve the steps ``old`` has compiled or is compiling: each of its (decode,
         prefill, window) buckets as this runner's buckets take it (sizes past the largest
         clipped to it), and, where this runner has fewer data replicas, also the regions that
         hold ``old``'s replicas' tokens together (sizes x old replicas / these)."""
@@ -416,7 +541,7 @@ class Runner:
         return list(
             dict.fromkeys(
                 (fit(d * k, g.decode_buckets), fit(p * k, g.prefill_buckets), fit(w, g.window_buckets))
-                for d, p, w in old._programs
+                for d, p, w in [*old._programs, *old._compiling]
                 for k in scales
             )
         )
@@ -448,6 +573,7 @@ class Runner:
         else:
             new = Runner(self.cfg, abstract_llama(self.cfg)[0], params, layout, self.ecfg, devices)  # as loaded
         new.channel = self.channel
+        new.compiles = self.compiles
         return new
 
     def adopt_state(self, old: Runner) -> None:

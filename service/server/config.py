@@ -31,8 +31,9 @@ class ServerConfig:
             pool, attention and matmul kernels.
         max_queue: most requests waiting for a slot before RESOURCE_EXHAUSTED.
         default_max_tokens: max_tokens when a request leaves it unset.
-        warmup_full: compile every shape variant before reporting SERVING (else only the
-            smallest; others compile on first use and land in the persistent cache).
+        warmup_full: compile every shape variant before reporting SERVING (else those short
+            sequences need and the largest; others compile in the background when first
+            needed, their steps running in a larger program meanwhile).
         stall_timeout_s: health turns NOT_SERVING when a busy engine loop makes no progress
             for this long, in seconds; the watchdog then fails that pool's streams with
             UNAVAILABLE. Keep it above the slowest step (a first-use compile on CPU).

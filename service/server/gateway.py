@@ -101,7 +101,10 @@ class Gateway:
         """Serve ``pool`` (its loop not started yet: its steps report to the metrics)."""
         scheduler = pool.loop.scheduler
         pool.loop.on_step = self._step_observer(pool.name, scheduler)
+        host_per_token = self.metrics.host_per_token.labels(pool=pool.name)
+        pool.loop.on_host = lambda seconds, ids: host_per_token.observe(seconds / ids)
         self.metrics.track_pages(pool.name, scheduler.page_counts)
+        self.metrics.track_compiles(pool.name, lambda: pool.loop.runner.compiles)
         self.metrics.track_pool(
             pool.name,
             num_slots=scheduler.num_slots,

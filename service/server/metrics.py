@@ -53,7 +53,19 @@ Per pool, read when scraped (the step histograms when each step ends):
     meshserve_engine_step_seconds{pool}              histogram: one engine step
     meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
                                                      prefill chunk tokens)
+    meshserve_engine_host_seconds_per_token{pool}    histogram: the engine loop's own time (schedule,
+                                                     build, dispatch, postprocess, emit; not its
+                                                     wait for the device) per id it brought to the
+                                                     host, one observation per loop iteration
     meshserve_pool_layout_info{pool,layout,data,model,attention}  info: the pool's current layout
+    meshserve_compiles_after_serving_total{pool,path}  counter: ragged-step programs compiled after
+                                                     the pool's warm-up, by path: background (off
+                                                     the steps' path: a new shape, whose steps ran
+                                                     in a larger compiled program meanwhile, or a
+                                                     live switch's programs) or step (a step, and
+                                                     every stream, waited for it)
+    meshserve_steps_in_larger_program_total{pool}    counter: steps run in a larger compiled program
+                                                     while their own compiled
 
 Server (process-wide, no pool label):
     meshserve_model_weights_info{weights,formats}    info: how the weights are held: "stored" (GGUF
@@ -65,10 +77,12 @@ Server (process-wide, no pool label):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 NAMESPACE = "meshserve"
 FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "error")  # values of requests_total's label
@@ -76,8 +90,44 @@ FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "error")  # value
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+HOST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 POOL = ("pool",)
+
+
+class Compiles(Protocol):
+    """A pool's compile counts (``service.engine.runner.CompileCounts``)."""
+
+    ahead: int
+    in_step: int
+    widened_steps: int
+
+
+class CompileCollector(Collector):
+    """The compile counters, read from each pool's engine at scrape time (a background compile
+    ends between steps, so a count kept by the step hook would lag)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, Callable[[], Compiles]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        compiles = CounterMetricFamily(
+            f"{NAMESPACE}_compiles_after_serving",
+            "Ragged-step programs compiled after the pool's warm-up: in the background or in a step (which waited).",
+            labels=["pool", "path"],
+        )
+        larger = CounterMetricFamily(
+            f"{NAMESPACE}_steps_in_larger_program",
+            "Steps run in a larger compiled program while their own compiled.",
+            labels=["pool"],
+        )
+        for pool, counts in list(self.pools.items()):
+            c = counts()
+            compiles.add_metric([pool, "background"], c.ahead)
+            compiles.add_metric([pool, "step"], c.in_step)
+            larger.add_metric([pool], c.widened_steps)
+        yield compiles
+        yield larger
 
 
 class Metrics:
@@ -111,6 +161,11 @@ class Metrics:
             "queue_time_seconds", "Seconds a request waited from arrival until its prefill started.", LATENCY_BUCKETS
         )
         self.step_time = hist("engine_step_seconds", "Seconds per engine step.", STEP_BUCKETS)
+        self.host_per_token = hist(
+            "engine_host_seconds_per_token",
+            "The engine loop's host time (not its wait for the device) per sampled id, per loop iteration.",
+            HOST_BUCKETS,
+        )
         self.step_tokens = hist(
             "engine_step_tokens", "Tokens per engine step (decode tokens plus prefill chunk tokens).", TOKEN_BUCKETS
         )
@@ -146,6 +201,8 @@ class Metrics:
         self.weights = make(Info, "model_weights", "How the served weights are held.", ())
         self.serving = make(Gauge, "serving", "1 while health reports SERVING, else 0.", ())
         self._layouts: dict[str, dict[str, str]] = {}
+        self._compiles = CompileCollector()
+        self.registry.register(self._compiles)
 
     def track_pool(
         self,
@@ -166,6 +223,11 @@ class Metrics:
             metric.labels(pool=pool)  # export zeros from the start
         self.step_time.labels(pool=pool)
         self.step_tokens.labels(pool=pool)
+        self.host_per_token.labels(pool=pool)
+
+    def track_compiles(self, pool: str, counts: Callable[[], Compiles]) -> None:
+        """Register a pool's compile counts, ``counts()`` read at scrape time (any thread)."""
+        self._compiles.pools[pool] = counts
 
     def track_pages(self, pool: str, pages: Callable[[], dict[str, int]]) -> None:
         """Register a paged pool's page gauges: ``pages()`` gives {"used", "cached", "free"}

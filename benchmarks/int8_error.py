@@ -102,10 +102,10 @@ def run(runner: Any, prompt: list[int], feed: list[int] | None, n: int) -> tuple
     ids fed after the first are ``feed``'s (teacher forcing), else the engine's own. Each run
     writes row 0's pages from position 0 again, so runs do not see each other's keys."""
     out = runner.step(prompt_batch(runner, prompt))
-    logits, ids = [np.asarray(out.logits)[0]], [int(out.host().ids[0])]
+    logits, ids = [out.row_logits(0)], [int(out.host().ids[0])]
     for i in range(n - 1):
         out = runner.step(decode_batch(runner, (feed or ids)[i], len(prompt) + i))
-        logits.append(np.asarray(out.logits)[0])
+        logits.append(out.row_logits(0))
         ids.append(int(out.host().ids[0]))
     return np.stack(logits), ids
 

@@ -29,7 +29,7 @@ def wait_for_background_compiles(runner: Runner, timeout_s: float = 300.0) -> No
 
 def test_widen_keeps_every_token_in_its_region_and_part() -> None:
     g = Geometry.make(8, 2, 4, 256, 16, 32, [8, 16, 32, 64])
-    assert g.decode_buckets == (4,) and g.prefill_buckets == (0, 16, 32)
+    assert g.mixed_decode_buckets == (4,) and g.prefill_buckets == (0, 16, 32)
     b = g.empty_batch(4, 16)  # two regions of 4 decode + 16 prefill tokens
     n = 20
     # Replica 0: a decode token of row 1, a chunk of row 2; replica 1: decode tokens of rows 4 and 6.
@@ -66,7 +66,7 @@ def test_a_step_in_a_wider_program_gives_the_same_logits_and_ids() -> None:
                         attention="xla")  # fmt: skip
     exact, wide = (Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), ecfg) for _ in range(2))
     g = exact.geometry
-    assert g.decode_buckets == (8, 16) and g.prefill_buckets[-1] == 64 and g.window_buckets[-1] == 64
+    assert g.mixed_decode_buckets == (8, 16) and g.prefill_buckets[-1] == 64 and g.window_buckets[-1] == 64
     largest = (16, 64, 64)
 
     first = g.empty_batch(8, 32)
@@ -78,7 +78,7 @@ def test_a_step_in_a_wider_program_gives_the_same_logits_and_ids() -> None:
     out_exact, out_wide = exact.step(first), wide.step(g.widen(first, *largest))
     ids_exact, ids_wide = out_exact.host().ids, out_wide.host().ids
     assert ids_exact[0] == ids_wide[0] == reference(PROMPT_A, 1)[0][0]
-    np.testing.assert_allclose(np.asarray(out_wide.logits)[0], np.asarray(out_exact.logits)[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out_wide.row_logits(0), out_exact.row_logits(0), rtol=0, atol=1e-5)
 
     second = g.empty_batch(8, 16)
     bn = len(PROMPT_B)
@@ -91,7 +91,8 @@ def test_a_step_in_a_wider_program_gives_the_same_logits_and_ids() -> None:
     assert list(out_exact.host().ids[:2]) == list(out_wide.host().ids[:2])
     assert out_exact.host().ids[0] == reference(PROMPT_A, 2)[0][1]
     assert out_exact.host().ids[1] == reference(PROMPT_B, 1)[0][0]
-    np.testing.assert_allclose(np.asarray(out_wide.logits)[:2], np.asarray(out_exact.logits)[:2], rtol=0, atol=1e-5)
+    for row in (0, 1):
+        np.testing.assert_allclose(out_wide.row_logits(row), out_exact.row_logits(row), rtol=0, atol=1e-5)
 
 
 def test_no_step_waits_for_a_compile_after_warm_up() -> None:
@@ -140,3 +141,33 @@ def test_a_longer_eos_list_recompiles_rather_than_fails() -> None:
         assert run(loop, [make(PROMPT_B, 4)]) == [reference(PROMPT_B, 4)]
     finally:
         loop.stop()
+
+
+def test_a_single_stream_on_many_rows_steps_one_row_and_samples_one_slot() -> None:
+    """64 rows, one request: its decode steps run a decode region of one row (not the eight a
+    step beside prefill chunks keeps) and compute logits for one sampling slot, not 64 (the
+    served single stream paid for 64 rows' LM head and sampler, then for 8 rows' layers)."""
+    loop = tiny_loop(num_slots=64, kv_cache_tokens=64 * 16)
+    runner = loop.runner
+    g = runner.geometry
+    assert g.decode_bucket(1) == 1 and g.decode_bucket(1, mixed=True) == 8
+    assert g.sample_slots(1, 0) == 1 and g.sample_slots(8, 32) == 8 + 32 // g.seq_block
+    seen: list[tuple[tuple[int, int, int], int]] = []
+    dispatch = runner.dispatch
+
+    def recorded(batch, prev):  # type: ignore[no-untyped-def]
+        seen.append((runner._program_of(batch), len(g.samplers(batch)[0])))
+        return dispatch(batch, prev)
+
+    runner.dispatch = recorded  # type: ignore[method-assign]
+    loop.start()
+    try:
+        assert loop.ready.wait(600), loop.error
+        seen.clear()  # warm-up's steps
+        assert run(loop, [make(PROMPT_A, 6)]) == [reference(PROMPT_A, 6)]
+    finally:
+        loop.stop()
+    prefill = [(key, slots) for key, slots in seen if key[1]]
+    decode = [(key, slots) for key, slots in seen if not key[1]]
+    assert [key[0] for key, _ in prefill] == [8, 8]  # two chunks of 16 beside an empty decode region of 8
+    assert len(decode) == 5 and all(key[0] == 1 and slots == 1 for key, slots in decode)

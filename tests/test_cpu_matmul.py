@@ -238,7 +238,7 @@ def greedy_steps(runner: Runner, prompt: np.ndarray, decodes: int) -> tuple[list
 
     install = RowInstall(row=ROW, sampling=SamplingOptions(temperature=0.0), logprobs=False, eos_ids=())
     out = runner.step(dataclasses.replace(batch(g.prefill_bucket(g.padded(len(prompt))), prefill), installs=(install,)))
-    ids, logits = [int(out.host().ids[ROW])], [np.asarray(out.logits)[ROW]]
+    ids, logits = [int(out.host().ids[ROW])], [out.row_logits(ROW)]
     for i in range(decodes):
 
         def decode(b: RaggedBatch, i: int = i) -> None:
@@ -247,7 +247,7 @@ def greedy_steps(runner: Runner, prompt: np.ndarray, decodes: int) -> tuple[list
 
         out = runner.step(batch(0, decode))
         ids.append(int(out.host().ids[ROW]))
-        logits.append(np.asarray(out.logits)[ROW])
+        logits.append(out.row_logits(ROW))
     return ids, np.stack(logits)
 
 

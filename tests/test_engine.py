@@ -47,7 +47,7 @@ def prompt_batch(runner: Runner, ids: list[int]) -> RaggedBatch:
     """``ids`` as row 0's first and only chunk over pages 0, 1, ... (a fresh pool's), sampling
     greedily at its last token: the flat batch the loop builds for a prompt at an idle server."""
     g = runner.geometry
-    n, D = len(ids), g.decode_buckets[0]
+    n, D = len(ids), g.mixed_decode_buckets[0]
     b = g.empty_batch(D, g.prefill_bucket(g.padded(n)))
     b.tokens[D : D + n], b.positions[D : D + n], b.rows[D : D + n] = ids, np.arange(n), 0
     b.last_index[0] = D + n - 1
@@ -154,7 +154,7 @@ def test_float32_matmuls_by_the_native_panels_or_xla_give_the_same_ids(loop: Eng
     assert ids_of_a_and_c(xla) == [refs["A"], refs["C"]]
     # One prompt's step on fresh runners of each kind (the module's loop owns its runner).
     fresh = [tiny_loop(matmul=m).runner for m in ("xla", "auto")]
-    logits = [np.asarray(r.step(prompt_batch(r, PROMPT_A[:8])).logits)[0] for r in fresh]
+    logits = [r.step(prompt_batch(r, PROMPT_A[:8])).row_logits(0) for r in fresh]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -240,31 +240,41 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
     runner = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048, attention="xla"))
     g = runner.geometry
     assert g.prefill_buckets == (0, 64, 128, 256, 512) and g.window_buckets == (8, 16, 32, 64, 128)
-    assert g.decode_buckets == (4,)  # 4 rows: one decode region
+    # 4 rows: decode-only steps of 1, 2 or 4 rows, and one decode region of 4 beside prefill chunks.
+    assert g.decode_buckets == (1, 2, 4) and g.mixed_decode_buckets == (4,)
     assert runner.warm_programs() == [
+        (1, 0, 8),
+        (2, 0, 8),
         (4, 0, 8),
         (4, 64, 8),
         (4, 128, 8),
         (4, 256, 8),
         (4, 512, 8),
+        (1, 0, 16),
+        (1, 0, 32),
+        (2, 0, 16),
+        (2, 0, 32),
         (4, 0, 16),
         (4, 0, 32),
-        (4, 0, 128),  # the largest window: a compiled program holds every batch
+        (1, 0, 128),  # the largest window: a compiled program holds every batch
+        (2, 0, 128),
+        (4, 0, 128),
         (4, 512, 128),
     ]
-    assert len(runner.warm_programs(full=True)) == 25
+    assert len(runner.warm_programs(full=True)) == 25 + 2 * 5
     # The native kernels read pages up to each token's position: one window, so one program per
     # pair of regions, whatever the positions.
     native = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
     if native.kernels.attention.native:
         assert native.geometry.window_buckets == (128,)
-        assert native.warm_programs() == [(4, p, 128) for p in (0, 64, 128, 256, 512)]
-        assert len(native.warm_programs(full=True)) == 5
+        assert native.warm_programs() == [(1, 0, 128), (2, 0, 128)] + [(4, p, 128) for p in (0, 64, 128, 256, 512)]
+        assert len(native.warm_programs(full=True)) == 7
         native.step(native.idle_batch((4, 0, 128))).host()
         assert list(native._programs) == [(4, 0, 128)]
     many = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048, attention="xla"))
-    assert many.geometry.decode_buckets == (8, 16, 32, 64)
-    assert len(many.warm_programs()) == 4 * 5 + 4 * 2 + 4 + 1
+    assert many.geometry.decode_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert many.geometry.mixed_decode_buckets == (8, 16, 32, 64)
+    assert len(many.warm_programs()) == 7 + 4 * 4 + 7 * 2 + 7 + 1
     # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
     small = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
     assert small.geometry.prefill_buckets == (0, 32, 64)
@@ -299,7 +309,11 @@ def test_a_replacing_runner_compiles_what_the_old_one_used(caplog: pytest.LogCap
     old.warmup()
     assert old.warmed
     g = old.geometry
-    long = (g.decode_buckets[0], g.prefill_buckets[1], g.window_buckets[-1])  # a chunk's token at the last position
+    long = (
+        g.mixed_decode_buckets[0],
+        g.prefill_buckets[1],
+        g.window_buckets[-1],
+    )  # a chunk's token at the last position
     assert long not in old._programs
     with caplog.at_level(logging.INFO, logger="service.engine.runner"):
         old.step(old.idle_batch(long)).host()  # in a larger program, while its own compiles

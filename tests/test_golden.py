@@ -62,7 +62,7 @@ def served(runner: Runner, prompts: list[list[int]], n: int) -> tuple[list[list[
         out = runner.step(build(plan, runner.geometry, scheduler.page_tables))
         for c in plan.prefills:
             if c.is_last:
-                logits[id(c.request)] = np.asarray(out.logits[c.slot])
+                logits[id(c.request)] = out.row_logits(c.slot)
         scheduler.postprocess(plan, out.host())
     # No request was preempted (its recomputation's last chunk would have replaced the logits).
     assert all(r.finish_reason is FinishReason.LENGTH and r.preemptions == 0 for r in requests)

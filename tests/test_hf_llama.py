@@ -106,9 +106,9 @@ def our_logits(cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, **engine: 
         b.page_tables[0] = np.arange(g.max_pages)
         return dataclasses.replace(b, num_real=n, max_position=start + n - 1)
 
-    rows = [np.asarray(runner.step(batch(0, SEQ[:PREFILL], decode=False)).logits)[0]]
+    rows = [runner.step(batch(0, SEQ[:PREFILL], decode=False)).row_logits(0)]
     for pos in range(PREFILL, len(SEQ)):
-        rows.append(np.asarray(runner.step(batch(pos, [SEQ[pos]], decode=True)).logits)[0])
+        rows.append(runner.step(batch(pos, [SEQ[pos]], decode=True)).row_logits(0))
     return np.stack(rows)  # positions PREFILL-1 .. len(SEQ)-1
 
 

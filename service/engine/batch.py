@@ -22,7 +22,7 @@ from service.engine.request import SamplingOptions
 from service.engine.scheduler import StepPlan
 
 SEQ_BLOCK = 64  # tokens per block of the prefill region (one read of a sequence's keys each)
-MIN_DECODE = 8  # the smallest decode region (all rows when there are fewer)
+MIN_DECODE = 8  # the smallest decode region beside a prefill region (all rows when there are fewer)
 MIN_WINDOW = 128  # tokens: the smallest attention window a windowed backend compiles
 
 
@@ -88,8 +88,10 @@ class Geometry:
     ``page_size`` positions, up to ``max_pages`` per sequence, the buckets of each region and of
     the attention window (the backend's: ``AttentionBackend.window_buckets``).
 
-    Programs = decode x prefill x window buckets; the decode region is a power of two from
-    ``MIN_DECODE`` up to the rows of a replica; the prefill region 0 tokens or a power of two
+    Programs = decode x prefill x window buckets; the decode region is a power of two up to the
+    rows of a replica, from 1 in a decode-only step and from ``MIN_DECODE`` beside prefill
+    chunks (``decode_bucket``: every padding row costs a decode step about what a real one
+    does, so a single stream of a 64-row server paid for 8); the prefill region 0 tokens or a power of two
     times ``seq_block`` up to ``max_num_batched_tokens`` (rounded up to a block), or up to one
     chunk per row where that is less.
     """
@@ -130,7 +132,7 @@ class Geometry:
             page_size=page_size,
             max_pages=max_pages,
             seq_block=seq_block,
-            decode_buckets=tuple(power_of_two_buckets(min(MIN_DECODE, rows), rows)),
+            decode_buckets=tuple(power_of_two_buckets(1, rows)),
             prefill_buckets=(0, *power_of_two_buckets(seq_block, region)),
             window_buckets=tuple(window_buckets),
         )
@@ -143,13 +145,51 @@ class Geometry:
         """The data replica serving ``row`` (rows [r S/d, (r + 1) S/d) are replica r's)."""
         return row // self.rows_per_replica
 
-    def decode_bucket(self, num_tokens: int) -> int:
-        """The decode region's length for ``num_tokens`` decode tokens (<= a replica's rows)."""
-        return pick_bucket(num_tokens, self.decode_buckets)
+    @property
+    def mixed_decode_buckets(self) -> tuple[int, ...]:
+        """The decode buckets of steps with a prefill region: from ``MIN_DECODE`` (fewer
+        programs; the chunks' tokens cost more than a few padding rows there)."""
+        return tuple(b for b in self.decode_buckets if b >= min(MIN_DECODE, self.rows_per_replica))
+
+    def decode_bucket(self, num_tokens: int, mixed: bool = False) -> int:
+        """The decode region's length for ``num_tokens`` decode tokens (<= a replica's rows), in
+        a step with a prefill region when ``mixed``."""
+        return pick_bucket(num_tokens, self.mixed_decode_buckets if mixed else self.decode_buckets)
 
     def prefill_bucket(self, num_tokens: int) -> int:
         """The prefill region's length for ``num_tokens`` (chunks already padded to blocks)."""
         return pick_bucket(num_tokens, self.prefill_buckets)
+
+    def sample_slots(self, decode_tokens: int, prefill_tokens: int) -> int:
+        """R: the most rows of one replica that sample in a step of these regions (one per
+        decode token, one per chunk, each chunk at least a block), and no more than its rows.
+        The step computes logits for R slots per replica, not for every row: a single stream
+        on a server of 64 rows made the LM head and the sampler run 64 rows each step."""
+        return min(self.rows_per_replica, decode_tokens + prefill_tokens // self.seq_block)
+
+    def samplers(self, batch: RaggedBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's sampling rows in ``sample_slots`` slots per replica: (rows [d R] int32,
+        -1 for an empty slot; the index in [0, N) of each slot's token, an empty slot its
+        region's first). Row s samples when the token at ``last_index[s]`` is its own (a row
+        that samples nothing points at its region's first token, a decode slot no prefilling
+        row holds).
+
+        Raises:
+            ValueError: more rows sample in a replica than its slots.
+        """
+        d, S_r = self.replicas, self.rows_per_replica
+        n = len(batch.tokens) // d
+        R = self.sample_slots(batch.decode_tokens, n - batch.decode_tokens)
+        rows = np.full(d * R, -1, np.int32)
+        index = np.repeat(np.arange(d, dtype=np.int32) * n, R)
+        sampling = np.flatnonzero(batch.rows[batch.last_index] == np.arange(self.num_slots))
+        for r in range(d):
+            mine = sampling[sampling // S_r == r]
+            if len(mine) > R:
+                raise ValueError(f"{len(mine)} rows of replica {r} sample, in a step of {R} sampling slots")
+            rows[r * R : r * R + len(mine)] = mine
+            index[r * R : r * R + len(mine)] = batch.last_index[mine]
+        return rows, index
 
     def window(self, max_position: int) -> int:
         """The window bucket covering positions up to ``max_position`` (-1: none)."""
@@ -252,7 +292,7 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
         decode_of[t.slot // S_r] += 1
     for c in plan.prefills:
         padded_of[c.slot // S_r] += geometry.padded(c.length)
-    D = geometry.decode_bucket(max(decode_of))
+    D = geometry.decode_bucket(max(decode_of), mixed=any(padded_of))
     batch = geometry.empty_batch(D, geometry.prefill_bucket(max(padded_of)))
     n = len(batch.tokens) // d
     tokens, positions, rows, source = batch.tokens, batch.positions, batch.rows, batch.source

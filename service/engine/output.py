@@ -56,10 +56,24 @@ class HostStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """Device results of one compiled step: ``packed`` (see ``pack_step``) and logits [R, V]."""
+    """Device results of one compiled step: ``packed`` [S, ...] (see ``pack_step``), one row
+    per row, and the logits [R, V] of its sampling slots, whose rows ``sample_rows`` [R] (host,
+    -1 for an empty slot) names."""
 
     packed: jax.Array
     logits: jax.Array
+    sample_rows: np.ndarray | None = None
+
+    def row_logits(self, row: int) -> np.ndarray:
+        """Row ``row``'s logits [V] float32 (on the host).
+
+        Raises:
+            ValueError: the row sampled nothing in this step.
+        """
+        slots = np.flatnonzero(self.sample_rows == row) if self.sample_rows is not None else np.zeros(0, np.int64)
+        if not len(slots):
+            raise ValueError(f"row {row} sampled nothing in this step")
+        return np.asarray(self.logits[int(slots[0])])
 
     def host(self) -> HostStep:
         """The one device-to-host copy of the step (blocks until the step is done)."""

@@ -270,7 +270,8 @@ class Runner:
             rows,
             generated,
             page_tables,
-            last_index,
+            sample_index,
+            sample_rows,
             ban,
         ):  # type: ignore[no-untyped-def]
             S = page_tables.shape[0]
@@ -288,17 +289,28 @@ class Runner:
                 return ragged_step(model, cache, tokens, meta, last, attention)
 
             if d == 1:
-                logits, cache = step(cache, tokens, positions, rows, page_tables, last_index)
+                logits, cache = step(cache, tokens, positions, rows, page_tables, sample_index)
             else:
-                logits, cache = _per_replica(step, d, cache, tokens, positions, rows, page_tables, last_index)
-            sp = dataclasses.replace(sp, ban_eos=ban)
-            next_ids = sample(logits, sp, positions[last_index] + 1, argmax, history)
-            return pack_step(logits, next_ids, jnp.any(sp.logprobs)), logits, cache, history
+                logits, cache = _per_replica(step, d, cache, tokens, positions, rows, page_tables, sample_index)
+            # The sampling slots' rows of the per-row state (an empty slot reads row 0's: its id is dropped).
+            real = sample_rows >= 0
+            own = jnp.where(real, sample_rows, 0)
+            slot_sp = dataclasses.replace(jax.tree.map(lambda a: a[own], sp), ban_eos=ban)
+            slot_history = TokenHistory(counts=history.counts[own], in_prompt=history.in_prompt[own])
+            next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history)
+            packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real))
+            # One row per row (what the host and the next step's ``prev`` read); empty slots dropped.
+            by_row = (
+                jnp.zeros((S, packed.shape[1]), packed.dtype)
+                .at[jnp.where(real, sample_rows, S)]
+                .set(packed, mode="drop")
+            )
+            return by_row, logits, cache, history
 
         r, by = self.repl, self.by_replica
         return jax.jit(
             run,
-            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, r),
+            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, r),
             # Logits stay with their replica's devices (read by tests, not by the loop).
             out_shardings=(r, by, self._cache_sh, r),
             donate_argnums=(1, 2),
@@ -409,15 +421,17 @@ class Runner:
 
     def _arguments(self, batch: RaggedBatch, prev: StepOutput | None) -> tuple[Any, ...]:
         """The step's arguments for ``batch`` (the jitted ``run``'s, in order)."""
+        sample_rows, sample_index = self.geometry.samplers(batch)
+        ban = batch.ban_eos[np.maximum(sample_rows, 0)] & (sample_rows >= 0)
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
-        split: tuple[np.ndarray | jax.Array, ...] = (*host, batch.last_index)
+        split: tuple[np.ndarray | jax.Array, ...] = (*host, sample_index, sample_rows)
         if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
             split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
-        tokens, source, positions, rows, generated, page_tables, last_index = split
+        tokens, source, positions, rows, generated, page_tables, slot_index, slot_rows = split
         previous = prev.packed if prev is not None else self._no_prev
         return (
             self.params, self.cache, self.history, self._sampling(), tokens, source, previous, positions, rows,
-            generated, page_tables, last_index, batch.ban_eos,
+            generated, page_tables, slot_index, slot_rows, ban,
         )  # fmt: skip
 
     def dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
@@ -429,7 +443,7 @@ class Runner:
             self._install(install)
         args = self._arguments(batch, prev)
         packed, logits, self.cache, self.history = self._program(key, args)(*args)
-        return StepOutput(packed, logits)
+        return StepOutput(packed, logits, self.geometry.samplers(batch)[0])
 
     # ---- per-row state ---------------------------------------------------------------------
     def _install(self, install: RowInstall) -> None:
@@ -469,9 +483,9 @@ class Runner:
         return dataclasses.replace(b, num_real=1, max_position=position)
 
     def warm_programs(self, full: bool = False) -> list[Program]:
-        """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: every
-        decode and prefill bucket at the smallest window (new prompts while sequences are
-        short), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
+        """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: at the
+        smallest window, every decode bucket's decode-only step and every prefill bucket beside
+        every decode bucket of mixed steps (new prompts while sequences are short), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
         growing), and at the largest window decode-only steps of every decode bucket and the
         largest of all, so that a compiled program holds every batch (``step``); with
         ``full``, every prefill bucket and window with all rows decoding, and decode-only steps
@@ -484,7 +498,8 @@ class Runner:
         warm = [w for w in W[1:] if w * ps <= WARM_WINDOW]
         return list(
             dict.fromkeys(
-                [(d, p, W[0]) for d in D for p in Pb]
+                [(d, 0, W[0]) for d in D]
+                + [(d, p, W[0]) for d in g.mixed_decode_buckets for p in Pb[1:]]
                 + [(d, 0, w) for d in D for w in warm]
                 + [(d, 0, W[-1]) for d in D]
                 + [(D[-1], Pb[-1], W[-1])]
@@ -540,7 +555,11 @@ class Runner:
         scales = [1] if old.replicas <= self.replicas else [1, -(-old.replicas // self.replicas)]
         return list(
             dict.fromkeys(
-                (fit(d * k, g.decode_buckets), fit(p * k, g.prefill_buckets), fit(w, g.window_buckets))
+                (
+                    fit(d * k, g.mixed_decode_buckets if p else g.decode_buckets),
+                    fit(p * k, g.prefill_buckets),
+                    fit(w, g.window_buckets),
+                )
                 for d, p, w in [*old._programs, *old._compiling]
                 for k in scales
             )
@@ -695,7 +714,7 @@ def _per_replica(
     positions: jax.Array,
     rows: jax.Array,
     page_tables: jax.Array,
-    last_index: jax.Array,
+    sample_index: jax.Array,
 ) -> tuple[jax.Array, PagedKVCache]:
     """``step`` (``ragged_step`` with its static arguments bound) run by each data replica on its
     own region, rows and pool, as one ``jax.vmap`` over a leading replica axis that the SPMD
@@ -704,11 +723,12 @@ def _per_replica(
 
     Args: the whole flat batch (``RaggedBatch``'s layout): tokens, positions, rows [N] (rows
         global, N = replicas x n), page_tables [S, max_pages] (pages numbered within each
-        replica's pool), last_index [S] (global indices), cache [L, P, ...] (replica r's pool:
-        pages [r P/d, (r + 1) P/d)).
+        replica's pool), sample_index [d R] (global indices of the tokens sampled from, R per
+        replica, each in its replica's region), cache [L, P, ...] (replica r's pool: pages
+        [r P/d, (r + 1) P/d)).
 
     Returns:
-        logits [S, V] and the cache, as ``ragged_step``'s.
+        logits [d R, V] and the cache, as ``ragged_step``'s.
     """
     d, S = replicas, page_tables.shape[0]
     n, S_r = tokens.shape[0] // d, S // d
@@ -718,7 +738,7 @@ def _per_replica(
         return a.reshape(d, a.shape[0] // d, *a.shape[1:])
 
     local_rows = jnp.where(split(rows) >= 0, split(rows) - replica * S_r, -1)
-    local_last = split(last_index) - replica * n
+    local_last = split(sample_index) - replica * n
 
     def pages(a: jax.Array) -> jax.Array:  # [L, P, ...] -> [L, d, P/d, ...]
         return a.reshape(a.shape[0], d, a.shape[1] // d, *a.shape[2:])
@@ -734,4 +754,4 @@ def _per_replica(
     def whole(a: jax.Array) -> jax.Array:
         return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
-    return logits.reshape(S, logits.shape[-1]), PagedKVCache(k=whole(k), v=whole(v))
+    return logits.reshape(-1, logits.shape[-1]), PagedKVCache(k=whole(k), v=whole(v))

@@ -568,6 +568,8 @@ class BenchConfig:
         prompt_len, output_len: (lo, hi) token counts, uniform; output = ``max_tokens``.
         dataset: JSONL file of prompts (cycled if shorter than the run), instead of synthetic ones.
         temperature: 0 = greedy.
+        ignore_eos: generate ``max_tokens`` whatever the model says (vLLM's and llama.cpp's
+            ``ignore_eos``), so that servers compared make as many tokens.
         layout: engine pool (or layout name) to send the requests to (over HTTP: the model id).
         api: "grpc", or "openai" for the OpenAI-compatible HTTP API at ``http_address``.
         http_address: host:port of the server's HTTP API (``serve --http-port``).
@@ -589,6 +591,7 @@ class BenchConfig:
     output_len: tuple[int, int] = (128, 128)
     dataset: str | None = None
     temperature: float = 0.0
+    ignore_eos: bool = False
     layout: str | None = None
     timeout_s: float = 600.0
     slo_ttft_ms: float | None = None
@@ -627,6 +630,7 @@ def send(client: Any, spec: RequestSpec, index: int, run_start: float, cfg: Benc
         token_ids=spec.token_ids,
         max_tokens=spec.max_tokens,
         temperature=cfg.temperature,
+        ignore_eos=cfg.ignore_eos or None,
         layout=cfg.layout,
         request_id=f"bench-{index}",
     )
@@ -684,6 +688,7 @@ def send_openai(oa: OpenAIClient, spec: RequestSpec, index: int, run_start: floa
         stream=True,
         stream_options={"include_usage": True},
         extra_headers={"x-request-id": f"bench-{index}"},
+        extra_body={"ignore_eos": True} if cfg.ignore_eos else None,
     )
     tally = _StreamTally(spec.sent_prompt_tokens)
     error, detail = None, ""
@@ -966,6 +971,8 @@ def send_raw(raw: RawHTTPClient, spec: RequestSpec, index: int, run_start: float
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     if spec.chat is not None:
         path, body["messages"] = "/v1/chat/completions", [{"role": r, "content": c} for r, c in spec.chat]
     else:
@@ -1219,6 +1226,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="128", help="max_tokens: N or LO:HI uniform (%(default)s)")
     p.add_argument("--dataset", help='JSONL of {"prompt": ..., "max_tokens": ...} instead of synthetic prompts')
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (%(default)s)")
+    p.add_argument("--ignore-eos", action="store_true", help="every request makes max_tokens tokens")
     p.add_argument("--layout", help="engine pool (or its layout name) to send to")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline, s (%(default)s)")
     p.add_argument("--slo-ttft-ms", type=positive_float, help="goodput: TTFT bound, ms")
@@ -1266,6 +1274,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             output_len=parse_range(args.output_len),
             dataset=args.dataset,
             temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
             layout=args.layout,
             timeout_s=args.timeout,
             slo_ttft_ms=args.slo_ttft_ms,

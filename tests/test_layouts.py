@@ -131,21 +131,7 @@ def _compiled_decode(cfg: LlamaConfig, layout: Layout, layer_loop: str) -> tuple
     g = runner.geometry
     program = (g.decode_buckets[-1], 0, g.window_buckets[0])  # every row decoding
     b = runner.idle_batch(program)
-    hlo = runner._jit(*program).lower(
-        runner.params,
-        runner.cache,
-        runner.history,
-        runner._sampling(),  # the device sampling parameters
-        b.tokens,
-        b.source,
-        runner._no_prev,  # the previous step's output
-        b.positions,
-        b.rows,
-        b.generated,
-        b.page_tables,
-        b.last_index,
-        b.ban_eos,
-    )
+    hlo = runner._jit(*program).lower(*runner._arguments(b, None))  # the step's arguments, as a step passes them
     return runner, hlo.compile().as_text(), params
 
 

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Collection
@@ -365,6 +366,10 @@ class Runner:
         self._compiling[key] = future
 
         def compile_in_background() -> None:
+            # Below the steps' threads: on a host whose cores also run the steps (a CPU mesh), the
+            # compile takes what they leave.
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             try:
                 with _BACKGROUND_COMPILE:
                     if self._compiles_abandoned:

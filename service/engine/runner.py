@@ -424,9 +424,12 @@ class Runner:
             )
         return decode, prefill, window
 
-    def _arguments(self, batch: RaggedBatch, prev: StepOutput | None) -> tuple[Any, ...]:
-        """The step's arguments for ``batch`` (the jitted ``run``'s, in order)."""
-        sample_rows, sample_index = self.geometry.samplers(batch)
+    def _arguments(
+        self, batch: RaggedBatch, prev: StepOutput | None, samplers: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[Any, ...]:
+        """The step's arguments for ``batch`` (the jitted ``run``'s, in order); ``samplers``:
+        ``Geometry.samplers(batch)`` when the caller has it."""
+        sample_rows, sample_index = samplers if samplers is not None else self.geometry.samplers(batch)
         ban = batch.ban_eos[np.maximum(sample_rows, 0)] & (sample_rows >= 0)
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
         split: tuple[np.ndarray | jax.Array, ...] = (*host, sample_index, sample_rows)
@@ -446,9 +449,10 @@ class Runner:
         key = self._program_of(batch)
         for install in batch.installs:
             self._install(install)
-        args = self._arguments(batch, prev)
+        samplers = self.geometry.samplers(batch)
+        args = self._arguments(batch, prev, samplers)
         packed, logits, self.cache, self.history = self._program(key, args)(*args)
-        return StepOutput(packed, logits, self.geometry.samplers(batch)[0])
+        return StepOutput(packed, logits, samplers[0])
 
     # ---- per-row state ---------------------------------------------------------------------
     def _install(self, install: RowInstall) -> None:

@@ -390,8 +390,8 @@ class Runner:
             )  # fmt: skip
             future.set_result(program)
 
-        # Not a daemon (as the loop thread is): the interpreter's exit waits for it (XLA aborted the process when exit
-        # killed a thread in the middle of a compile); ``abandon_compiles`` drops those queued.
+        # Not a daemon (as the loop thread is): the interpreter's exit waits for it (XLA aborted
+        # the process when exit killed a thread mid-compile); ``abandon_compiles`` drops the queued.
         threading.Thread(target=compile_in_background, name="compile-ahead", daemon=False).start()
 
     def abandon_compiles(self) -> None:
@@ -494,12 +494,12 @@ class Runner:
     def warm_programs(self, full: bool = False) -> list[Program]:
         """The (decode bucket, prefill bucket, window pages) programs ``warmup`` compiles: at the
         smallest window, every decode bucket's decode-only step and every prefill bucket beside
-        every decode bucket of mixed steps (new prompts while sequences are short), decode-only steps at every window up to ``WARM_WINDOW`` tokens (sequences
-        growing), and at the largest window decode-only steps of every decode bucket and the
-        largest of all, so that a compiled program holds every batch (``step``); with
-        ``full``, every prefill bucket and window with all rows decoding, and decode-only steps
-        of every decode bucket and window. A backend with one window compiles one program per
-        (decode, prefill) pair."""
+        every decode bucket of mixed steps (new prompts while sequences are short); decode-only
+        steps at every window up to ``WARM_WINDOW`` tokens (sequences growing); and at the
+        largest window decode-only steps of every decode bucket and the largest of all, so that
+        a compiled program holds every batch (``step``). With ``full``, every prefill bucket and
+        window with all rows decoding, and decode-only steps of every decode bucket and window.
+        A backend with one window compiles one program per (decode, prefill) pair."""
         ps, g = self.ecfg.page_size, self.geometry
         D, Pb, W = g.decode_buckets, g.prefill_buckets, g.window_buckets
         if full:
@@ -552,8 +552,8 @@ class Runner:
         return elapsed
 
     def replacement_programs(self, old: Runner) -> list[Program]:
-        """The programs here that serve the steps ``old`` has compiled or is compiling: each of its (decode,
-        prefill, window) buckets as this runner's buckets take it (sizes past the largest
+        """The programs here that serve the steps ``old`` has compiled or is compiling: each of
+        its (decode, prefill, window) buckets as this runner's buckets take it (sizes past the largest
         clipped to it), and, where this runner has fewer data replicas, also the regions that
         hold ``old``'s replicas' tokens together (sizes x old replicas / these)."""
         g = self.geometry

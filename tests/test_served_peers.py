@@ -20,16 +20,19 @@ def test_ratios_are_of_the_medians_over_rounds() -> None:
         "one": {
             "meshserve-http": [report(100, 50, 10), report(90, 70, 12), report(80, 60, 11)],
             "llama-server": [report(50, 600, 20), report(60, 500, 22)],
+            "vllm": [report(45, 300, 40)],
             "meshserve-grpc": [report(95, 40, 10.5)],
         },
         "burst": {"meshserve-http": [report(200, 5000, 30)]},  # no peer: no ratio
     }
     r = ratios(results)
-    assert list(r) == ["one"]
-    assert r["one"]["output_tokens_per_s"] == 90 / 55
-    assert r["one"]["ttft_p50"] == 60 / 550 and r["one"]["tpot_p50"] == 11 / 21
+    assert list(r) == ["one"] and list(r["one"]) == ["llama-server", "vllm"]  # gRPC is meshserve, not a peer
+    assert r["one"]["llama-server"]["output_tokens_per_s"] == 90 / 55
+    assert r["one"]["llama-server"]["ttft_p50"] == 60 / 550 and r["one"]["llama-server"]["tpot_p50"] == 11 / 21
+    assert r["one"]["vllm"] == {"output_tokens_per_s": 2.0, "ttft_p50": 0.2, "tpot_p50": 11 / 40}
     table = format_table(results, [10.0, 12.0])
     assert "meshserve / llama-server, one: tok/s 1.64x, TTFT 0.11x, TPOT 0.52x" in table
+    assert "meshserve / vllm, one: tok/s 2.00x, TTFT 0.20x, TPOT 0.28x" in table
     assert "one stream, meshserve-grpc: TPOT p50 / engine step 10.50 / 11.00 ms = 0.95x" in table
 
 

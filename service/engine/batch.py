@@ -93,7 +93,7 @@ class Geometry:
     chunks (``decode_bucket``: every padding row costs a decode step about what a real one
     does, so a single stream of a 64-row server paid for 8); the prefill region 0 tokens or a power of two
     times ``seq_block`` up to ``max_num_batched_tokens`` (rounded up to a block), or up to one
-    chunk per row where that is less.
+    chunk (at most ``max_seq_len`` tokens) per row where that is less.
     """
 
     num_slots: int
@@ -125,7 +125,9 @@ class Geometry:
             return -(-n // seq_block) * seq_block
 
         rows = num_slots // replicas
-        region = min(blocks_of(max_num_batched_tokens), rows * blocks_of(chunk_size))
+        # No chunk is longer than a sequence may be: a server of short sequences compiles no
+        # prefill region it could never fill.
+        region = min(blocks_of(max_num_batched_tokens), rows * blocks_of(min(chunk_size, max_seq_len)))
         return cls(
             num_slots=num_slots,
             replicas=replicas,

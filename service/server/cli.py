@@ -640,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help="most prefill tokens per step, over several prompts' chunks (default 512; decode tokens are not counted)",
+        help="most prefill tokens per step, over several prompts' chunks (default 1024; decode tokens are not counted)",
     )
     s.add_argument(
         "--matmul",

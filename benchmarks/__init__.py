@@ -26,6 +26,9 @@ The others are scripts:
   0's runner sending each step over its ``StepChannel`` against a batch-8 SmolLM2-135M decode step.
 * ``benchmarks.long_context``, ``benchmarks.kv_memory``, ``benchmarks.shared_prefix``: servers
   started (``benchmarks.server_process``) or running, compared over gRPC.
+* ``benchmarks.served_peers``: ``python -m benchmarks.served_peers``, meshserve served against
+  ``llama-server`` and vLLM for CPU through their APIs; ``benchmarks/hf_export.py`` (no import of
+  ours, run by a peer's Python) makes the float32 Hugging Face directory vLLM serves.
 
 The imports point one way: benchmarks -> service -> sharding -> model.
 """

@@ -9,9 +9,9 @@ from typing import Any
 
 import gguf
 
+from model.families import UnsupportedModelError, for_gguf
 from model.weights.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 # Bytes per element of each dtype name the server, the layouts' byte counts and the roofline use.
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
@@ -66,6 +66,13 @@ class LlamaConfig:
         max_position_embeddings: the context length the model was trained for, in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         rope_scaling: Llama 3.1 RoPE frequency scaling, or None for plain RoPE.
+        architecture: the model family (``model.families``: "llama", "qwen2", "qwen3"); what
+            follows is what the family fixes, kept here so the model reads no registry.
+        attention_bias: the Q, K and V projections add a bias (Qwen2: Yang et al. 2024, "Qwen2
+            Technical Report", §2.2.1).
+        qk_norm: each query and key head is RMS-normalised over its H values before RoPE, with
+            a learned [H] weight per layer (Qwen3: Yang et al. 2025, "Qwen3 Technical Report",
+            §2, after Dehghani et al. 2023).
     """
 
     vocab_size: int
@@ -80,6 +87,9 @@ class LlamaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = True
     rope_scaling: RopeScaling | None = None
+    architecture: str = "llama"
+    attention_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -113,6 +123,8 @@ class LlamaConfig:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * self.num_heads * h * 2 + d * self.num_kv_heads * h * 2
         per_layer = attn + 3 * d * f + 2 * d
+        per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
+        per_layer += 2 * h if self.qk_norm else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + head + self.num_layers * per_layer + d
 
@@ -128,10 +140,10 @@ class LlamaConfig:
         """
         reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
         arch = architecture(reader)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFMetadataError(
-                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        try:
+            family = for_gguf(arch)
+        except UnsupportedModelError as exc:
+            raise GGUFMetadataError(str(exc)) from None
 
         def key(name: str, default: Any = ...) -> Any:
             return field_value(reader, f"{arch}.{name}", default)
@@ -154,6 +166,9 @@ class LlamaConfig:
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
+            architecture=family.name,
+            attention_bias=family.attention_bias,
+            qk_norm=family.qk_norm,
         )
 
     @classmethod

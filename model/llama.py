@@ -4,7 +4,8 @@ batch of decode tokens and prefill chunks of several sequences over a paged KV c
 Architecture (Touvron et al. 2023, "LLaMA", §2.2): pre-norm RMSNorm (Zhang & Sennrich 2019),
 rotary position embeddings (Su et al. 2021, "RoFormer", §3.4.2, in Hugging Face's rotate-half
 form), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), optionally
-tied LM head.
+tied LM head. The families of ``model.families`` that share this decoder switch on what they
+add through the config: Q/K/V biases (Qwen2), per-head q/k RMSNorm (Qwen3).
 
 Einsum letters used throughout:
     B batch rows (1: the flat batch)   T tokens of the flat batch   D embed (hidden)   F MLP width
@@ -52,7 +53,9 @@ class DecoderLayers(nnx.Module):
         attn_norm [L, D] (layers, embed); wqkv [L, D, K, G + 2, H] (layers, embed, kv_heads,
         qkv, head_dim); wo [L, N, H, D] (layers, q_heads, head_dim, embed); mlp_norm [L, D];
         w_gate_up [L, D, 2, F] (layers, embed, gate_up, mlp); w_down [L, F, D] (layers, mlp,
-        embed).
+        embed). With ``cfg.attention_bias``: bqkv [L, K, G + 2, H] (layers, kv_heads, qkv,
+        head_dim), laid out as wqkv's outputs. With ``cfg.qk_norm``: q_norm and k_norm [L, H]
+        (layers, head_dim).
     Weights are stored input-major (x @ W), the faster layout for XLA on CPU. A matmul weight
     (wqkv, wo, w_gate_up, w_down; also ``Llama.embed`` and ``lm_head``) may instead hold a GGUF's
     blocks as stored (``model.weights.quant_panels.QuantPanels``, same logical axes), which ``matmul``
@@ -82,13 +85,19 @@ class DecoderLayers(nnx.Module):
         self.mlp_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
         self.w_gate_up = w((L, D, 2, F), ("layers", "embed", "gate_up", "mlp"))
         self.w_down = w((L, F, D), ("layers", "mlp", "embed"))
+        if cfg.attention_bias:
+            self.bqkv = _param(jnp.zeros((L, K, N // K + 2, H), dtype), ("layers", "kv_heads", "qkv", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = _param(jnp.ones((L, H), dtype), ("layers", "head_dim"))
+            self.k_norm = _param(jnp.ones((L, H), dtype), ("layers", "head_dim"))
 
-    NAMES = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+    NAMES = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
 
     def weights(self) -> dict[str, Any]:
-        """The raw parameter values keyed by name: stacked arrays [L, ...], or tuples of L
-        per-layer arrays when the state is in the per-layer form of ``unstack_layers``."""
-        return {name: getattr(self, name).get_value() for name in self.NAMES}
+        """The raw parameter values keyed by name (those of ``NAMES`` this family has): stacked
+        arrays [L, ...], or tuples of L per-layer arrays when the state is in the per-layer form
+        of ``unstack_layers``."""
+        return {name: getattr(self, name).get_value() for name in self.NAMES if hasattr(self, name)}
 
     def per_layer(self) -> bool:
         """True when the parameters are in the per-layer form (``unstack_layers``)."""
@@ -106,19 +115,26 @@ def fuse_projections(layers: dict[str, Any], num_kv_heads: int) -> dict[str, Any
         num_kv_heads: K; query head n belongs to KV head n // (N / K), as in Hugging Face's
             ``repeat_kv``.
 
+            Biases "bq" [L, N, H], "bk" and "bv" [L, K, H], where the family has them, are
+            fused the same way.
+
     Returns:
-        the same dict with "wqkv" [L, D, K, N/K + 2, H] and "w_gate_up" [L, D, 2, F] in place
-        of the five separate arrays (dtype kept).
+        the same dict with "wqkv" [L, D, K, N/K + 2, H] (and "bqkv" [L, K, N/K + 2, H]) and
+        "w_gate_up" [L, D, 2, F] in place of the separate arrays (dtype kept).
     """
-    out = {k: v for k, v in layers.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
-    if "wq" in layers:
-        wq = np.asarray(layers["wq"])
-        L, D, N, H = wq.shape
+    out = {k: v for k, v in layers.items() if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
+
+    def grouped(q: Any, k: Any, v: Any) -> np.ndarray:  # [..., N, H], [..., K, H] x 2 -> [..., K, G + 2, H]
+        q = np.asarray(q)
+        *lead, N, H = q.shape
         K = num_kv_heads
-        q = wq.reshape(L, D, K, N // K, H)
-        out["wqkv"] = np.concatenate(
-            [q, np.asarray(layers["wk"])[:, :, :, None], np.asarray(layers["wv"])[:, :, :, None]], axis=3
-        )
+        q = q.reshape(*lead, K, N // K, H)
+        return np.concatenate([q, np.asarray(k)[..., None, :], np.asarray(v)[..., None, :]], axis=-2)
+
+    if "wq" in layers:
+        out["wqkv"] = grouped(layers["wq"], layers["wk"], layers["wv"])
+    if "bq" in layers:
+        out["bqkv"] = grouped(layers["bq"], layers["bk"], layers["bv"])
     if "w_gate" in layers:
         out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=2)
     return out
@@ -308,7 +324,11 @@ def project_qkv(
     wdt = p["wqkv"].dtype
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(wdt)
     qkv = matmul(h, p["wqkv"], "BTD,DKCH->BTKCH")  # [B, T, K, G + 2, H]
+    if cfg.attention_bias:
+        qkv = qkv + p["bqkv"].astype(qkv.dtype)
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if cfg.qk_norm:  # per head, over its H values
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
     k = apply_rope(k, cos, sin)
     return q, k.astype(cdt), v.astype(cdt)

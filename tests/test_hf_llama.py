@@ -87,13 +87,19 @@ def hf_logits(model: Any) -> np.ndarray:
 ENGINES = {"auto": {}, "xla": dict(attention="xla", matmul="xla"), "unrolled": dict(layer_loop="unrolled")}
 
 
-def our_logits(cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, **engine: Any) -> np.ndarray:
+ONE_DEVICE = Layout("1x1")
+
+
+def our_logits(
+    cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, layout: Layout = ONE_DEVICE, **engine: Any
+) -> np.ndarray:
     """Logits at every position of SEQ from PREFILL - 1 on, through the served engine's step
     (``Runner.step`` of batches laid out as ``service.engine.batch`` says, in row 0 over pages
     0, 1, ...): the first PREFILL tokens as one prefill chunk, then one decode token per remaining
-    token of SEQ (SEQ's next id fed, not the sampled one). ``engine``: ``EngineConfig`` fields."""
+    token of SEQ (SEQ's next id fed, not the sampled one), on the first devices ``layout`` needs
+    (one data replica). ``engine``: ``EngineConfig`` fields."""
     ecfg = EngineConfig(num_slots=1, max_seq_len=MAX_LEN, chunk_size=16, page_size=4, kv_cache_tokens=MAX_LEN, **engine)
-    runner = Runner(cfg, graphdef, params, Layout("1x1"), ecfg, jax.devices()[:1])
+    runner = Runner(cfg, graphdef, params, layout, ecfg, jax.devices()[: layout.num_devices])
     g = runner.geometry
 
     def batch(start: int, ids: list[int], decode: bool) -> RaggedBatch:
@@ -258,8 +264,8 @@ def test_config_mapping() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"architectures": ["MistralForCausalLM"]}, r"architectures=\['MistralForCausalLM'\] does not include"),
-        ({"architectures": None}, r"architectures=\[\] does not include any of \['LlamaForCausalLM'\]"),
+        ({"architectures": ["MistralForCausalLM"]}, r"architectures=\['MistralForCausalLM'\] is not supported"),
+        ({"architectures": None}, r"architectures=\[\] is not supported; supported: llama \(LlamaForCausalLM\)"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type='yarn' is not supported"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, r"rope_parameters\.rope_type='linear'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"lacks 'low_freq_factor'"),

@@ -48,7 +48,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from model.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
+from model.config import LlamaConfig, RopeScaling
+from model.families import FAMILIES
 from model.text.tokenizer import TOKENIZER_META_FILE, Tokenizer
 from model.weights import block_params, quant_panels
 from model.weights.build import abstract_llama
@@ -115,7 +116,7 @@ def read_checkpoint_config(path: str | Path) -> tuple[LlamaConfig, dict[str, Any
 
     Raises:
         CheckpointError: ``config.json`` is missing or malformed, is not this format, has a newer
-            format version, or names an architecture other than ``llama``.
+            format version, or names an architecture that is not a family of ``model.families``.
     """
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
@@ -142,12 +143,10 @@ def read_checkpoint_config(path: str | Path) -> tuple[LlamaConfig, dict[str, Any
     if blocks and version == 1:
         raise CheckpointError(f"{file}: format_version 1 holds no blocks, but 'blocks' names {sorted(blocks)}")
     arch = data.get("architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{file}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if arch not in FAMILIES:
+        raise CheckpointError(f"{file}: architecture {arch!r} is not supported; supported: {', '.join(FAMILIES)}")
     meta = {k: data[k] for k in _META_KEYS if k in data}
-    fields = {k: v for k, v in data.items() if k not in _META_KEYS}
+    fields = {k: v for k, v in data.items() if k not in _META_KEYS} | {"architecture": arch}
     return config_from_dict(fields, str(file)), meta
 
 
@@ -288,7 +287,6 @@ def save_checkpoint(
         config = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION if blocks else 1,
-            "architecture": "llama",
             "dtype": np_dtype.name,
             "source": source,
             **({"blocks": blocks} if blocks else {}),

@@ -1,12 +1,14 @@
-"""Read a Hugging Face ``LlamaForCausalLM`` directory into (LlamaConfig, the param tree of ``model.llama.Llama``).
+"""Read a Hugging Face causal-LM directory of a served family (``model.families``: Llama, Qwen2,
+Qwen3) into (LlamaConfig, the param tree of ``model.llama.Llama``).
 
 A directory as ``save_pretrained`` writes it: ``config.json``, the weights in ``model.safetensors``
 or in several ``*.safetensors`` shards listed by ``model.safetensors.index.json``, and the
 tokenizer files (read by ``model.text.tokenizer.Tokenizer.from_hf_dir``).
 
-``config.json`` is mapped field by field (``config_from_hf``); anything this model does not
-implement (attention or MLP biases, an activation other than SiLU, partial rotary embeddings, a
-RoPE scaling other than ``llama3``) is an error naming the field, never silently ignored.
+``config.json`` is mapped field by field (``config_from_hf``); its ``architectures`` pick the
+family, and anything the family does not implement (Llama's attention or MLP biases, Qwen's
+sliding window, an activation other than SiLU, partial rotary embeddings, a RoPE scaling other
+than ``llama3``) is an error naming the field, never silently ignored.
 
 Tensors are read with the ``safetensors`` package's numpy API (``ml_dtypes`` gives numpy its
 ``bfloat16``). Hugging Face stores every ``nn.Linear`` weight as [out, in] and Q/K rows already
@@ -28,10 +30,10 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import LlamaConfig, RopeScaling
+from model.families import UnsupportedModelError, for_hf
 from model.llama import fuse_projections
 from model.weights.gguf_weights import WeightError
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # safetensors dtypes a Llama checkpoint may use for its weights.
@@ -41,7 +43,8 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class HFConfigError(ValueError):
-    """``config.json`` is missing, is not a Llama causal LM, or asks for something this model lacks."""
+    """``config.json`` is missing, is not a served family's causal LM, or asks for something the
+    family's implementation lacks."""
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -96,24 +99,23 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
-    """Map a Hugging Face Llama ``config.json`` (as a dict) onto :class:`LlamaConfig`.
+    """Map a Hugging Face ``config.json`` (as a dict) of a served family onto :class:`LlamaConfig`.
 
-    ``architectures`` must include ``LlamaForCausalLM``. Optional fields default as in
-    transformers: ``num_key_value_heads`` = ``num_attention_heads``, ``head_dim`` =
-    ``hidden_size // num_attention_heads``, ``tie_word_embeddings`` = False, ``rope_theta`` = 10000.
+    ``architectures`` must name a family of ``model.families`` (``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``); the family sets ``architecture``,
+    ``attention_bias`` and ``qk_norm``. Optional fields default as in transformers:
+    ``num_key_value_heads`` = ``num_attention_heads``, ``head_dim`` = ``hidden_size //
+    num_attention_heads``, ``tie_word_embeddings`` = False, ``rope_theta`` = 10000.
 
     Raises:
-        HFConfigError: another architecture, a missing required field, or a feature this model
-            does not implement (the message names the field).
+        HFConfigError: another architecture (the message lists the served ones), a missing
+            required field, or a feature the family does not implement (the field named).
     """
-    archs = hf.get("architectures") or []
-    if not any(a in SUPPORTED_HF_ARCHITECTURES for a in archs):
-        raise HFConfigError(
-            f"config.json: architectures={archs!r} does not include any of {list(SUPPORTED_HF_ARCHITECTURES)}"
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise HFConfigError(f"config.json: {flag}=true is not supported (this Llama has no biases)")
+    try:
+        family = for_hf(hf.get("architectures") or [])
+        family.check_hf(hf)
+    except (UnsupportedModelError, ValueError) as exc:
+        raise HFConfigError(str(exc)) from None
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
@@ -138,6 +140,9 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=int(need("max_position_embeddings")),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        architecture=family.name,
+        attention_bias=family.attention_bias,
+        qk_norm=family.qk_norm,
     )
 
 
@@ -172,7 +177,7 @@ def weight_files(path: str | Path) -> dict[str, Path]:
 
 
 def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor name of a ``LlamaForCausalLM`` with ``cfg``, and its [out, in] shape."""
+    """Every Hugging Face tensor name of a model with ``cfg`` (its family's), and its [out, in] shape."""
     D, N, K, H, F, V = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -195,6 +200,11 @@ def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             b + "mlp.up_proj.weight": (F, D),
             b + "mlp.down_proj.weight": (D, F),
         }
+        if cfg.attention_bias:
+            shapes |= {b + "self_attn.q_proj.bias": (N * H,), b + "self_attn.k_proj.bias": (K * H,),
+                       b + "self_attn.v_proj.bias": (K * H,)}  # fmt: skip
+        if cfg.qk_norm:
+            shapes |= {b + "self_attn.q_norm.weight": (H,), b + "self_attn.k_norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, D)
     return shapes
@@ -265,7 +275,9 @@ def load_hf_params(
         unexpected.remove("lm_head.weight")
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise WeightError(f"unexpected safetensors tensor(s) {unexpected[:5]}{more} for a {cfg.num_layers}-layer Llama")
+        raise WeightError(
+            f"unexpected safetensors tensor(s) {unexpected[:5]}{more} for a {cfg.num_layers}-layer {cfg.architecture}"
+        )
     missing = sorted(set(expected) - stored)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -283,22 +295,33 @@ def load_hf_params(
     out_dtype = np.dtype(dtype) if dtype is not None else embed.dtype
     # (HF name within a layer, our name, [L, ...] shape, how to lay one layer out [out, in] -> ours)
     per_layer: list[tuple[str, str, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]] = [
-        ("input_layernorm", "attn_norm", (L, D), lambda w: w),
-        ("self_attn.q_proj", "wq", (L, D, N, H), lambda w: w.T.reshape(D, N, H)),
-        ("self_attn.k_proj", "wk", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
-        ("self_attn.v_proj", "wv", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
-        ("self_attn.o_proj", "wo", (L, N, H, D), lambda w: w.T.reshape(N, H, D)),
-        ("post_attention_layernorm", "mlp_norm", (L, D), lambda w: w),
-        ("mlp.gate_proj", "w_gate", (L, D, F), lambda w: w.T),
-        ("mlp.up_proj", "w_up", (L, D, F), lambda w: w.T),
-        ("mlp.down_proj", "w_down", (L, F, D), lambda w: w.T),
+        ("input_layernorm.weight", "attn_norm", (L, D), lambda w: w),
+        ("self_attn.q_proj.weight", "wq", (L, D, N, H), lambda w: w.T.reshape(D, N, H)),
+        ("self_attn.k_proj.weight", "wk", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
+        ("self_attn.v_proj.weight", "wv", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
+        ("self_attn.o_proj.weight", "wo", (L, N, H, D), lambda w: w.T.reshape(N, H, D)),
+        ("post_attention_layernorm.weight", "mlp_norm", (L, D), lambda w: w),
+        ("mlp.gate_proj.weight", "w_gate", (L, D, F), lambda w: w.T),
+        ("mlp.up_proj.weight", "w_up", (L, D, F), lambda w: w.T),
+        ("mlp.down_proj.weight", "w_down", (L, F, D), lambda w: w.T),
     ]
+    if cfg.attention_bias:  # [out] laid out as the projection's outputs, fused like the weights
+        per_layer += [
+            ("self_attn.q_proj.bias", "bq", (L, N, H), lambda b: b.reshape(N, H)),
+            ("self_attn.k_proj.bias", "bk", (L, K, H), lambda b: b.reshape(K, H)),
+            ("self_attn.v_proj.bias", "bv", (L, K, H), lambda b: b.reshape(K, H)),
+        ]
+    if cfg.qk_norm:
+        per_layer += [
+            ("self_attn.q_norm.weight", "q_norm", (L, H), lambda w: w),
+            ("self_attn.k_norm.weight", "k_norm", (L, H), lambda w: w),
+        ]
     # Filled in place, layer by layer, so peak memory is about one copy of the weights (plus a
     # second copy of the projections while fuse_projections joins Q/K/V and gate/up).
     layers = {ours: np.empty(shape, out_dtype) for _, ours, shape, _ in per_layer}
     for i in range(L):
         for hf_name, ours, _, layout in per_layer:
-            layers[ours][i] = layout(get(f"model.layers.{i}.{hf_name}.weight"))
+            layers[ours][i] = layout(get(f"model.layers.{i}.{hf_name}"))
     params: dict[str, Any] = {
         "embed": embed.astype(out_dtype, copy=False),
         "final_norm": get("model.norm.weight").astype(out_dtype, copy=False),
@@ -317,7 +340,7 @@ def num_tensors(cfg: LlamaConfig) -> int:
 def load_hf_llama(
     path: str | Path, dtype: Any = None, progress: Callable[[str], None] | None = None
 ) -> tuple[LlamaConfig, dict[str, Any]]:
-    """Config and weights of a Hugging Face ``LlamaForCausalLM`` directory.
+    """Config and weights of a Hugging Face directory of a served family (``config_from_hf``).
 
     Returns:
         (config, param dict as ``load_hf_params`` returns).

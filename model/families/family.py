@@ -1,0 +1,42 @@
+"""What a model family is to the rest of meshserve: its names in the files people download and
+what it adds to the shared decoder (``model.llama``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class UnsupportedModelError(ValueError):
+    """A file or config names a family meshserve does not serve (the message lists those it does)."""
+
+
+def no_check(hf: Mapping[str, Any]) -> None:
+    """A family whose config.json has nothing it must refuse beyond the shared fields."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+        name: its GGUF ``general.architecture`` and ``LlamaConfig.architecture`` ("qwen2").
+        hf_architectures: the ``architectures`` names of its Hugging Face ``config.json``.
+        attention_bias: Q, K and V projections with biases (``LlamaConfig.attention_bias``).
+        qk_norm: per-head q/k RMSNorm before RoPE (``LlamaConfig.qk_norm``).
+        gguf: its GGUF files load (their tensor names, tokenizer and template are read).
+        check_hf: raises ``ValueError`` naming a ``config.json`` field that asks for what this
+            family's implementation lacks (a feature silently ignored would change the logits).
+    """
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    attention_bias: bool = False
+    qk_norm: bool = False
+    gguf: bool = False
+    check_hf: Callable[[Mapping[str, Any]], None] = no_check
+
+    def describe(self) -> str:
+        """ "qwen2 (Qwen2ForCausalLM)": its names, for error messages."""
+        return f"{self.name} ({', '.join(self.hf_architectures)})"

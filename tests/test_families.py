@@ -1,0 +1,144 @@
+"""Model families beside Llama (``model.families``): Qwen2 (Q/K/V biases, untied head) and Qwen3
+(per-head q/k RMSNorm, head_dim other than hidden / heads) from Hugging Face directories that
+transformers saves with random weights give transformers' logits through the served engine's
+step, on one device and split over the ``model`` axis; their configs round-trip through a
+converted checkpoint; unsupported families and features are one-line errors.
+
+The comparisons need ``torch`` and ``transformers`` (the ``hf`` extra); without them skipped,
+saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_hf_llama import ENGINES, PREFILL, TORCH_REASON, hf_logits, our_logits, write_tokenizer
+
+from model.config import LlamaConfig
+from model.families import FAMILIES, UnsupportedModelError, for_gguf, for_hf
+from model.weights.hf_weights import HFConfigError, config_from_hf
+from model.weights.loader import abstract_llama, load_hf_model
+from sharding.layouts import load_layout
+
+# (transformers config class, its fields beyond the shared ones)
+FAMILY_CASES = {
+    "qwen2-untied": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    # head_dim 32 with hidden 64 and 4 heads: q/k/v widths are not the hidden size.
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+}
+
+
+def tiny_family_model(out: Path, config_class: str, extra: dict[str, Any]) -> Any:
+    """A random-weight model of ``config_class`` (vocab 128, hidden 64, 2 layers, 4 query / 2 KV
+    heads) saved into ``out``, its biases and norm weights random too (transformers initialises
+    them to zeros and ones, which would hide a bias or norm applied wrongly); returns it in eval mode."""
+    torch = pytest.importorskip("torch", reason=TORCH_REASON)
+    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
+    config = getattr(transformers, config_class)(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        initializer_range=0.2,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_logits_and_greedy_ids_match_transformers(case: str, tmp_path: Path) -> None:
+    config_class, extra = FAMILY_CASES[case]
+    model = tiny_family_model(tmp_path, config_class, extra)
+    expected = hf_logits(model)[PREFILL - 1 :]
+    cfg, graphdef, state = load_hf_model(tmp_path)
+    family = FAMILIES[case.split("-")[0]]
+    assert cfg.architecture == family.name
+    assert (cfg.attention_bias, cfg.qk_norm) == (family.attention_bias, family.qk_norm)
+    assert ("lm_head" in state) == (not extra["tie_word_embeddings"])
+    for name, engine in ENGINES.items():
+        got = our_logits(cfg, graphdef, state, **engine)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4, err_msg=name)
+        assert (got.argmax(-1) == expected.argmax(-1)).all(), name
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
+
+    # What the family adds matters on these weights: without it the logits are far off.
+    plain = dataclasses.replace(cfg, attention_bias=False, qk_norm=False)
+    graphdef_plain, _ = abstract_llama(plain)
+    state_plain = {k: v for k, v in state.items() if k != "layers"}
+    state_plain["layers"] = {k: v for k, v in state["layers"].items() if k not in ("bqkv", "q_norm", "k_norm")}
+    assert np.abs(our_logits(plain, graphdef_plain, state_plain) - expected).max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["1x2", "1x4"])
+def test_a_split_model_axis_gives_the_same_logits(layout: str, tmp_path: Path) -> None:
+    """Heads split (1x2: 2 KV heads over 2 devices, the biases and norms with them) and the
+    fallback where they do not divide (1x4: attention replicated, the MLP and vocabulary split)."""
+    model = tiny_family_model(tmp_path, "Qwen2Config", {"tie_word_embeddings": False})
+    expected = hf_logits(model)[PREFILL - 1 :]
+    cfg, graphdef, state = load_hf_model(tmp_path)
+    np.testing.assert_allclose(our_logits(cfg, graphdef, state, load_layout(layout)), expected, atol=1e-4, rtol=1e-4)
+    model3 = tiny_family_model(tmp_path / "qwen3", "Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32})
+    cfg3, graphdef3, state3 = load_hf_model(tmp_path / "qwen3")
+    got = our_logits(cfg3, graphdef3, state3, load_layout(layout))
+    np.testing.assert_allclose(got, hf_logits(model3)[PREFILL - 1 :], atol=1e-4, rtol=1e-4)
+
+
+def test_a_converted_qwen3_checkpoint_keeps_its_family(tmp_path: Path) -> None:
+    from model.weights.checkpoint import read_checkpoint_config
+    from service.server.cli import main
+
+    src = tmp_path / "hf"
+    tiny_family_model(src, "Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32})
+    write_tokenizer(src)
+    assert main(["convert", str(src), str(tmp_path / "ckpt")]) == 0
+    cfg, _ = read_checkpoint_config(tmp_path / "ckpt")
+    assert cfg == load_hf_model(src)[0] and cfg.architecture == "qwen3" and cfg.qk_norm
+
+
+def hf_config(**fields: Any) -> dict[str, Any]:
+    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 256}  # fmt: skip
+    return base | fields
+
+
+def test_unsupported_families_and_features_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(HFConfigError) as exc:
+        config_from_hf(hf_config(architectures=["MistralForCausalLM"]))
+    message = str(exc.value)
+    assert "\n" not in message and "MistralForCausalLM" in message
+    assert all(f"{f.name} ({f.hf_architectures[0]})" in message for f in FAMILIES.values())
+    with pytest.raises(HFConfigError, match="use_sliding_window"):
+        config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True))
+    with pytest.raises(HFConfigError, match="attention_bias"):
+        config_from_hf(hf_config(architectures=["Qwen3ForCausalLM"], attention_bias=True))
+    with pytest.raises(HFConfigError, match="attention_bias"):
+        config_from_hf(hf_config(architectures=["LlamaForCausalLM"], attention_bias=True))
+    cfg = config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"], num_key_value_heads=2))
+    assert cfg == LlamaConfig(128, 64, 128, 2, 4, 2, 16, 10000.0, 1e-6, 256, tie_word_embeddings=False,
+                              architecture="qwen2", attention_bias=True)  # fmt: skip
+    assert for_hf(["Qwen3ForCausalLM"]).qk_norm and for_gguf("llama").name == "llama"
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'qwen2'; supported: llama"):
+        for_gguf("qwen2")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(HFConfigError, match="GPT2LMHeadModel"):
+        load_hf_model(tmp_path)

@@ -250,7 +250,9 @@ def test_wrong_architecture_is_rejected(tiny_copy: Path) -> None:
     file = tiny_copy / "config.json"
     config = json.loads(file.read_text())
     file.write_text(json.dumps(config | {"architecture": "mistral"}))
-    with pytest.raises(CheckpointError, match="architecture 'mistral' is not supported; supported: llama, qwen2, qwen3"):
+    with pytest.raises(
+        CheckpointError, match="architecture 'mistral' is not supported; supported: llama, qwen2, qwen3"
+    ):
         read_checkpoint_config(tiny_copy)
     with pytest.raises(CheckpointError, match="architecture 'mistral' is not supported"):
         restore_checkpoint(tiny_copy, one_device_shardings(TINY))

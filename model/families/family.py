@@ -26,6 +26,10 @@ class Family:
         attention_bias: Q, K and V projections with biases (``LlamaConfig.attention_bias``).
         qk_norm: per-head q/k RMSNorm before RoPE (``LlamaConfig.qk_norm``).
         gguf: its GGUF files load (their tensor names, tokenizer and template are read).
+        gguf_rope_permuted: its GGUF files store the Q and K rows permuted for llama.cpp's
+            interleaved RoPE (``permute`` in llama.cpp's ``convert_hf_to_gguf.py``, done for the
+            Llama family only; Qwen's files keep Hugging Face's rotate-half order, llama.cpp's
+            NEOX RoPE).
         check_hf: raises ``ValueError`` naming a ``config.json`` field that asks for what this
             family's implementation lacks (a feature silently ignored would change the logits).
     """
@@ -35,6 +39,7 @@ class Family:
     attention_bias: bool = False
     qk_norm: bool = False
     gguf: bool = False
+    gguf_rope_permuted: bool = False
     check_hf: Callable[[Mapping[str, Any]], None] = no_check
 
     def describe(self) -> str:

@@ -21,4 +21,6 @@ def check_hf(hf: Mapping[str, Any]) -> None:
             raise ValueError(f"config.json: {flag}=true is not supported (this Llama has no biases)")
 
 
-LLAMA = Family(name="llama", hf_architectures=("LlamaForCausalLM",), gguf=True, check_hf=check_hf)
+LLAMA = Family(
+    name="llama", hf_architectures=("LlamaForCausalLM",), gguf=True, gguf_rope_permuted=True, check_hf=check_hf
+)

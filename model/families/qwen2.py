@@ -20,4 +20,6 @@ def check_sliding_window(hf: Mapping[str, Any]) -> None:
         raise ValueError("config.json: use_sliding_window=true is not supported for Qwen models")
 
 
-QWEN2 = Family(name="qwen2", hf_architectures=("Qwen2ForCausalLM",), attention_bias=True, check_hf=check_sliding_window)
+QWEN2 = Family(
+    name="qwen2", hf_architectures=("Qwen2ForCausalLM",), attention_bias=True, gguf=True, check_hf=check_sliding_window
+)

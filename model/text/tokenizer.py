@@ -20,6 +20,8 @@ was trained:
     the name and uses the plain GPT-2 regex, so its ids differ on some text with digits: ``"x  1"``
     is ``[x, ĠĠ, 1]`` here and in llama.cpp but ``[x, Ġ, Ġ, 1]`` in transformers;
   - ``llama3``/``llama-v3``/``llama-bpe``: the llama-3 split regex, then byte-level mapping;
+  - ``qwen2``: the llama-3 regex with one digit per piece (``\\p{N}`` for ``\\p{N}{1,3}``), as
+    llama.cpp's ``LLAMA_VOCAB_PRE_TYPE_QWEN2`` and Qwen2's ``tokenizer.json``;
 
 * decoder: ``ByteLevel``; no normalizer, no post-processor;
 * control tokens (``token_type == 3``, e.g. ``<|im_start|>``) are special added tokens, matched
@@ -59,6 +61,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # ``tokenizer.ggml.pre`` -> how text is split before the byte-level mapping: "gpt2" (the GPT-2 regex),
 # "digits+gpt2" (each digit on its own, then the GPT-2 regex) or a split regex.
 _PRE_TOKENIZER_SPLITS: dict[str, str] = {
@@ -68,6 +71,7 @@ _PRE_TOKENIZER_SPLITS: dict[str, str] = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
 }
 
 

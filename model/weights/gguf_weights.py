@@ -1,10 +1,12 @@
-"""Read a Llama GGUF's tensors into the parameter tree of ``model.llama.Llama`` (host numpy).
+"""Read a GGUF's tensors (a family of ``model.families`` whose GGUF files load: Llama, Qwen2)
+into the parameter tree of ``model.llama.Llama`` (host numpy).
 
 Quantized tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize``.
 GGUF stores each matrix as [out, in] (Hugging Face's ``nn.Linear`` order once numpy reverses
-ggml's dimension order), and stores the rows of Q and K permuted for llama.cpp's interleaved
-RoPE (``permute`` in llama.cpp's ``convert_hf_to_gguf.py``); ``unpermute_rope_rows`` undoes it
-so the rotate-half RoPE of ``model/llama.py`` applies, exactly as Hugging Face does.
+ggml's dimension order). A Llama file stores the rows of Q and K permuted for llama.cpp's
+interleaved RoPE (``permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
+``unpermute_rope_rows`` undoes it so the rotate-half RoPE of ``model/llama.py`` applies, exactly
+as Hugging Face does. A Qwen2 file keeps Hugging Face's order, and adds Q/K/V biases.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import gguf
 import numpy as np
 
 from model.config import LlamaConfig
+from model.families import FAMILIES
 from model.llama import fuse_projections
 from model.weights import quant_panels
 from model.weights.gguf_file import GGUFMetadataError, open_gguf
@@ -58,11 +61,6 @@ class _TensorTable:
         if self._progress is not None:
             self._progress(name)
         return array
-
-
-def _rope_rows(rows: int, n_heads: int) -> np.ndarray:
-    """The stored row index of each row ``unpermute_rope_rows`` returns (int [rows])."""
-    return unpermute_rope_rows(np.arange(rows)[:, None], n_heads)[:, 0]
 
 
 class _StoredBlocks:
@@ -159,7 +157,8 @@ def _matmul_tensors(cfg: LlamaConfig) -> dict[str, list[str]]:
 
 def num_tensors(cfg: LlamaConfig) -> int:
     """How many tensors ``load_gguf_params`` reads for ``cfg`` (for a progress bar)."""
-    return 9 * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
+    per_layer = 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+    return per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
 
 
 def load_gguf_params(
@@ -169,7 +168,7 @@ def load_gguf_params(
     progress: Callable[[str], None] | None = None,
     stored: bool = False,
 ) -> dict[str, Any]:
-    """Every weight of a Llama GGUF as the nested dict of ``Llama``'s state: dequantized, or,
+    """Every weight of a GGUF as the nested dict of ``Llama``'s state: dequantized, or,
     with ``stored``, the matmul weights whose tensors are Q8_0, Q4_0 or Q4_1 kept as their
     stored blocks (``model.weights.quant_panels.QuantPanels``; ``stored_matmuls`` says which).
 
@@ -197,6 +196,10 @@ def load_gguf_params(
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise GGUFMetadataError("GGUF has rope_freqs.weight (Llama-3 RoPE scaling), which is not supported")
     L, D, N, K, H, F, V = cfg.dims
+    permuted = FAMILIES[cfg.architecture].gguf_rope_permuted
+
+    def rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+        return unpermute_rope_rows(w, n_heads) if permuted else w
 
     keep = stored_matmuls(reader, cfg) if stored else {}
     blocks = _StoredBlocks(reader, progress)
@@ -207,11 +210,14 @@ def load_gguf_params(
     names += () if "wo" in keep else ("wo",)
     names += () if "w_gate_up" in keep else ("w_gate", "w_up")
     names += () if "w_down" in keep else ("w_down",)
+    names += ("bq", "bk", "bv") if cfg.attention_bias else ()
+    names += ("q_norm", "k_norm") if cfg.qk_norm else ()
     layers: dict[str, list[Any]] = {n: [] for n in names}
     quantized: dict[str, list[quant_panels.QuantPanels]] = {n: [] for n in keep if n not in ("embed", "lm_head")}
     # Output (k, c, h) of the fused QKV: query head k G + c (c < G), key head k (c = G), value
     # head k (c = G + 1), in the rows of [q; k; v] concatenated, Q and K rows un-permuted.
-    q_rows, k_rows = _rope_rows(N * H, N).reshape(K, G, H), _rope_rows(K * H, K).reshape(K, 1, H)
+    q_rows = rope_rows(np.arange(N * H), N).reshape(K, G, H)
+    k_rows = rope_rows(np.arange(K * H), K).reshape(K, 1, H)
     v_rows = np.arange(K * H).reshape(K, 1, H)
     qkv_rows = np.concatenate([q_rows, N * H + k_rows, N * H + K * H + v_rows], axis=1).reshape(-1)
     for i in range(L):
@@ -222,11 +228,18 @@ def load_gguf_params(
             parts = [(b + "attn_q.weight", N * H), (b + "attn_k.weight", K * H), (b + "attn_v.weight", K * H)]
             quantized["wqkv"].append(blocks.panels(parts, D, (K, G + 2, H), keep["wqkv"], qkv_rows))
         else:
-            wq = unpermute_rope_rows(table.get(b + "attn_q.weight", (N * H, D)), N)
-            wk = unpermute_rope_rows(table.get(b + "attn_k.weight", (K * H, D)), K)
+            wq = rope_rows(table.get(b + "attn_q.weight", (N * H, D)), N)
+            wk = rope_rows(table.get(b + "attn_k.weight", (K * H, D)), K)
             layers["wq"].append(wq.T.reshape(D, N, H))
             layers["wk"].append(wk.T.reshape(D, K, H))
             layers["wv"].append(table.get(b + "attn_v.weight", (K * H, D)).T.reshape(D, K, H))
+        if cfg.attention_bias:  # rows as the weights' rows (un-permuted with them)
+            layers["bq"].append(rope_rows(table.get(b + "attn_q.bias", (N * H,)), N).reshape(N, H))
+            layers["bk"].append(rope_rows(table.get(b + "attn_k.bias", (K * H,)), K).reshape(K, H))
+            layers["bv"].append(table.get(b + "attn_v.bias", (K * H,)).reshape(K, H))
+        if cfg.qk_norm:
+            layers["q_norm"].append(table.get(b + "attn_q_norm.weight", (H,)))
+            layers["k_norm"].append(table.get(b + "attn_k_norm.weight", (H,)))
         if "wo" in keep:
             quantized["wo"].append(blocks.panels([(b + "attn_output.weight", D)], N * H, (D,), keep["wo"]))
         else:

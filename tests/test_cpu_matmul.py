@@ -151,7 +151,7 @@ def test_pack_panels_packs_every_matmul_weight_and_unpack_restores_them_exactly(
     cfg = tiny(tied)
     graphdef, params = random_llama(cfg, seed=5)
     model = nnx.merge(graphdef, params)
-    before = {name: np.asarray(getattr(model.layers, name).get_value()) for name in model.layers.NAMES}
+    before = {name: np.asarray(w) for name, w in model.layers.weights().items()}
     table = np.asarray(model.embed.get_value())
     head = None if tied else np.asarray(model.lm_head.get_value())
 
@@ -172,8 +172,7 @@ def test_pack_panels_packs_every_matmul_weight_and_unpack_restores_them_exactly(
     assert pack_panels(model) == []  # already packed: nothing more
 
     unpack_panels(model)
-    for name in model.layers.NAMES:
-        w = getattr(model.layers, name).get_value()
+    for name, w in model.layers.weights().items():
         assert not isinstance(w, cpu_matmul.Panels)
         np.testing.assert_array_equal(np.asarray(w), before[name])
     if tied:

@@ -1,8 +1,9 @@
 """Model families beside Llama (``model.families``): Qwen2 (Q/K/V biases, untied head) and Qwen3
 (per-head q/k RMSNorm, head_dim other than hidden / heads) from Hugging Face directories that
 transformers saves with random weights give transformers' logits through the served engine's
-step, on one device and split over the ``model`` axis; their configs round-trip through a
-converted checkpoint; unsupported families and features are one-line errors.
+step, on one device and split over the ``model`` axis; every preset layout on 8 CPU devices
+serves one device's greedy ids; their configs round-trip through a converted checkpoint;
+unsupported families and features are one-line errors.
 
 The comparisons need ``torch`` and ``transformers`` (the ``hf`` extra); without them skipped,
 saying so.
@@ -15,15 +16,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
+from test_golden import served
 from test_hf_llama import ENGINES, PREFILL, TORCH_REASON, hf_logits, our_logits, write_tokenizer
 
 from model.config import LlamaConfig
 from model.families import FAMILIES, UnsupportedModelError, for_gguf, for_hf
 from model.weights.hf_weights import HFConfigError, config_from_hf
 from model.weights.loader import abstract_llama, load_hf_model
-from sharding.layouts import load_layout
+from service.engine.config import EngineConfig
+from service.engine.runner import Runner
+from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 
 # (transformers config class, its fields beyond the shared ones)
 FAMILY_CASES = {
@@ -137,8 +142,35 @@ def test_unsupported_families_and_features_are_one_line_errors(tmp_path: Path) -
     assert cfg == LlamaConfig(128, 64, 128, 2, 4, 2, 16, 10000.0, 1e-6, 256, tie_word_embeddings=False,
                               architecture="qwen2", attention_bias=True)  # fmt: skip
     assert for_hf(["Qwen3ForCausalLM"]).qk_norm and for_gguf("llama").name == "llama"
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'qwen2'; supported: llama"):
-        for_gguf("qwen2")
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'qwen3'; supported: llama, qwen2 \(qwen3: Hugging"):
+        for_gguf("qwen3")
+    with pytest.raises(UnsupportedModelError, match="architecture 'gemma3'"):
+        for_gguf("gemma3")
     (tmp_path / "config.json").write_text(json.dumps(hf_config(architectures=["GPT2LMHeadModel"])))
     with pytest.raises(HFConfigError, match="GPT2LMHeadModel"):
         load_hf_model(tmp_path)
+
+
+@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config"])
+def test_every_preset_layout_serves_one_devices_greedy_ids(config_class: str, tmp_path: Path) -> None:
+    """On 8 CPU devices: each preset (and 1x2, where the 2 KV heads split) serves the greedy ids
+    and last-prompt logits of one device, holding the weight bytes its plan predicts; ``tp3``,
+    which asks for attention split over heads, is refused: 3 divides neither 4 nor 2 heads."""
+    tiny_family_model(tmp_path, config_class, {"tie_word_embeddings": False, "head_dim": 16})
+    cfg, graphdef, state = load_hf_model(tmp_path)
+    ecfg = EngineConfig(num_slots=8, max_seq_len=64, chunk_size=32)
+    prompts = [[3, 17, 99, 42, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    ref_ids, ref_logits = served(Runner(cfg, graphdef, state, Layout("1x1"), ecfg, jax.devices()[:1]), prompts, 6)
+    for name in [*preset_names(), "1x2"]:
+        layout = load_layout(name)
+        if name == "tp3":
+            with pytest.raises(LayoutError, match="heads"):
+                Runner(cfg, graphdef, state, layout, ecfg, jax.devices()[: layout.num_devices])
+            continue
+        runner = Runner(cfg, graphdef, state, layout, ecfg, jax.devices()[: layout.num_devices])
+        ids, logits = served(runner, prompts, 6)
+        assert ids == ref_ids, name
+        for got, want in zip(logits, ref_logits, strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-4, rtol=0, err_msg=name)
+        assert set(runner.weight_bytes_per_device().values()) == {runner.plan.weight_bytes_per_device(cfg, 4)}, name
+        assert runner.plan.attention == ("heads" if layout.model in (1, 2) else "replicated"), name

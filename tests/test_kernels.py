@@ -155,7 +155,7 @@ def leaves(state: nnx.State, packed_head: bool = False) -> dict[str, np.ndarray]
 
 def param_types(graphdef: nnx.GraphDef, state: nnx.State) -> dict[str, type]:
     model = nnx.merge(graphdef, state)
-    out = {n: type(getattr(model.layers, n).get_value()) for n in model.layers.NAMES}
+    out = {n: type(v) for n, v in model.layers.weights().items()}
     if hasattr(model, "lm_head"):
         out["lm_head"] = type(model.lm_head.get_value())
     return out

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 from test_golden import served
-from test_hf_llama import ENGINES, PREFILL, TORCH_REASON, hf_logits, our_logits, write_tokenizer
+from test_hf_llama import ENGINES, PREFILL, hf_logits, our_logits, tiny_family_model, write_tokenizer
 
 from model.config import LlamaConfig
 from model.families import FAMILIES, UnsupportedModelError, for_gguf, for_hf
@@ -37,37 +37,6 @@ FAMILY_CASES = {
     # head_dim 32 with hidden 64 and 4 heads: q/k/v widths are not the hidden size.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
 }
-
-
-def tiny_family_model(out: Path, config_class: str, extra: dict[str, Any]) -> Any:
-    """A random-weight model of ``config_class`` (vocab 128, hidden 64, 2 layers, 4 query / 2 KV
-    heads) saved into ``out``, its biases and norm weights random too (transformers initialises
-    them to zeros and ones, which would hide a bias or norm applied wrongly); returns it in eval mode."""
-    torch = pytest.importorskip("torch", reason=TORCH_REASON)
-    transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
-    config = getattr(transformers, config_class)(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        initializer_range=0.2,
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return model
 
 
 @pytest.mark.parametrize("case", list(FAMILY_CASES))

@@ -46,12 +46,14 @@ LLAMA3 = {
 }
 
 
-def tiny_hf_model(out: Path, tie: bool, rope_scaling: dict | None, max_shard_size: str | None = None) -> Any:
-    """A random-weight LlamaForCausalLM (vocab 128, hidden 64, 2 layers, 4 heads / 2 KV heads) saved
-    into ``out``; returns the torch model in eval mode."""
+def tiny_family_model(out: Path, config_class: str, fields: dict[str, Any], max_shard_size: str | None = None) -> Any:
+    """A random-weight model of transformers' ``config_class`` (vocab 128, hidden 64, 2 layers, 4
+    query / 2 KV heads; ``fields`` add to or replace these) saved into ``out``, its norm weights
+    and biases random too (transformers initialises them to ones and zeros, which would hide a
+    norm or bias applied wrongly); returns the torch model in eval mode."""
     torch = pytest.importorskip("torch", reason=TORCH_REASON)
     transformers = pytest.importorskip("transformers", reason=TORCH_REASON)
-    config = transformers.LlamaConfig(
+    base = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -59,20 +61,31 @@ def tiny_hf_model(out: Path, tie: bool, rope_scaling: dict | None, max_shard_siz
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie,
-        rope_scaling=dict(rope_scaling) if rope_scaling else None,  # transformers edits it in place
+        rms_norm_eps=1e-6,
         initializer_range=0.2,  # large enough that attention, and so RoPE, moves the logits
     )
+    config = getattr(transformers, config_class)(**(base | fields))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     return model
+
+
+def tiny_hf_model(out: Path, tie: bool, rope_scaling: dict | None, max_shard_size: str | None = None) -> Any:
+    """A random-weight LlamaForCausalLM (``tiny_family_model``'s shapes) saved into ``out``."""
+    fields = {
+        "tie_word_embeddings": tie,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": dict(rope_scaling) if rope_scaling else None,
+    }
+    return tiny_family_model(out, "LlamaConfig", fields, max_shard_size)  # transformers edits rope_scaling in place
 
 
 def hf_logits(model: Any) -> np.ndarray:

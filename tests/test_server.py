@@ -83,7 +83,7 @@ def test_model_info_matches_the_gguf(client: Client, smollm2_gguf: Path) -> None
     assert info.context_length == field_value(reader, "llama.context_length")
     assert info.max_seq_len == 1024
     assert info.num_slots == 4
-    assert info.architecture == "llama"
+    assert info.architecture == "llama"  # the family (model.families), not a constant
     assert info.num_parameters > 100_000_000
     # The default pool's layout, as sharding/plan.py resolves it (the roofline's input for bench).
     assert info.tie_word_embeddings and info.platform == "cpu" and info.device_kind

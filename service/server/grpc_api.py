@@ -69,7 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         layout, device = pool.layout, pool.devices[0]
         return pb.ModelInfo(
             name=facts.name,
-            architecture="llama",
+            architecture=mcfg.architecture,
             vocab_size=mcfg.vocab_size,
             num_layers=mcfg.num_layers,
             hidden_size=mcfg.hidden_size,

@@ -110,13 +110,11 @@ def fuse_projections(layers: dict[str, Any], num_kv_heads: int) -> dict[str, Any
     Args:
         layers: stacked layer weights with separate projections: "wq" [L, D, N, H], "wk" and
             "wv" [L, D, K, H], "w_gate" and "w_up" [L, D, F], and the rest ("attn_norm", "wo",
-            "mlp_norm", "w_down") as they are. A group absent (Q/K/V, or gate/up: a loader
-            that kept its blocks as stored fused them itself) is not fused.
+            "mlp_norm", "w_down") as they are; biases "bq" [L, N, H], "bk" and "bv" [L, K, H],
+            where the family has them, are fused as Q/K/V are. A group absent (Q/K/V, or
+            gate/up: a loader that kept its blocks as stored fused them itself) is not fused.
         num_kv_heads: K; query head n belongs to KV head n // (N / K), as in Hugging Face's
             ``repeat_kv``.
-
-            Biases "bq" [L, N, H], "bk" and "bv" [L, K, H], where the family has them, are
-            fused the same way.
 
     Returns:
         the same dict with "wqkv" [L, D, K, N/K + 2, H] (and "bqkv" [L, K, N/K + 2, H]) and

@@ -166,9 +166,7 @@ class LlamaConfig:
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
-            architecture=family.name,
-            attention_bias=family.attention_bias,
-            qk_norm=family.qk_norm,
+            **family.config_fields(),
         )
 
     @classmethod

@@ -364,6 +364,9 @@ def test_c15_cancel_and_deadline_free_slots_and_skip_prefill(server, client: Cli
         assert f.finish_reason == baseline.finish_reason == "FINISH_REASON_LENGTH"
     decode_step_s = (baseline.total_s - baseline.ttft_s) / max(1, len(baseline.token_ids) - 1)
     assert follow.ttft_s < baseline.ttft_s + decode_step_s + 1.0, (follow.ttft_s, baseline.ttft_s, decode_step_s)
+    # A stream's last message reaches its client before the loop frees the row (the next step's
+    # bookkeeping): wait for that, then the gauges read the idle scheduler.
+    wait_idle(server, timeout_s=5)
     assert metric(server, "meshserve_active_slots", pool="default") == 0
     assert metric(server, "meshserve_queue_depth", pool="default") == 0
     assert metric(server, "meshserve_kv_cache_usage_ratio", pool="default") == 0

@@ -103,16 +103,11 @@ ENGINES = {"auto": {}, "xla": dict(attention="xla", matmul="xla"), "unrolled": d
 ONE_DEVICE = Layout("1x1")
 
 
-def our_logits(
-    cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, layout: Layout = ONE_DEVICE, **engine: Any
-) -> np.ndarray:
-    """Logits at every position of SEQ from PREFILL - 1 on, through the served engine's step
-    (``Runner.step`` of batches laid out as ``service.engine.batch`` says, in row 0 over pages
-    0, 1, ...): the first PREFILL tokens as one prefill chunk, then one decode token per remaining
-    token of SEQ (SEQ's next id fed, not the sampled one), on the first devices ``layout`` needs
-    (one data replica). ``engine``: ``EngineConfig`` fields."""
-    ecfg = EngineConfig(num_slots=1, max_seq_len=MAX_LEN, chunk_size=16, page_size=4, kv_cache_tokens=MAX_LEN, **engine)
-    runner = Runner(cfg, graphdef, params, layout, ecfg, jax.devices()[: layout.num_devices])
+def row0_logits(runner: Runner, prompt: list[int], then: list[int], chunk: int) -> np.ndarray:
+    """Logits [1 + len(then), V] through ``runner.step`` of batches laid out as
+    ``service.engine.batch`` says, in row 0 over pages 0, 1, ...: ``prompt`` in prefill chunks of
+    ``chunk`` tokens (the last chunk's last token's logits first), then each id of ``then`` as a
+    decode token (fed, not sampled)."""
     g = runner.geometry
 
     def batch(start: int, ids: list[int], decode: bool) -> RaggedBatch:
@@ -125,10 +120,24 @@ def our_logits(
         b.page_tables[0] = np.arange(g.max_pages)
         return dataclasses.replace(b, num_real=n, max_position=start + n - 1)
 
-    rows = [runner.step(batch(0, SEQ[:PREFILL], decode=False)).row_logits(0)]
-    for pos in range(PREFILL, len(SEQ)):
-        rows.append(runner.step(batch(pos, [SEQ[pos]], decode=True)).row_logits(0))
-    return np.stack(rows)  # positions PREFILL-1 .. len(SEQ)-1
+    for start in range(0, len(prompt), chunk):
+        out = runner.step(batch(start, prompt[start : start + chunk], decode=False))
+    rows = [out.row_logits(0)]
+    for i, token in enumerate(then):
+        rows.append(runner.step(batch(len(prompt) + i, [token], decode=True)).row_logits(0))
+    return np.stack(rows)
+
+
+def our_logits(
+    cfg: LlamaConfig, graphdef: nnx.GraphDef, params: Any, layout: Layout = ONE_DEVICE, **engine: Any
+) -> np.ndarray:
+    """Logits at every position of SEQ from PREFILL - 1 on, through the served engine's step
+    (``row0_logits``): the first PREFILL tokens as one prefill chunk, then one decode token per
+    remaining token of SEQ, on the first devices ``layout`` needs (one data replica).
+    ``engine``: ``EngineConfig`` fields."""
+    ecfg = EngineConfig(num_slots=1, max_seq_len=MAX_LEN, chunk_size=16, page_size=4, kv_cache_tokens=MAX_LEN, **engine)
+    runner = Runner(cfg, graphdef, params, layout, ecfg, jax.devices()[: layout.num_devices])
+    return row0_logits(runner, SEQ[:PREFILL], SEQ[PREFILL:], chunk=PREFILL)  # positions PREFILL-1 .. len(SEQ)-1
 
 
 CASES = {

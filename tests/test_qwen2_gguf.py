@@ -11,17 +11,16 @@ time. Needs ``torch``, ``transformers`` and ``accelerate`` (the ``hf`` extra).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
+from test_hf_llama import row0_logits
 
 from model.weights.fetch import fetch_model
 from model.weights.loader import LoadedModel, load_model
-from service.engine.batch import RaggedBatch
 from service.engine.config import EngineConfig
 from service.engine.runner import Runner
 from sharding.layouts import Layout
@@ -89,30 +88,11 @@ def test_token_ids_and_chat_template_equal_transformers(ours: LoadedModel, hf: t
 
 
 def step_logits(loaded: LoadedModel, prompt: list[int], then: list[int], chunk: int) -> np.ndarray:
-    """Logits [1 + len(then), V] through ``Runner.step`` on one CPU device (row 0, pages 0, 1,
-    ...): the prompt in chunks of ``chunk`` (the last chunk's last token's logits first), then
-    each id of ``then`` as a decode token."""
+    """``test_hf_llama.row0_logits`` on one CPU device, a pool just large enough."""
     n_max = len(prompt) + len(then) + 1
     ecfg = EngineConfig(num_slots=1, max_seq_len=n_max, chunk_size=chunk, kv_cache_tokens=n_max)
     runner = Runner(loaded.cfg, loaded.graphdef, loaded.state, Layout("1x1"), ecfg, jax.devices()[:1])
-    g = runner.geometry
-
-    def batch(start: int, ids: list[int], decode: bool) -> RaggedBatch:
-        n = len(ids)
-        b = g.empty_batch(g.decode_buckets[0], 0 if decode else g.prefill_bucket(g.padded(n)))
-        at = 0 if decode else b.decode_tokens
-        b.tokens[at : at + n], b.positions[at : at + n], b.rows[at : at + n] = ids, np.arange(start, start + n), 0
-        b.generated[at : at + n] = decode
-        b.last_index[0] = at + n - 1
-        b.page_tables[0] = np.arange(g.max_pages)
-        return dataclasses.replace(b, num_real=n, max_position=start + n - 1)
-
-    for start in range(0, len(prompt), chunk):
-        out = runner.step(batch(start, prompt[start : start + chunk], decode=False))
-    rows = [out.row_logits(0)]
-    for i, token in enumerate(then):
-        rows.append(runner.step(batch(len(prompt) + i, [token], decode=True)).row_logits(0))
-    return np.stack(rows)
+    return row0_logits(runner, prompt, then, chunk)
 
 
 def hf_logits(model: Any, ids: list[int]) -> np.ndarray:

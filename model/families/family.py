@@ -42,6 +42,11 @@ class Family:
     gguf_rope_permuted: bool = False
     check_hf: Callable[[Mapping[str, Any]], None] = no_check
 
+    def config_fields(self) -> dict[str, Any]:
+        """What the family fixes in a ``LlamaConfig``: ``architecture``, ``attention_bias``,
+        ``qk_norm`` (the readers of every format pass these)."""
+        return {"architecture": self.name, "attention_bias": self.attention_bias, "qk_norm": self.qk_norm}
+
     def describe(self) -> str:
         """ "qwen2 (Qwen2ForCausalLM)": its names, for error messages."""
         return f"{self.name} ({', '.join(self.hf_architectures)})"

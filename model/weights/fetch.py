@@ -97,15 +97,6 @@ def cache_dir(override: str | Path | None = None) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def pip_download(requirements: list[str], dest: Path) -> None:
     """``pip download --no-deps --only-binary=:all:`` of ``requirements`` into ``dest``.
 

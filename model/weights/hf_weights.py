@@ -30,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import LlamaConfig, RopeScaling
-from model.families import UnsupportedModelError, for_hf
+from model.families import for_hf
 from model.llama import fuse_projections
 from model.weights.gguf_weights import WeightError
 
@@ -114,7 +114,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     try:
         family = for_hf(hf.get("architectures") or [])
         family.check_hf(hf)
-    except (UnsupportedModelError, ValueError) as exc:
+    except ValueError as exc:  # UnsupportedModelError is one
         raise HFConfigError(str(exc)) from None
     act = hf.get("hidden_act", "silu")
     if act != "silu":
@@ -140,9 +140,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=int(need("max_position_embeddings")),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
-        architecture=family.name,
-        attention_bias=family.attention_bias,
-        qk_norm=family.qk_norm,
+        **family.config_fields(),
     )
 
 

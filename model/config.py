@@ -12,6 +12,8 @@ import gguf
 from model.families import UnsupportedModelError, for_gguf
 from model.weights.gguf_file import GGUFMetadataError, architecture, field_value, open_gguf
 
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # LlamaConfig.mlp_activation's values
+
 # Bytes per element of each dtype name the server, the layouts' byte counts and the roofline use.
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
@@ -73,6 +75,22 @@ class LlamaConfig:
         qk_norm: each query and key head is RMS-normalised over its H values before RoPE, with
             a learned [H] weight per layer (Qwen3: Yang et al. 2025, "Qwen3 Technical Report",
             §2, after Dehghani et al. 2023).
+        sandwich_norms: each block also RMS-normalises the attention's and the MLP's outputs
+            before their residual adds (Gemma 3: Gemma Team 2025, "Gemma 3 Technical Report",
+            §2, "post-norm and pre-norm with RMSNorm").
+        embed_scale: the token embeddings are multiplied by sqrt(D) (rounded to float32), as
+            Gemma's are.
+        mlp_activation: the gated MLP's activation: "silu" (SwiGLU, Shazeer 2020) or
+            "gelu_tanh" (GeGLU with GELU's tanh approximation, Hendrycks & Gimpel 2016, §2).
+        query_pre_attn_scalar: queries are scaled by this ** -0.5 before the dot products; 0
+            means ``head_dim`` (the usual 1/sqrt(H)).
+        sliding_window: the keys a local layer's token attends to: the W latest positions,
+            its own included (position p sees p - W + 1 .. p); 0 = no local layers.
+        local_layers: the indices of the layers that attend locally (within
+            ``sliding_window``) and use ``rope_local_theta``; the others attend to every
+            earlier position with ``rope_theta`` and ``rope_scaling`` (Gemma 3's 5 local
+            layers to 1 global, §2.1 of its report).
+        rope_local_theta: the RoPE base of the local layers.
     """
 
     vocab_size: int
@@ -90,10 +108,37 @@ class LlamaConfig:
     architecture: str = "llama"
     attention_bias: bool = False
     qk_norm: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    mlp_activation: str = "silu"
+    query_pre_attn_scalar: float = 0.0
+    sliding_window: int = 0
+    local_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation {self.mlp_activation!r} is not one of {', '.join(MLP_ACTIVATIONS)}")
+        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))  # JSON gives a list
+        if any(not 0 <= i < self.num_layers for i in self.local_layers) or len(set(self.local_layers)) != len(
+            self.local_layers
+        ):
+            raise ValueError(f"local_layers {self.local_layers} must be distinct layers in [0, {self.num_layers})")
+        if self.local_layers and self.sliding_window < 1:
+            raise ValueError(f"local layers need a sliding_window of at least 1, got {self.sliding_window}")
+
+    @property
+    def query_scale(self) -> float:
+        """What queries are multiplied by before the dot products: ``query_pre_attn_scalar`` **
+        -0.5, or H ** -0.5 (Vaswani et al. 2017, §3.2.1)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of layer ``layer``: ``sliding_window`` for a local layer, else 0
+        (every earlier position)."""
+        return self.sliding_window if layer in self.local_layers else 0
 
     @property
     def dims(self) -> tuple[int, int, int, int, int, int, int]:
@@ -125,18 +170,21 @@ class LlamaConfig:
         per_layer = attn + 3 * d * f + 2 * d
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.attention_bias else 0
         per_layer += 2 * h if self.qk_norm else 0
+        per_layer += 2 * d if self.sandwich_norms else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + head + self.num_layers * per_layer + d
 
     @classmethod
     def from_gguf(cls, source: str | Path | gguf.GGUFReader) -> LlamaConfig:
-        """Build the config from a GGUF file's ``llama.*`` metadata.
+        """Build the config from a GGUF file's ``<architecture>.*`` metadata and its family's
+        fixed facts (``model.families``: which layers are local, their RoPE base).
 
         Tied embeddings are inferred from the absence of an ``output.weight`` tensor,
         as llama.cpp does. The vocabulary size falls back to the tokenizer's token count.
 
         Raises:
-            GGUFMetadataError: the architecture is not Llama or a required key is missing.
+            GGUFMetadataError: the architecture is not a served family's or a required key is
+                missing.
         """
         reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
         arch = architecture(reader)
@@ -154,18 +202,24 @@ class LlamaConfig:
         if vocab is None:
             vocab = len(field_value(reader, "tokenizer.ggml.tokens"))
         tensor_names = {t.name for t in reader.tensors}
+        layers = int(key("block_count"))
+        head_dim = int(key("attention.key_length", hidden // num_heads))
+        local = family.gguf_local_layers(layers)
         return cls(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-            head_dim=int(key("attention.key_length", hidden // num_heads)),
+            head_dim=head_dim,
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(key("context_length")),
             tie_word_embeddings="output.weight" not in tensor_names,
+            sliding_window=int(key("attention.sliding_window")) if local else 0,
+            local_layers=local,
+            rope_local_theta=family.rope_local_theta,
             **family.config_fields(),
         )
 

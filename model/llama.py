@@ -5,7 +5,9 @@ Architecture (Touvron et al. 2023, "LLaMA", §2.2): pre-norm RMSNorm (Zhang & Se
 rotary position embeddings (Su et al. 2021, "RoFormer", §3.4.2, in Hugging Face's rotate-half
 form), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), optionally
 tied LM head. The families of ``model.families`` that share this decoder switch on what they
-add through the config: Q/K/V biases (Qwen2), per-head q/k RMSNorm (Qwen3).
+add through the config: Q/K/V biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), and Gemma
+3's sandwich norms, GELU-tanh MLP, scaled embeddings and local (sliding-window) layers with a
+RoPE base of their own.
 
 Einsum letters used throughout:
     B batch rows (1: the flat batch)   T tokens of the flat batch   D embed (hidden)   F MLP width
@@ -28,6 +30,7 @@ ones run is chosen once, in ``model.kernels``, so this file has no platform bran
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,7 +58,8 @@ class DecoderLayers(nnx.Module):
         w_gate_up [L, D, 2, F] (layers, embed, gate_up, mlp); w_down [L, F, D] (layers, mlp,
         embed). With ``cfg.attention_bias``: bqkv [L, K, G + 2, H] (layers, kv_heads, qkv,
         head_dim), laid out as wqkv's outputs. With ``cfg.qk_norm``: q_norm and k_norm [L, H]
-        (layers, head_dim).
+        (layers, head_dim). With ``cfg.sandwich_norms``: post_attn_norm and post_mlp_norm
+        [L, D] (layers, embed), applied to the attention's and the MLP's outputs.
     Weights are stored input-major (x @ W), the faster layout for XLA on CPU. A matmul weight
     (wqkv, wo, w_gate_up, w_down; also ``Llama.embed`` and ``lm_head``) may instead hold a GGUF's
     blocks as stored (``model.weights.quant_panels.QuantPanels``, same logical axes), which ``matmul``
@@ -90,8 +94,14 @@ class DecoderLayers(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = _param(jnp.ones((L, H), dtype), ("layers", "head_dim"))
             self.k_norm = _param(jnp.ones((L, H), dtype), ("layers", "head_dim"))
+        if cfg.sandwich_norms:
+            self.post_attn_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
+            self.post_mlp_norm = _param(jnp.ones((L, D), dtype), ("layers", "embed"))
 
-    NAMES = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
+    NAMES = (
+        "attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm", "post_attn_norm",
+        "post_mlp_norm",
+    )  # fmt: skip
 
     def weights(self) -> dict[str, Any]:
         """The raw parameter values keyed by name (those of ``NAMES`` this family has): stacked
@@ -197,10 +207,12 @@ class Llama(nnx.Module):
             )
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """The embedding rows of ``tokens`` [...] int32: [..., D] float32. A table kept as
-        stored GGUF blocks (``QuantPanels`` of the transposed table [D, V]) is dequantized row
-        by row, to exactly the float values."""
-        return embedding_rows(self.embed.get_value(), tokens)
+        """The embedding rows of ``tokens`` [...] int32: [..., D] float32, times sqrt(D) with
+        ``cfg.embed_scale``. A table kept as stored GGUF blocks (``QuantPanels`` of the
+        transposed table [D, V]) is dequantized row by row, to exactly the float values."""
+        x = embedding_rows(self.embed.get_value(), tokens)
+        # Gemma's sqrt(D), rounded to float32 first as Hugging Face rounds it to the table's dtype.
+        return x * np.float32(math.sqrt(self.cfg.hidden_size)) if self.cfg.embed_scale else x
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final RMSNorm and LM head: h [..., D] -> logits [..., V] float32. The head is
@@ -236,12 +248,13 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         x = self.embed_tokens(tokens)[None]  # [1, N, D]: B = 1, T = N
-        cos, sin = rope_tables(meta.positions[None], cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = layer_rope(cfg, meta.positions[None])
 
         def block(x: jax.Array, k: jax.Array, v: jax.Array, p: dict[str, Any], layer: jax.Array | int):
+            cos, sin, window = rope(layer)
             q, k_new, v_new = project_qkv(cfg, x, p, cos, sin, k.dtype)
             k, v = write_kv(k, v, meta.slots, k_new[0], v_new[0], layer)
-            attn = attention.attend(q[0], k, v, layer, meta)
+            attn = attention.attend(q[0], k, v, layer, meta, window)
             return out_and_mlp(cfg, x, p, attn[None]), k, v
 
         weights = self.layers.weights()
@@ -302,6 +315,29 @@ def rope_tables(
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def layer_rope(
+    cfg: LlamaConfig, positions: jax.Array
+) -> Callable[[jax.Array | int], tuple[jax.Array, jax.Array, jax.Array | int]]:
+    """The per-layer attention facts at ``positions`` [B, T]: a function of the layer (an int, or
+    an int32 scalar traced in the scan over layers) giving its cos and sin tables [B, T, H] and
+    its sliding window (0: every earlier position). Without local layers every layer gets the
+    same tables and window 0; with them (Gemma 3) a local layer gets ``rope_local_theta``'s
+    tables (no scaling) and ``sliding_window``, picked by a select, so one scanned block serves
+    both kinds."""
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if not cfg.local_layers:
+        return lambda layer: (cos, sin, 0)
+    cos_l, sin_l = rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+    local = jnp.zeros((cfg.num_layers,), bool).at[jnp.asarray(cfg.local_layers)].set(True)
+
+    def at(layer: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array | int]:
+        is_local = local[layer]
+        window = jnp.where(is_local, cfg.sliding_window, 0).astype(jnp.int32)
+        return jnp.where(is_local, cos_l, cos), jnp.where(is_local, sin_l, sin), window
+
+    return at
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate x [B, T, heads, H] by the tables [B, T, H]: x*cos + rotate_half(x)*sin."""
     half = x.shape[-1] // 2
@@ -312,10 +348,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def project_qkv(
     cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, cdt: jnp.dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention inputs of one block: RMSNorm, Q/K/V projections and RoPE.
+    """The attention inputs of one block: RMSNorm, Q/K/V projections (biases, q/k norms where
+    the family has them) and RoPE.
 
-    Shapes: x [B, T, D] f32 -> q [B, T, K, G, H] f32 (already scaled by H^-0.5), and k, v
-    [B, T, K, H] in the cache dtype ``cdt`` (attention uses exactly what the cache will hold).
+    Shapes: x [B, T, D] f32 -> q [B, T, K, G, H] f32 (already scaled by ``cfg.query_scale``),
+    and k, v [B, T, K, H] in the cache dtype ``cdt`` (attention uses exactly what the cache
+    will hold).
     """
     B, T, _ = x.shape
     K, G, H = cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim
@@ -327,26 +365,31 @@ def project_qkv(
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if cfg.qk_norm:  # per head, over its H values
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * (H**-0.5)
+    q = apply_rope(q, cos, sin).reshape(B, T, K, G, H) * cfg.query_scale
     k = apply_rope(k, cos, sin)
     return q, k.astype(cdt), v.astype(cdt)
 
 
 def out_and_mlp(cfg: LlamaConfig, x: jax.Array, p: dict[str, jax.Array], attn: jax.Array) -> jax.Array:
-    """The rest of one block after attention: the O projection and the SwiGLU MLP, each with
-    its residual. Shapes: x [B, T, D] f32; attn [B, T, K, G, H] f32. Returns the new x."""
+    """The rest of one block after attention: the O projection and the gated MLP (SiLU or
+    GELU-tanh, ``cfg.mlp_activation``), each with its residual, and with ``cfg.sandwich_norms``
+    each output RMS-normalised before it is added. Shapes: x [B, T, D] f32; attn [B, T, K, G,
+    H] f32. Returns the new x."""
     B, T, _ = x.shape
     wdt = p["wo"].dtype
     # O projection as one [B*T, N*H] x [N*H, D] matmul: both reshapes are free (row-major), and
     # XLA:CPU does not transpose wo per step as it does for the two-axis contraction.
     wo = p["wo"]
     attn = attn.reshape(B, T, -1).astype(wdt)
-    x = x + matmul(attn, wo if isinstance(wo, Packed) else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
+    out = matmul(attn, wo if isinstance(wo, Packed) else wo.reshape(-1, wo.shape[-1]), "BTE,ED->BTD")
+    x = x + (rms_norm(out, p["post_attn_norm"], cfg.rms_norm_eps) if cfg.sandwich_norms else out)
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps).astype(wdt)
     gate_up = matmul(h, p["w_gate_up"], "BTD,DCF->BTCF")  # [B, T, 2, F]
-    act = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(wdt)
-    return x + matmul(act, p["w_down"], "BTF,FD->BTD")
+    gate = gate_up[:, :, 0]
+    gated = jax.nn.silu(gate) if cfg.mlp_activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = matmul((gated * gate_up[:, :, 1]).astype(wdt), p["w_down"], "BTF,FD->BTD")
+    return x + (rms_norm(out, p["post_mlp_norm"], cfg.rms_norm_eps) if cfg.sandwich_norms else out)
 
 
 # ---- the step the engine jits ------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_fetch_of_a_missing_file_is_an_error(tmp_path: Path, capsys: pytest.Capt
     assert main(["fetch", "--model", str(missing)]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    names = "smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct"
+    names = "smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, gemma-3-270m"
     assert err == f"meshserve fetch: error: model file or directory not found: {missing} (or name a model: {names})\n"
 
 

@@ -1,5 +1,7 @@
-"""Model families beside Llama (``model.families``): Qwen2 (Q/K/V biases, untied head) and Qwen3
-(per-head q/k RMSNorm, head_dim other than hidden / heads) from Hugging Face directories that
+"""Model families beside Llama (``model.families``): Qwen2 (Q/K/V biases, untied head), Qwen3
+(per-head q/k RMSNorm, head_dim other than hidden / heads) and Gemma 3 (sandwich norms, GELU-tanh,
+scaled embeddings, query_pre_attn_scalar, a local layer with a sliding window of 5 positions and
+its own RoPE base beside a global one) from Hugging Face directories that
 transformers saves with random weights give transformers' logits through the served engine's
 step, on one device and split over the ``model`` axis; every preset layout on 8 CPU devices
 serves one device's greedy ids; their configs round-trip through a converted checkpoint;
@@ -30,12 +32,22 @@ from service.engine.config import EngineConfig
 from service.engine.runner import Runner
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
 
+# A tiny Gemma 3: layer 0 local (window 5: the 20-token sequence runs well past it), layer 1
+# global; queries scaled by 24^-0.5, not head_dim's 32^-0.5.
+GEMMA3 = {
+    "tie_word_embeddings": True,
+    "head_dim": 32,
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 24,
+}
 # (transformers config class, its fields beyond the shared ones)
 FAMILY_CASES = {
     "qwen2-untied": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     # head_dim 32 with hidden 64 and 4 heads: q/k/v widths are not the hidden size.
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+    "gemma3": ("Gemma3TextConfig", GEMMA3),
 }
 
 
@@ -61,6 +73,9 @@ def test_logits_and_greedy_ids_match_transformers(case: str, tmp_path: Path) -> 
     state_plain = {k: v for k, v in state.items() if k != "layers"}
     state_plain["layers"] = {k: v for k, v in state["layers"].items() if k not in ("bqkv", "q_norm", "k_norm")}
     assert np.abs(our_logits(plain, graphdef_plain, state_plain) - expected).max() > 1e-2
+    if cfg.local_layers:  # and so does the sliding window
+        everywhere = dataclasses.replace(cfg, local_layers=(), sliding_window=0)
+        assert np.abs(our_logits(everywhere, abstract_llama(everywhere)[0], state) - expected).max() > 1e-2
 
 
 @pytest.mark.parametrize("layout", ["1x2", "1x4"])
@@ -111,21 +126,43 @@ def test_unsupported_families_and_features_are_one_line_errors(tmp_path: Path) -
     assert cfg == LlamaConfig(128, 64, 128, 2, 4, 2, 16, 10000.0, 1e-6, 256, tie_word_embeddings=False,
                               architecture="qwen2", attention_bias=True)  # fmt: skip
     assert for_hf(["Qwen3ForCausalLM"]).qk_norm and for_gguf("llama").name == "llama"
-    with pytest.raises(UnsupportedModelError, match=r"architecture 'qwen3'; supported: llama, qwen2 \(qwen3: Hugging"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"architecture 'qwen3'; supported: llama, qwen2, gemma3 \(qwen3: Hugging"
+    ):
         for_gguf("qwen3")
-    with pytest.raises(UnsupportedModelError, match="architecture 'gemma3'"):
-        for_gguf("gemma3")
+    with pytest.raises(UnsupportedModelError, match="architecture 'gemma2'"):
+        for_gguf("gemma2")
+    gemma = hf_config(architectures=["Gemma3ForCausalLM"], layer_types=["sliding_attention", "full_attention"])
+    for field, value in [("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True),
+                         ("hidden_activation", "gelu")]:  # fmt: skip
+        with pytest.raises(HFConfigError, match=field):
+            config_from_hf(gemma | {"sliding_window": 4, field: value})
+    with pytest.raises(HFConfigError, match="sliding_window"):
+        config_from_hf(gemma)
+    with pytest.raises(HFConfigError, match="layer_types"):
+        config_from_hf(gemma | {"sliding_window": 4, "layer_types": ["sliding_attention", "chunked_attention"]})
+    old_style = config_from_hf(gemma | {"layer_types": None, "sliding_window_pattern": 2, "sliding_window": 4,
+                                        "rope_theta": 1e6, "rope_local_base_freq": 1e4})  # fmt: skip
+    assert (old_style.local_layers, old_style.sliding_window, old_style.rope_local_theta) == ((0,), 4, 1e4)
     (tmp_path / "config.json").write_text(json.dumps(hf_config(architectures=["GPT2LMHeadModel"])))
     with pytest.raises(HFConfigError, match="GPT2LMHeadModel"):
         load_hf_model(tmp_path)
 
 
-@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config"])
+LAYOUT_CASES = {
+    "Qwen2Config": {"tie_word_embeddings": False, "head_dim": 16},
+    "Qwen3Config": {"tie_word_embeddings": False, "head_dim": 16},
+    # Gemma 3 270M's heads: 4 query heads on 1 KV head (no split of the heads divides it).
+    "Gemma3TextConfig": GEMMA3 | {"num_key_value_heads": 1},
+}
+
+
+@pytest.mark.parametrize("config_class", list(LAYOUT_CASES))
 def test_every_preset_layout_serves_one_devices_greedy_ids(config_class: str, tmp_path: Path) -> None:
-    """On 8 CPU devices: each preset (and 1x2, where the 2 KV heads split) serves the greedy ids
-    and last-prompt logits of one device, holding the weight bytes its plan predicts; ``tp3``,
-    which asks for attention split over heads, is refused: 3 divides neither 4 nor 2 heads."""
-    tiny_family_model(tmp_path, config_class, {"tie_word_embeddings": False, "head_dim": 16})
+    """On 8 CPU devices: each preset (and 1x2, where 2 KV heads split) serves the greedy ids and
+    last-prompt logits of one device, holding the weight bytes its plan predicts; ``tp3``, which
+    asks for attention split over heads, is refused: 3 divides neither 4 nor 2 (nor 1) heads."""
+    tiny_family_model(tmp_path, config_class, LAYOUT_CASES[config_class])
     cfg, graphdef, state = load_hf_model(tmp_path)
     ecfg = EngineConfig(num_slots=8, max_seq_len=64, chunk_size=32)
     prompts = [[3, 17, 99, 42, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
@@ -141,5 +178,12 @@ def test_every_preset_layout_serves_one_devices_greedy_ids(config_class: str, tm
         assert ids == ref_ids, name
         for got, want in zip(logits, ref_logits, strict=True):
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=0, err_msg=name)
-        assert set(runner.weight_bytes_per_device().values()) == {runner.plan.weight_bytes_per_device(cfg, 4)}, name
-        assert runner.plan.attention == ("heads" if layout.model in (1, 2) else "replicated"), name
+        # A tied model on one device gains a packed copy of its head for the native kernel, which
+        # the plan (a layout's) does not predict.
+        head_copy = (
+            4 * cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings and "lm_head" in runner.params else 0
+        )
+        predicted = runner.plan.weight_bytes_per_device(cfg, 4) + head_copy
+        assert set(runner.weight_bytes_per_device().values()) == {predicted}, name
+        split = layout.model == 1 or (layout.model == 2 and cfg.num_kv_heads % 2 == 0)
+        assert runner.plan.attention == ("heads" if split else "replicated"), name

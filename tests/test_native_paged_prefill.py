@@ -35,10 +35,11 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("window_pages", "block"))
-def reference(q, kp, vp, tables, rows, positions, layer, *, window_pages, block):  # type: ignore[no-untyped-def]
+def reference(q, kp, vp, tables, rows, positions, layer, sliding=0, *, window_pages, block):  # type: ignore[no-untyped-def]
     return ragged_paged_attention_blocks(
-        q, kp, vp, tables, rows, positions, window_pages=window_pages, block=block, layer=layer
-    )
+        q, kp, vp, tables, rows, positions, window_pages=window_pages, block=block, layer=layer,
+        sliding_window=sliding,
+    )  # fmt: skip
 
 
 def pool(
@@ -117,17 +118,18 @@ def run_both(
     dtype: jnp.dtype = jnp.float32,
     shuffle: bool = False,
     pad_last: bool = True,
+    window: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(native, reference, rows, positions) for one case; ``lengths`` are the sequences'
-    lengths (each at least the end of its chunks)."""
+    lengths (each at least the end of its chunks); ``window``: a sliding window (0: none)."""
     pages = sum(-(-n // page_size) for n in lengths) + 3  # a few pages stay free
     kp, vp = pool(rng, layers, pages, kv_heads, page_size, head_dim, dtype)
     tables = scattered_tables(rng, lengths, page_size, pages)
     rows, positions = layout(chunks, block, len(lengths), rng, shuffle, pad_last)
     q = jnp.asarray(rng.standard_normal((len(rows), kv_heads, group, head_dim)) * head_dim**-0.5, jnp.float32)
     args = (q, kp, vp, jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(positions), jnp.int32(layer))
-    got = cpu_paged_attention.paged_prefill(*args, block)
-    want = reference(*args, window_pages=tables.shape[1], block=block)
+    got = cpu_paged_attention.paged_prefill(*args, block, jnp.int32(window))
+    want = reference(*args, jnp.int32(window), window_pages=tables.shape[1], block=block)
     return np.asarray(got), np.asarray(want), rows, positions
 
 
@@ -146,6 +148,25 @@ def test_chunks_of_several_sequences_match_xla(page_size: int, block: int) -> No
     padding = padding_of(rows, positions, len(LENGTHS))
     assert padding.any() == (block > 1) and not got[padding].any()
     assert (np.abs(got[~padding]).max(axis=-1) > 0).all()  # every real token's rows were written
+
+
+@pytest.mark.parametrize("window", [1, 7, 12, 30, 64])
+@pytest.mark.parametrize(("page_size", "block", "shuffle"), [(8, 64, True), (16, 16, False), (1, 128, True)])
+def test_a_sliding_window_matches_xla(window: int, page_size: int, block: int, shuffle: bool) -> None:
+    """A local layer's sliding window: every token attends its ``window`` latest positions only.
+    Windows of one position, of less than, about and more than a key block (12 on AVX-512, 6 on
+    AVX2) and a tile of rows, in blocks whose rows span more than the window (so a tile's rows
+    share no key), positions shuffled within blocks."""
+    rng = np.random.default_rng([window, page_size, block])
+    got, want, rows, positions = run_both(
+        rng, page_size=page_size, block=block, chunks=CHUNKS, lengths=LENGTHS, window=window, shuffle=shuffle
+    )
+    assert_close(got, want)
+    padding = padding_of(rows, positions, len(LENGTHS))
+    assert not got[padding].any() and (np.abs(got[~padding]).max(axis=-1) > 0).all()
+    _, whole, _, _ = run_both(np.random.default_rng([window, page_size, block]), page_size=page_size, block=block,
+                              chunks=CHUNKS, lengths=LENGTHS, shuffle=shuffle)  # fmt: skip
+    assert np.abs(want - whole).max() > 1e-2  # the window does cut keys off
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 16), (3, 64), (4, 128), (7, 16), (8, 64), (8, 128)])

@@ -110,14 +110,16 @@ def mixed_step(page_size: int, seed: int = 0) -> Step:
     return Step(ps, num_pages, page_tables, max_pages, dense_k, dense_v, history, seq_of_token, positions, q)
 
 
-def dense_attention(step: Step, dense_k: list[np.ndarray], dense_v: list[np.ndarray]) -> np.ndarray:
-    """[N, K, G, H] float64: token n attends to its sequence's positions 0..positions[n]; padding 0."""
+def dense_attention(step: Step, dense_k: list[np.ndarray], dense_v: list[np.ndarray], window: int = 0) -> np.ndarray:
+    """[N, K, G, H] float64: token n attends to its sequence's positions 0..positions[n] (with a
+    sliding ``window``, only the ``window`` latest of them); padding 0."""
     out = np.zeros(step.q.shape, np.float64)
     for n, (s, p) in enumerate(zip(step.seq_of_token, step.positions, strict=True)):
         if not (0 <= s < len(dense_k) and p >= 0):
             continue
-        k = dense_k[s][: p + 1].astype(np.float64)  # [S, K, H]
-        v = dense_v[s][: p + 1].astype(np.float64)
+        lo = max(0, p + 1 - window) if window else 0
+        k = dense_k[s][lo : p + 1].astype(np.float64)  # [S, K, H]
+        v = dense_v[s][lo : p + 1].astype(np.float64)
         scores = np.einsum("kgh,skh->kgs", step.q[n].astype(np.float64), k)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
@@ -135,12 +137,14 @@ def run_step(
     stacked: bool = False,
     block: int | None = None,
     native: bool = False,
+    window: int = 0,
 ) -> tuple[np.ndarray, jax.Array, jax.Array]:
     """Write the history, then the step's tokens, through ``write_kv`` at ``slot_mapping``'s
     slots; attend (``ragged_paged_attention``, ``ragged_paged_attention_blocks`` with
     ``block``, or with ``native`` the CPU kernel of ``model.native.cpu_paged_attention``). Returns (attention [N, K, G, H], key pages, value pages [P, K, page_size, H]);
     ``stacked``: the pages are layer ``LAYER`` of a stacked array whose other layers are
-    filled with 7s (so reading the wrong layer shows)."""
+    filled with 7s (so reading the wrong layer shows); ``window``: the sliding window (a traced
+    operand, as a scanned layer passes it)."""
     shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)[1:]
     layer = LAYER if stacked else None
     if stacked:
@@ -159,22 +163,26 @@ def run_step(
     seq, pos = jnp.asarray(step.seq_of_token), jnp.asarray(step.positions)
 
     @jax.jit
-    def attend(kp, vp, q, seq, pos):  # type: ignore[no-untyped-def]
+    def attend(kp, vp, q, seq, pos, sw):  # type: ignore[no-untyped-def]
         kp, vp = write_kv(kp, vp, slot_mapping(tables, seq, pos, step.page_size), k_new, v_new, layer)
-        if native:  # the kernel reads stacked pages: one layer is a stack of one
+        if native and block is not None:  # the kernels read stacked pages: one layer is a stack of one
             stack = (kp, vp) if stacked else (kp[None], vp[None])
-            out = cpu_paged_attention.paged_attention(q, *stack, tables, seq, pos, LAYER if stacked else 0)
+            out = cpu_paged_attention.paged_prefill(q, *stack, tables, seq, pos, LAYER if stacked else 0, block, sw)
+        elif native:
+            stack = (kp, vp) if stacked else (kp[None], vp[None])
+            out = cpu_paged_attention.paged_attention(q, *stack, tables, seq, pos, LAYER if stacked else 0, sw)
         elif block is not None:
             out = ragged_paged_attention_blocks(
-                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, block=block, layer=layer
+                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, block=block, layer=layer, sliding_window=sw
             )
         else:
             out = ragged_paged_attention(
-                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, query_block=query_block, layer=layer
-            )
+                q, kp, vp, tables, seq, pos, window_pages=step.window_pages, query_block=query_block, layer=layer,
+                sliding_window=sw,
+            )  # fmt: skip
         return out, kp, vp
 
-    out, kp, vp = attend(kp, vp, jnp.asarray(step.q), seq, pos)
+    out, kp, vp = attend(kp, vp, jnp.asarray(step.q), seq, pos, jnp.int32(window))
     if stacked:
         others = np.delete(np.asarray(kp), LAYER, axis=0)
         assert (others == 7).all()  # the other layers were not written
@@ -378,6 +386,25 @@ def test_sequence_blocks_match_dense_attention(page_size: int, block: int, stack
     np.testing.assert_allclose(out, dense_attention(step, step.dense_k, step.dense_v), rtol=1e-5, atol=1e-5)
     padding = (step.seq_of_token < 0) | (step.seq_of_token >= len(step.dense_k)) | (step.positions < 0)
     assert not out[padding].any()
+
+
+@pytest.mark.parametrize("path", ["xla", "xla-blocks", "native", "native-blocks"])
+@pytest.mark.parametrize("window", [1, 5, 16, 21])
+def test_a_sliding_window_attends_only_its_latest_positions(window: int, path: str) -> None:
+    """A local layer's window (Gemma 3's sliding window, passed traced as the scanned layers pass
+    it): each token attends only its ``window`` latest positions, on XLA's paths and the native
+    kernels, per token and in sequence blocks (5 tokens, not aligned with the 8-position pages).
+    Windows of 1 (the token alone), shorter and longer than a page and than some sequences."""
+    if path.startswith("native") and (jax.devices()[0].platform != "cpu" or not cpu_paged_attention.available()):
+        pytest.skip("native CPU kernels not built")
+    block = 5 if path.endswith("blocks") else None
+    step = mixed_step(8, seed=window)
+    step = in_sequence_blocks(step, block) if block else step
+    out, _, _ = run_step(step, jnp.float32, stacked=True, block=block, native=path.startswith("native"), window=window)
+    want = dense_attention(step, step.dense_k, step.dense_v, window)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    whole = dense_attention(step, step.dense_k, step.dense_v)
+    assert np.abs(want - whole).max() > 1e-2  # the window does cut keys off here
 
 
 def test_a_broken_block_promise_zeroes_only_the_strays() -> None:

@@ -127,17 +127,26 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def attend(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+        self,
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        layer: jax.Array | int,
+        meta: StepMeta,
+        window: jax.Array | int = 0,
     ) -> jax.Array:
         """Softmax attention (Vaswani et al. 2017, §3.2.1; grouped KV heads, Ainslie et al. 2023)
         of the step's N tokens over layer ``layer`` of the stacked pages.
 
         Args:
-            q: [N, K, G, H] queries, already scaled by 1/sqrt(H).
+            q: [N, K, G, H] queries, already scaled (``LlamaConfig.query_scale``).
             k_pages, v_pages: [L, P, K, page_size, H], every real token's own key and value
                 already written (float32 or bfloat16).
             layer: the layer read, an int32 scalar (traced in a scan) or an int.
             meta: the step's ``StepMeta``.
+            window: the layer's sliding window, an int32 scalar (may be traced) or an int: a
+                token at position p attends p - window + 1 .. p only (Beltagy et al. 2020,
+                "Longformer", §3.1, causal); 0 = every position 0 .. p.
 
         Returns:
             [N, K, G, H] float32; zeros for padding tokens.

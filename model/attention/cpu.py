@@ -35,20 +35,28 @@ class NativeCpuAttention(AttentionBackend):
     native: ClassVar[bool] = True
 
     def attend(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+        self,
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        layer: jax.Array | int,
+        meta: StepMeta,
+        window: jax.Array | int = 0,
     ) -> jax.Array:
         D, N = meta.decode_tokens, q.shape[0]
         parts = []
         if D > 0:
             rows, positions = meta.decode_region()
             parts.append(
-                cpu_paged_attention.paged_attention(q[:D], k_pages, v_pages, meta.page_tables, rows, positions, layer)
+                cpu_paged_attention.paged_attention(
+                    q[:D], k_pages, v_pages, meta.page_tables, rows, positions, layer, window
+                )
             )
         if D < N:
             rows, positions = meta.prefill_region()
             parts.append(
                 cpu_paged_attention.paged_prefill(
-                    q[D:], k_pages, v_pages, meta.page_tables, rows, positions, layer, meta.seq_block
+                    q[D:], k_pages, v_pages, meta.page_tables, rows, positions, layer, meta.seq_block, window
                 )
             )
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

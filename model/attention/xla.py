@@ -76,6 +76,7 @@ def ragged_paged_attention(
     window_pages: int,
     query_block: int | None = None,
     layer: jax.Array | int | None = None,
+    sliding_window: jax.Array | int = 0,
 ) -> jax.Array:
     """Softmax attention (Vaswani et al. 2017, §3.2.1; grouped KV heads, Ainslie et al. 2023)
     of N ragged query tokens over one layer's pages.
@@ -99,6 +100,8 @@ def ragged_paged_attention(
             bounds the gathered copy to ``query_block`` windows.
         layer: None, or an int32 scalar in [0, L) (static or traced): the layer of the stacked
             pages that is read.
+        sliding_window: an int32 scalar (static or traced): token n attends only positions
+            above positions[n] - sliding_window; 0 = all of 0 .. positions[n].
 
     Returns:
         [N, K, G, H] float32; zeros for padding tokens.
@@ -126,8 +129,9 @@ def ragged_paged_attention(
     def attend(qb: jax.Array, sb: jax.Array, pb: jax.Array) -> jax.Array:
         # Blocks of one token: each token gathers its own sequence's window.
         return ragged_paged_attention_blocks(
-            qb, k_pages, v_pages, page_tables, sb, pb, window_pages=window_pages, block=1, layer=layer
-        )
+            qb, k_pages, v_pages, page_tables, sb, pb, window_pages=window_pages, block=1, layer=layer,
+            sliding_window=sliding_window,
+        )  # fmt: skip
 
     if query_block is None or query_block >= N:
         return attend(q, seq_of_token, positions)
@@ -154,6 +158,7 @@ def ragged_paged_attention_blocks(
     window_pages: int,
     block: int,
     layer: jax.Array | int | None = None,
+    sliding_window: jax.Array | int = 0,
 ) -> jax.Array:
     """``ragged_paged_attention`` for query tokens that come in blocks of one sequence each
     (prefill chunks): each block of ``block`` consecutive tokens gathers one window, that of
@@ -167,8 +172,8 @@ def ragged_paged_attention_blocks(
     reads another sequence's keys, and never NaN.
 
     Args:
-        q, k_pages, v_pages, page_tables, seq_of_token, positions, window_pages, layer: as for
-            ``ragged_paged_attention``.
+        q, k_pages, v_pages, page_tables, seq_of_token, positions, window_pages, layer,
+            sliding_window: as for ``ragged_paged_attention``.
         block: static, >= 1, tokens per block. 1 is ``ragged_paged_attention`` (each token its
             own window), which runs through here.
 
@@ -205,6 +210,8 @@ def ragged_paged_attention_blocks(
     qt = qb.transpose(0, 2, 3, 1, 4)
     scores = jnp.einsum("bKGqH,bKSH->bKGqS", qt, kw, precision=hi, preferred_element_type=f32)
     mask = member[:, :, None] & (keys_at[None, None, :] <= pb[:, :, None])  # [nb, block, S]
+    lowest = jnp.where(jnp.asarray(sliding_window) > 0, pb - sliding_window, -1)  # keys at or below: out
+    mask &= keys_at[None, None, :] > lowest[:, :, None]
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, NEG_INF), axis=-1)
     out = jnp.einsum("bKGqS,bKSH->bqKGH", probs, vw, precision=hi, preferred_element_type=f32)
     out = jnp.where(member[:, :, None, None, None], out, 0.0)
@@ -219,7 +226,13 @@ class XlaAttention(AttentionBackend):
     name: ClassVar[str] = "XLA gathers and dots"
 
     def attend(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int, meta: StepMeta
+        self,
+        q: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        layer: jax.Array | int,
+        meta: StepMeta,
+        window: jax.Array | int = 0,
     ) -> jax.Array:
         D, N = meta.decode_tokens, q.shape[0]
         parts = []
@@ -228,7 +241,7 @@ class XlaAttention(AttentionBackend):
             parts.append(
                 ragged_paged_attention(
                     q[:D], k_pages, v_pages, meta.page_tables, rows, positions, window_pages=meta.window_pages,
-                    layer=layer,
+                    layer=layer, sliding_window=window,
                 )
             )  # fmt: skip
         if D < N:
@@ -236,7 +249,7 @@ class XlaAttention(AttentionBackend):
             parts.append(
                 ragged_paged_attention_blocks(
                     q[D:], k_pages, v_pages, meta.page_tables, rows, positions, window_pages=meta.window_pages,
-                    block=meta.seq_block, layer=layer,
+                    block=meta.seq_block, layer=layer, sliding_window=window,
                 )
             )  # fmt: skip
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from model.families.family import Family, UnsupportedModelError
+from model.families.gemma3 import GEMMA3
 from model.families.llama import LLAMA
 from model.families.qwen2 import QWEN2
 from model.families.qwen3 import QWEN3
 
 __all__ = ["FAMILIES", "Family", "UnsupportedModelError", "for_gguf", "for_hf"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, GEMMA3)}
 
 
 def for_hf(architectures: Sequence[str]) -> Family:

@@ -30,6 +30,15 @@ class Family:
             interleaved RoPE (``permute`` in llama.cpp's ``convert_hf_to_gguf.py``, done for the
             Llama family only; Qwen's files keep Hugging Face's rotate-half order, llama.cpp's
             NEOX RoPE).
+        sandwich_norms, embed_scale, mlp_activation: as ``LlamaConfig``'s fields of those names
+            (Gemma 3's block, embedding scale and GeGLU MLP).
+        gguf_global_every: in its GGUF files every this-many-th layer (the last of each run)
+            attends globally and the others within ``attention.sliding_window`` (llama.cpp's
+            ``set_swa_pattern``, hard-coded per family since the files do not say); 0: no
+            local layers.
+        rope_local_theta: the RoPE base of its local layers (not in its GGUF files either).
+        hf_norm_offset: its Hugging Face checkpoints store each RMSNorm weight less this (Gemma
+            multiplies by 1 + w), added back when they are read.
         check_hf: raises ``ValueError`` naming a ``config.json`` field that asks for what this
             family's implementation lacks (a feature silently ignored would change the logits).
     """
@@ -40,12 +49,32 @@ class Family:
     qk_norm: bool = False
     gguf: bool = False
     gguf_rope_permuted: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    mlp_activation: str = "silu"
+    gguf_global_every: int = 0
+    rope_local_theta: float = 10000.0
+    hf_norm_offset: float = 0.0
     check_hf: Callable[[Mapping[str, Any]], None] = no_check
 
     def config_fields(self) -> dict[str, Any]:
         """What the family fixes in a ``LlamaConfig``: ``architecture``, ``attention_bias``,
-        ``qk_norm`` (the readers of every format pass these)."""
-        return {"architecture": self.name, "attention_bias": self.attention_bias, "qk_norm": self.qk_norm}
+        ``qk_norm``, ``sandwich_norms``, ``embed_scale``, ``mlp_activation`` (the readers of
+        every format pass these)."""
+        return {
+            "architecture": self.name,
+            "attention_bias": self.attention_bias,
+            "qk_norm": self.qk_norm,
+            "sandwich_norms": self.sandwich_norms,
+            "embed_scale": self.embed_scale,
+            "mlp_activation": self.mlp_activation,
+        }
+
+    def gguf_local_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The local (sliding-window) layers of its GGUF files of ``num_layers`` layers: all
+        but every ``gguf_global_every``-th."""
+        every = self.gguf_global_every
+        return tuple(i for i in range(num_layers) if every and (i + 1) % every) if every else ()
 
     def describe(self) -> str:
         """ "qwen2 (Qwen2ForCausalLM)": its names, for error messages."""

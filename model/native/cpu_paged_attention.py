@@ -54,15 +54,19 @@ def paged_attention(
     rows: jax.Array,
     positions: jax.Array,
     layer: jax.Array | int,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """Softmax attention (Vaswani et al. 2017, §3.2.1; grouped KV heads, Ainslie et al. 2023)
     of N tokens, each on its own, over layer ``layer`` of the stacked pages, by the native
     kernel (call ``available()`` first): token n attends positions 0 .. positions[n] of row
-    rows[n], whose pages are ``page_tables[rows[n]]`` in order (their ids clipped into [0, P)).
+    rows[n], whose pages are ``page_tables[rows[n]]`` in order (their ids clipped into [0, P));
+    with ``window`` > 0 (a local layer's sliding window) only positions[n] - window + 1 ..
+    positions[n], and only their pages are read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
     [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly); page_tables
-    [R, M] int32; rows, positions [N] int32; layer an int32 scalar in [0, L). A token whose row
+    [R, M] int32; rows, positions [N] int32; layer an int32 scalar in [0, L); window an int32
+    scalar >= 0 (may be traced). A token whose row
     is outside [0, R) or whose position is outside [0, M x page_size) is padding: zeros.
     ``supports`` gives the G, head_dim and dtype limits.
 
@@ -83,6 +87,7 @@ def paged_attention(
         rows.astype(i32),
         positions.astype(i32),
         jnp.asarray(layer, i32),
+        jnp.asarray(window, i32),
     )
 
 
@@ -95,6 +100,7 @@ def paged_prefill(
     positions: jax.Array,
     layer: jax.Array | int,
     block: int,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """Softmax attention (Vaswani et al. 2017, §3.2.1; grouped KV heads, Ainslie et al. 2023)
     of N query tokens in blocks of ``block`` consecutive tokens of one sequence each (prefill
@@ -107,13 +113,15 @@ def paged_prefill(
     pages are ``page_tables[rows[n]]`` in order (their ids clipped into [0, P)); positions in a
     block may come in any order. Padding tokens, and real tokens of another sequence than their
     block's (a broken promise), get zeros; so does a real token whose position is at or past
-    M x page_size (beyond its table, which ``ragged_paged_attention_blocks`` forbids).
+    M x page_size (beyond its table, which ``ragged_paged_attention_blocks`` forbids). With
+    ``window`` > 0 (a local layer's sliding window) a token attends only positions[n] - window
+    + 1 .. positions[n], and no key below its block's lowest such position is read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
     [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly); page_tables
     [R, M] int32 with M x page_size <= 2^24; rows, positions [N] int32; layer an int32 scalar
     in [0, L); ``block`` a static Python int >= 1, passed to the kernel as its int64 attribute
-    ``block``. ``supports`` gives the G, head_dim and dtype limits.
+    ``block``; window an int32 scalar >= 0 (may be traced). ``supports`` gives the G, head_dim and dtype limits.
 
     Returns:
         [N, K, G, H] float32, as ``ragged_paged_attention_blocks`` with ``block`` and a window
@@ -137,5 +145,6 @@ def paged_prefill(
         rows.astype(i32),
         positions.astype(i32),
         jnp.asarray(layer, i32),
+        jnp.asarray(window, i32),
         block=np.int64(block),
     )

@@ -1,8 +1,10 @@
 // Attention of ragged query tokens over a paged KV cache, one token at a time (the decode
 // tokens of a ragged step), as an XLA FFI custom call for the CPU.
 //
-// Token n attends positions 0 .. positions[n] of its sequence rows[n], whose keys and values are
-// in the pages page_tables[rows[n], 0 ..] (already written, its own included). XLA:CPU runs this
+// Token n attends positions 0 .. positions[n] of its sequence rows[n] (only the `window` latest,
+// positions[n] - window + 1 .. positions[n], when window > 0: a local layer's sliding window),
+// whose keys and values are in the pages page_tables[rows[n], 0 ..] (already written, its own
+// included). XLA:CPU runs this
 // as per-token gathers of a whole window followed by 2 x N x K tiny batched matmuls ([G, H] x
 // [H, window]), bound by per-product overhead, not by memory; here each (token, KV head) pair is
 // one work item that reads its pages in place, only up to its own position: scores by one
@@ -13,7 +15,8 @@
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
 // page_size, H], both f32 or both bf16 (the stacked pages of every layer); page_tables [R, M]
-// s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read). Result:
+// s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window s32
+// [] (the sliding window, 0 = none). Result:
 // [N, K, G, H] f32, zeros for a padding token (a row outside [0, R), or a position outside
 // [0, M x page_size)). Page ids are clipped into [0, P), as the XLA path clips them. head_dim a
 // multiple of 16 (meshserve::kHeadDimMultiple), 1 <= G <= 8. Built and registered by
@@ -48,6 +51,7 @@ struct Problem {
   const int32_t* rows;
   const int32_t* positions;
   int64_t layer;
+  int64_t window;  // 0: every earlier position
   float* out;
 };
 
@@ -57,22 +61,24 @@ inline float hsum(vf x) {
   return s;
 }
 
-// out[g, h0 .. h0 + kTiles x kLanes) = sum over positions w < len of probs[g, w] x value w,
-// value w being row w % ps of page pages[w / ps] (rows of H entries, `stride` apart per page).
+// out[g, h0 .. h0 + kTiles x kLanes) = sum over positions w in [lo, len) of probs[g, w - w00] x
+// value w, value w being row w % ps of page pages[(w - w00) / ps] (rows of H entries), w00 the
+// first page's first position (lo rounded down to a page).
 template <int G, int kTiles, typename T>
-void values_pass(const float* probs, int64_t W, const T* const* pages, int64_t ps, int64_t len, int64_t H,
-                 int64_t h0, float* out) {
+void values_pass(const float* probs, int64_t W, const T* const* pages, int64_t ps, int64_t lo, int64_t len,
+                 int64_t H, int64_t h0, float* out) {
   vf acc[G][kTiles];
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < kTiles; ++t) acc[g][t] = vf{};
-  for (int64_t w0 = 0, j = 0; w0 < len; w0 += ps, ++j) {
+  const int64_t w00 = lo / ps * ps;
+  for (int64_t w0 = w00, j = 0; w0 < len; w0 += ps, ++j) {
     const T* page = pages[j];
     const int64_t m = std::min(ps, len - w0);
-    for (int64_t o = 0; o < m; ++o) {
+    for (int64_t o = std::max<int64_t>(0, lo - w0); o < m; ++o) {
       vf v[kTiles];
       for (int t = 0; t < kTiles; ++t) v[t] = load(page + o * H + h0 + t * kLanes);
       for (int g = 0; g < G; ++g) {
-        const float pw = probs[g * W + w0 + o];
+        const float pw = probs[g * W + w0 - w00 + o];
         for (int t = 0; t < kTiles; ++t) acc[g][t] += pw * v[t];
       }
     }
@@ -92,12 +98,15 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores, std:
     std::fill(out, out + G * H, 0.0f);
     return;
   }
-  const int64_t len = pos + 1, num_pages = (len + ps - 1) / ps;
-  const int64_t W = num_pages * ps;  // scores per query head, whole pages
+  // Positions [lo, len): all up to its own, or the window's latest. Pages from lo's on.
+  const int64_t len = pos + 1, lo = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;
+  const int64_t first_page = lo / ps, num_pages = (len + ps - 1) / ps - first_page;
+  const int64_t w00 = first_page * ps;  // the first page's first position
+  const int64_t W = num_pages * ps;     // scores per query head, whole pages
   scores.resize(G * W);
   kp.resize(num_pages);
   vp.resize(num_pages);
-  const int32_t* table = p.tables + row * p.M;
+  const int32_t* table = p.tables + row * p.M + first_page;
   const int64_t page_elems = ps * H;  // one (page, KV head)'s keys
   const T* k = static_cast<const T*>(p.k) + p.layer * p.P * p.K * page_elems;
   const T* v = static_cast<const T*>(p.v) + p.layer * p.P * p.K * page_elems;
@@ -108,10 +117,11 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores, std:
   }
   const float* q = p.q + item * G * H;
 
-  // Scores: one dot product over head_dim per (query head, position), keys read once each.
-  for (int64_t w0 = 0, j = 0; w0 < len; w0 += ps, ++j) {
+  // Scores: one dot product over head_dim per (query head, position), keys read once each;
+  // score w - w00 is position w's (those below lo unused).
+  for (int64_t w0 = w00, j = 0; w0 < len; w0 += ps, ++j) {
     const int64_t m = std::min(ps, len - w0);
-    for (int64_t o = 0; o < m; ++o) {
+    for (int64_t o = std::max<int64_t>(0, lo - w0); o < m; ++o) {
       const T* key = kp[j] + o * H;
       vf acc[G];
       for (int g = 0; g < G; ++g) acc[g] = vf{};
@@ -119,17 +129,18 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores, std:
         const vf kv = load(key + h);
         for (int g = 0; g < G; ++g) acc[g] += load(q + g * H + h) * kv;
       }
-      for (int g = 0; g < G; ++g) scores[g * W + w0 + o] = hsum(acc[g]);
+      for (int g = 0; g < G; ++g) scores[g * W + w0 - w00 + o] = hsum(acc[g]);
     }
   }
-  // Softmax over [0, len) per query head; the normaliser is applied to the output.
+  // Softmax over [lo, len) per query head; the normaliser is applied to the output.
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = 1.0f / exp_minus_max(scores.data() + g * W, len);
+  for (int g = 0; g < G; ++g) inv_sum[g] = 1.0f / exp_minus_max(scores.data() + g * W + lo - w00, len - lo);
 
+  const float* probs = scores.data();
   constexpr int t = kValueTiles<G>;
   int64_t h0 = 0;
-  for (; h0 + t * kLanes <= H; h0 += t * kLanes) values_pass<G, t>(scores.data(), W, vp.data(), ps, len, H, h0, out);
-  for (; h0 < H; h0 += kLanes) values_pass<G, 1>(scores.data(), W, vp.data(), ps, len, H, h0, out);
+  for (; h0 + t * kLanes <= H; h0 += t * kLanes) values_pass<G, t>(probs, W, vp.data(), ps, lo, len, H, h0, out);
+  for (; h0 < H; h0 += kLanes) values_pass<G, 1>(probs, W, vp.data(), ps, lo, len, H, h0, out);
   for (int g = 0; g < G; ++g)
     for (int64_t h = 0; h < H; ++h) out[g * H + h] *= inv_sum[g];
 }
@@ -153,7 +164,7 @@ void attend_item(const Problem& p, int64_t item) {
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> rows,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer,
-                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                          ffi::Buffer<ffi::S32> window, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto td = page_tables.dimensions();
@@ -176,8 +187,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (rows.element_count() != static_cast<size_t>(p.N) || positions.element_count() != static_cast<size_t>(p.N))
     return ffi::Error::InvalidArgument("rows and positions must be [N]");
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("layer must be a scalar");
+  if (window.element_count() != 1) return ffi::Error::InvalidArgument("window must be a scalar");
   p.layer = layer.typed_data()[0];
   if (p.layer < 0 || p.layer >= p.L) return ffi::Error::InvalidArgument("layer out of range");
+  p.window = window.typed_data()[0];
+  if (p.window < 0) return ffi::Error::InvalidArgument("window must be >= 0");
   p.q = q.typed_data();
   p.k = k_pages.untyped_data();
   p.v = v_pages.untyped_data();
@@ -207,4 +221,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>());  // attention output

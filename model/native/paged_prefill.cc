@@ -9,7 +9,8 @@
 // 0 .. positions[n] of it, whose keys and values are in the pages page_tables[row, 0 ..] (already
 // written, its own included); page ids are clipped into [0, P). Padding tokens and real tokens of
 // another sequence than their block's (strays: the caller's broken promise) get zeros, so a
-// block never reads another sequence's keys. Scaled dot-product attention, Vaswani et al. 2017,
+// block never reads another sequence's keys. With a sliding window (window > 0, a local
+// layer's), a member attends only positions[n] - window + 1 .. positions[n]. Scaled dot-product attention, Vaswani et al. 2017,
 // section 3.2.1, with grouped KV heads (Ainslie et al. 2023): the G query heads of a KV head
 // share its keys and values.
 //
@@ -33,11 +34,15 @@
 //    head_dim per pass, each value vector read in place from its page (bfloat16 widened on the
 //    fly) and shared by the pass's rows, the probabilities broadcast from the [key][row] scores;
 //    then scales by each row's 1 / sum.
-// Only keys and values of the item's own sequence up to its last row's position are read.
+// Only keys and values of the item's own sequence up to its last row's position are read, and
+// with a sliding window none below its first row's window. A row's range is [lo, len): lo 0, or
+// len - window; a tile's keys run from its first row's lo to its last row's len (both ends
+// grow with the sorted positions), masked per lane outside each row's range.
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
 // page_size, H], both f32 or both bf16 (the stacked pages of every layer); page_tables [R, M]
-// s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); attribute
+// s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window
+// s32 [] (the sliding window, 0 = none); attribute
 // `block` (int64 >= 1, tokens per block). Result: [N, K, G, H] f32. A member whose position is at
 // or past M x page_size (beyond its table; ragged_paged_attention_blocks forbids it) gets zeros,
 // as in the decode kernel (paged_attention.cc). head_dim a multiple of 16
@@ -104,6 +109,7 @@ struct Problem {
   const int32_t* rows;
   const int32_t* positions;
   int64_t layer;
+  int64_t window;  // 0: every earlier position
   float* out;
 };
 
@@ -174,15 +180,17 @@ void pack_keys(const T* const* krow, int64_t n, int64_t H, float* kpack) {
   }
 }
 
-// st[u, i] = sum over h of qt[h, i] x key u [h], for keys u in [0, nblk x kKeys) and rows i in
-// [0, QV x kLanes) (rows of st kTileRows apart); and mx[i] = the largest st[u, i] over u <
-// len[i], the range of row i, taken from the registers as they are stored. Every row's range
-// covers [0, all): only key blocks past it need the per-lane mask.
+// st[u - base, i] = sum over h of qt[h, i] x key u [h], for keys u in [base, base + nblk x
+// kKeys) (kpack: their packed blocks) and rows i in [0, QV x kLanes) (rows of st kTileRows
+// apart); and mx[i] = the largest st[u - base, i] over u in [lo[i], len[i]), the range of row i,
+// taken from the registers as they are stored. Every row's range covers [below, all): only key
+// blocks outside it need the per-lane mask.
 template <int QV>
-void scores_tile(const float* qt, const float* kpack, int64_t H, int64_t nblk, int64_t all, const float* len,
-                 float* st, float* mx) {
-  vf lv[QV], m[QV];
+void scores_tile(const float* qt, const float* kpack, int64_t H, int64_t nblk, int64_t base, int64_t below,
+                 int64_t all, const float* lo, const float* len, float* st, float* mx) {
+  vf lov[QV], lv[QV], m[QV];
   for (int i = 0; i < QV; ++i) {
+    lov[i] = load(lo + i * kLanes);
     lv[i] = load(len + i * kLanes);
     m[i] = vf{} + kNegInf;
   }
@@ -209,16 +217,17 @@ void scores_tile(const float* qt, const float* kpack, int64_t H, int64_t nblk, i
     for (int c = 0; c < kKeys; ++c)
 #pragma GCC unroll 4
       for (int i = 0; i < QV; ++i) store(s + c * kTileRows + i * kLanes, acc[c][i]);
-    if ((b + 1) * kKeys <= all) {
+    const int64_t u0 = base + b * kKeys;
+    if (u0 >= below && u0 + kKeys <= all) {
 #pragma GCC unroll 16
       for (int c = 0; c < kKeys; ++c)
 #pragma GCC unroll 4
         for (int i = 0; i < QV; ++i) m[i] = acc[c][i] > m[i] ? acc[c][i] : m[i];
     } else {
       for (int c = 0; c < kKeys; ++c) {
-        const vf uf = vf{} + static_cast<float>(b * kKeys + c);
+        const vf uf = vf{} + static_cast<float>(u0 + c);
         for (int i = 0; i < QV; ++i) {
-          const vi take = (uf < lv[i]) & (acc[c][i] > m[i]);
+          const vi take = (uf < lv[i]) & (uf >= lov[i]) & (acc[c][i] > m[i]);
           m[i] = take ? acc[c][i] : m[i];
         }
       }
@@ -227,35 +236,40 @@ void scores_tile(const float* qt, const float* kpack, int64_t H, int64_t nblk, i
   for (int i = 0; i < QV; ++i) store(mx + i * kLanes, m[i]);
 }
 
-// In place over st [n][kTileRows]: row i's scores at keys u < len[i] become e^(s - mx[i]),
-// the others 0; inv[i] = 1 / their sum. Every row's range covers [0, all) (all <= n): only keys
-// past it need the per-lane mask.
+// In place over st [u - base][kTileRows] for keys u in [first, n): row i's scores at keys u in
+// [lo[i], len[i]) become e^(s - mx[i]), the others 0; inv[i] = 1 / their sum. Every row's range
+// covers [below, all): only keys outside it need the per-lane mask.
 template <int QV>
-void softmax_tile(float* st, int64_t n, int64_t all, const float* len, const float* mx, float* inv) {
-  vf lv[QV], m[QV], sum[QV];
+void softmax_tile(float* st, int64_t base, int64_t first, int64_t n, int64_t below, int64_t all, const float* lo,
+                  const float* len, const float* mx, float* inv) {
+  vf lov[QV], lv[QV], m[QV], sum[QV];
   for (int i = 0; i < QV; ++i) {
+    lov[i] = load(lo + i * kLanes);
     lv[i] = load(len + i * kLanes);
     m[i] = load(mx + i * kLanes);
     sum[i] = vf{};
   }
-  for (int64_t u = 0; u < all; ++u)
+  const vf out = vf{} - 100.0f;  // e^-100 underflows to 0 in exp_nonpositive
+  auto masked = [&](int64_t u) {
+    const vf uf = vf{} + static_cast<float>(u);
     for (int i = 0; i < QV; ++i) {
-      float* p = st + u * kTileRows + i * kLanes;
+      float* p = st + (u - base) * kTileRows + i * kLanes;
+      const vi in = (uf < lv[i]) & (uf >= lov[i]);
+      const vf e = exp_nonpositive(in ? load(p) - m[i] : out);
+      store(p, e);
+      sum[i] += e;
+    }
+  };
+  const int64_t a = std::max(first, below), z = std::max(a, std::min(n, all));  // [a, z): unmasked
+  for (int64_t u = first; u < a; ++u) masked(u);
+  for (int64_t u = a; u < z; ++u)
+    for (int i = 0; i < QV; ++i) {
+      float* p = st + (u - base) * kTileRows + i * kLanes;
       const vf e = exp_nonpositive(load(p) - m[i]);
       store(p, e);
       sum[i] += e;
     }
-  const vf lo = vf{} - 100.0f;  // e^-100 underflows to 0 in exp_nonpositive
-  for (int64_t u = all; u < n; ++u) {
-    const vf uf = vf{} + static_cast<float>(u);
-    for (int i = 0; i < QV; ++i) {
-      float* p = st + u * kTileRows + i * kLanes;
-      const vi in = uf < lv[i];
-      const vf e = exp_nonpositive(in ? load(p) - m[i] : lo);
-      store(p, e);
-      sum[i] += e;
-    }
-  }
+  for (int64_t u = z; u < n; ++u) masked(u);
   for (int i = 0; i < QV; ++i) {
     const vi some = sum[i] > vf{};
     const vf one = vf{} + 1.0f;
@@ -263,22 +277,22 @@ void softmax_tile(float* st, int64_t n, int64_t all, const float* len, const flo
   }
 }
 
-// out rows os[r] (r < Rn), entries [h0, h0 + T x kLanes) = inv[r] x sum over u < n of
-// probs[u, r] x value u, value u being vrow[u] (H entries); probs rows kTileRows apart.
+// out rows os[r] (r < Rn), entries [h0, h0 + T x kLanes) = inv[r] x sum over u in [first, n) of
+// probs[u - first, r] x value u, value u being vrow[u] (H entries); probs rows kTileRows apart.
 template <int Rn, int T, typename V>
-void values_pass(const float* probs, const V* const* vrow, int64_t n, int64_t h0, const float* inv,
+void values_pass(const float* probs, const V* const* vrow, int64_t first, int64_t n, int64_t h0, const float* inv,
                  float* const* os) {
   vf acc[Rn][T];
 #pragma GCC unroll 8
   for (int r = 0; r < Rn; ++r)
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) acc[r][t] = vf{};
-  for (int64_t u = 0; u < n; ++u) {
+  for (int64_t u = first; u < n; ++u) {
     const V* vr = vrow[u] + h0;
     vf v[T];
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) v[t] = load(vr + t * kLanes);
-    const float* p = probs + u * kTileRows;
+    const float* p = probs + (u - first) * kTileRows;
 #pragma GCC unroll 8
     for (int r = 0; r < Rn; ++r) {
       const float pr = p[r];
@@ -291,20 +305,21 @@ void values_pass(const float* probs, const V* const* vrow, int64_t n, int64_t h0
 }
 
 template <int Rn, typename V>
-void values_rows(const float* probs, const V* const* vrow, int64_t n, int64_t H, const float* inv, float* const* os) {
+void values_rows(const float* probs, const V* const* vrow, int64_t first, int64_t n, int64_t H, const float* inv,
+                 float* const* os) {
   int64_t h0 = 0;
   for (; h0 + kValueVecs * kLanes <= H; h0 += kValueVecs * kLanes)
-    values_pass<Rn, kValueVecs>(probs, vrow, n, h0, inv, os);
-  for (; h0 < H; h0 += kLanes) values_pass<Rn, 1>(probs, vrow, n, h0, inv, os);
+    values_pass<Rn, kValueVecs>(probs, vrow, first, n, h0, inv, os);
+  for (; h0 < H; h0 += kLanes) values_pass<Rn, 1>(probs, vrow, first, n, h0, inv, os);
 }
 
 // values_rows for rn rows, 1 <= rn <= kValueRows, rn known only at run time.
 template <typename V, int Rn = kValueRows>
-void values_some(int rn, const float* probs, const V* const* vrow, int64_t n, int64_t H, const float* inv,
-                 float* const* os) {
+void values_some(int rn, const float* probs, const V* const* vrow, int64_t first, int64_t n, int64_t H,
+                 const float* inv, float* const* os) {
   if constexpr (Rn >= 1) {
-    if (rn == Rn) return values_rows<Rn>(probs, vrow, n, H, inv, os);
-    return values_some<V, Rn - 1>(rn, probs, vrow, n, H, inv, os);
+    if (rn == Rn) return values_rows<Rn>(probs, vrow, first, n, H, inv, os);
+    return values_some<V, Rn - 1>(rn, probs, vrow, first, n, H, inv, os);
   }
 }
 
@@ -338,16 +353,18 @@ void attend_item(const Problem& p, int64_t item, Scratch<T>& s) {
   if (j0 >= j1) return;
   std::sort(s.members.begin(), s.members.end());
   auto len_of = [&](int64_t j) { return static_cast<int64_t>(s.members[j / G].first) + 1; };
+  auto lo_of = [&](int64_t j) { return p.window > 0 ? std::max<int64_t>(0, len_of(j) - p.window) : int64_t{0}; };
 
-  // Rows of the keys and values [0, n) the part reads, from the sequence's pages.
-  const int64_t n = len_of(j1 - 1);
+  // Rows of the keys and values [k0, n) the part reads (k0: its first row's lo, rounded down to
+  // a key block), from the sequence's pages; krow and vrow are indexed by position.
+  const int64_t n = len_of(j1 - 1), b0 = lo_of(j0) / kKeys, k0 = b0 * kKeys;
   const int64_t page_elems = ps * H;
   const T* kbase = static_cast<const T*>(p.k) + p.layer * p.P * p.K * page_elems;
   const T* vbase = static_cast<const T*>(p.v) + p.layer * p.P * p.K * page_elems;
   const int32_t* table = p.tables + seq * p.M;
   s.krow.resize(n);
   s.vrow.resize(n);
-  for (int64_t w0 = 0, pg = 0; w0 < n; w0 += ps, ++pg) {
+  for (int64_t w0 = k0 / ps * ps, pg = k0 / ps; w0 < n; w0 += ps, ++pg) {
     const int64_t page = std::clamp<int64_t>(table[pg], 0, p.P - 1);
     const int64_t at = (page * p.K + kh) * page_elems;
     for (int64_t o = 0; o < ps && w0 + o < n; ++o) {
@@ -355,18 +372,20 @@ void attend_item(const Problem& p, int64_t item, Scratch<T>& s) {
       s.vrow[w0 + o] = vbase + at + o * H;
     }
   }
-  const int64_t nblk = (n + kKeys - 1) / kKeys;
+  const int64_t nblk = (n - k0 + kKeys - 1) / kKeys;  // key blocks b0 .. b0 + nblk, packed from 0
   s.kpack.resize(nblk * kKeys * H);
-  pack_keys(s.krow.data(), n, H, s.kpack.data());
+  pack_keys(s.krow.data() + k0, n - k0, H, s.kpack.data());
   s.qt.resize(H * kTileRows);
   s.st.resize(nblk * kKeys * kTileRows);
 
-  alignas(64) float len[kTileRows], mx[kTileRows], inv[kTileRows];
+  alignas(64) float lo[kTileRows], len[kTileRows], mx[kTileRows], inv[kTileRows];
   float* os[kTileRows];
   for (int64_t t0 = j0; t0 < j1; t0 += kTileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kTileRows, j1 - t0));
     const int64_t nt = len_of(t0 + rows - 1);  // the tile's longest range: its last row's
-    const int64_t all = len_of(t0);            // the range every row covers: its first row's
+    const int64_t all = len_of(t0);            // the range every row covers, [below, all)
+    const int64_t first = lo_of(t0), below = lo_of(t0 + rows - 1);
+    const int64_t tb = first / kKeys, base = tb * kKeys;  // the tile's first key block, its first key
     // The tile's queries, transposed. Filler rows (past the part's last) are zero queries over
     // the tile's longest range: finite scores, never written out.
     for (int i = 0; i < kTileRows; ++i) {
@@ -374,32 +393,38 @@ void attend_item(const Problem& p, int64_t item, Scratch<T>& s) {
         const int64_t j = t0 + i, tok = s.members[j / G].second, g = j % G;
         const float* qr = p.q + ((tok * p.K + kh) * G + g) * H;
         for (int64_t h = 0; h < H; ++h) s.qt[h * kTileRows + i] = qr[h];
+        lo[i] = static_cast<float>(lo_of(j));
         len[i] = static_cast<float>(len_of(j));
         os[i] = out_row(tok, g);
       } else {
         for (int64_t h = 0; h < H; ++h) s.qt[h * kTileRows + i] = 0.0f;
+        lo[i] = static_cast<float>(below);
         len[i] = static_cast<float>(nt);
       }
     }
-    const int64_t tblk = (nt + kKeys - 1) / kKeys;
+    const int64_t tblk = (nt + kKeys - 1) / kKeys - tb;
+    const float* kp = s.kpack.data() + (tb - b0) * kKeys * H;
     if (rows <= kLanes) {
-      scores_tile<1>(s.qt.data(), s.kpack.data(), H, tblk, all, len, s.st.data(), mx);
-      softmax_tile<1>(s.st.data(), nt, all, len, mx, inv);
+      scores_tile<1>(s.qt.data(), kp, H, tblk, base, below, all, lo, len, s.st.data(), mx);
+      softmax_tile<1>(s.st.data(), base, first, nt, below, all, lo, len, mx, inv);
     } else {
-      scores_tile<kQV>(s.qt.data(), s.kpack.data(), H, tblk, all, len, s.st.data(), mx);
-      softmax_tile<kQV>(s.st.data(), nt, all, len, mx, inv);
+      scores_tile<kQV>(s.qt.data(), kp, H, tblk, base, below, all, lo, len, s.st.data(), mx);
+      softmax_tile<kQV>(s.st.data(), base, first, nt, below, all, lo, len, mx, inv);
     }
     for (int r0 = 0; r0 < rows; r0 += kValueRows) {
       const int rn = std::min(kValueRows, rows - r0);
       const int64_t nv = static_cast<int64_t>(len[r0 + rn - 1]);  // the pass's longest range
-      values_some<T>(rn, s.st.data() + r0, s.vrow.data(), nv, H, inv + r0, os + r0);
+      const int64_t fv = static_cast<int64_t>(lo[r0]);             // and its lowest key
+      const float* probs = s.st.data() + (fv - base) * kTileRows + r0;
+      values_some<T>(rn, probs, s.vrow.data(), fv, nv, H, inv + r0, os + r0);
     }
   }
 }
 
 ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                         ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
-                        ffi::Buffer<ffi::S32> layer, int64_t block, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window, int64_t block,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto td = page_tables.dimensions();
@@ -424,6 +449,7 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   if (rows.element_count() != static_cast<size_t>(p.N) || positions.element_count() != static_cast<size_t>(p.N))
     return ffi::Error::InvalidArgument("rows and positions must be [N]");
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("layer must be a scalar");
+  if (window.element_count() != 1) return ffi::Error::InvalidArgument("window must be a scalar");
   if (block < 1) return ffi::Error::InvalidArgument("block must be >= 1");
   if (p.M * p.ps > kMaxPositions) return ffi::Error::InvalidArgument("page tables must reach at most 2^24 positions");
   bool out_ok = od.size() == 4;
@@ -431,6 +457,8 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   if (!out_ok) return ffi::Error::InvalidArgument("the result must be q's shape");
   p.layer = layer.typed_data()[0];
   if (p.layer < 0 || p.layer >= p.L) return ffi::Error::InvalidArgument("layer out of range");
+  p.window = window.typed_data()[0];
+  if (p.window < 0) return ffi::Error::InvalidArgument("window must be >= 0");
   if (p.N == 0 || p.K == 0) return ffi::Error::Success();
   p.q = q.typed_data();
   p.k = k_pages.untyped_data();
@@ -475,5 +503,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshservePagedPrefill, PagedPrefill,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window [] (0: none)
                                   .Attr<int64_t>("block")        // tokens per block
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [N, K, G, H]

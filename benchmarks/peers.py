@@ -935,7 +935,9 @@ def id_agreement(ids: dict[str, list[int]]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", help="GGUF file (default: meshserve's default model, SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument(
+        "--model", help="a model name (meshserve fetch's) or GGUF file (default: SmolLM2-135M-Instruct Q4_1)"
+    )
     p.add_argument(
         "--peers",
         nargs="+",

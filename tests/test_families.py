@@ -27,7 +27,7 @@ from test_hf_llama import ENGINES, PREFILL, hf_logits, our_logits, tiny_family_m
 from model.config import LlamaConfig
 from model.families import FAMILIES, UnsupportedModelError, for_gguf, for_hf
 from model.weights.hf_weights import HFConfigError, config_from_hf
-from model.weights.loader import abstract_llama, load_hf_model
+from model.weights.loader import abstract_llama, load_hf_model, load_model
 from service.engine.config import EngineConfig
 from service.engine.runner import Runner
 from sharding.layouts import Layout, LayoutError, load_layout, preset_names
@@ -92,16 +92,25 @@ def test_a_split_model_axis_gives_the_same_logits(layout: str, tmp_path: Path) -
     np.testing.assert_allclose(got, hf_logits(model3)[PREFILL - 1 :], atol=1e-4, rtol=1e-4)
 
 
-def test_a_converted_qwen3_checkpoint_keeps_its_family(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["qwen3", "gemma3"])
+def test_a_converted_checkpoint_keeps_its_family(case: str, tmp_path: Path) -> None:
+    """``meshserve convert`` of a Qwen3 or Gemma 3 directory: the checkpoint's config is the
+    directory's, what the family adds included (Gemma's local layers, window, RoPE bases and query
+    scalar), and restored it gives the same logits."""
     from model.weights.checkpoint import read_checkpoint_config
     from service.server.cli import main
 
     src = tmp_path / "hf"
-    tiny_family_model(src, "Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32})
+    config_class, extra = FAMILY_CASES[case]
+    model = tiny_family_model(src, config_class, extra)
     write_tokenizer(src)
     assert main(["convert", str(src), str(tmp_path / "ckpt")]) == 0
     cfg, _ = read_checkpoint_config(tmp_path / "ckpt")
-    assert cfg == load_hf_model(src)[0] and cfg.architecture == "qwen3" and cfg.qk_norm
+    assert cfg == load_hf_model(src)[0] and cfg.architecture == case and cfg.qk_norm
+    assert cfg.local_layers == ((0,) if case == "gemma3" else ())
+    restored = load_model(tmp_path / "ckpt")
+    got = our_logits(restored.cfg, restored.graphdef, restored.state)
+    np.testing.assert_allclose(got, hf_logits(model)[PREFILL - 1 :], atol=1e-4, rtol=1e-4)
 
 
 def hf_config(**fields: Any) -> dict[str, Any]:

@@ -207,15 +207,9 @@ def load_gguf_params(
     blocks = _StoredBlocks(reader, progress)
     G = N // K
 
-    names: tuple[str, ...] = ("attn_norm", "mlp_norm")
-    names += () if "wqkv" in keep else ("wq", "wk", "wv")
-    names += () if "wo" in keep else ("wo",)
-    names += () if "w_gate_up" in keep else ("w_gate", "w_up")
-    names += () if "w_down" in keep else ("w_down",)
-    names += ("bq", "bk", "bv") if cfg.attention_bias else ()
-    names += ("q_norm", "k_norm") if cfg.qk_norm else ()
-    names += ("post_attn_norm", "post_mlp_norm") if cfg.sandwich_norms else ()
-    layers: dict[str, list[Any]] = {n: [] for n in names}
+    # Filled in place, layer by layer (each layer fused on its own), so the peak is about one copy
+    # of the float weights, not the three that stacking lists and fusing the stacks took.
+    stacked: dict[str, np.ndarray] = {}
     quantized: dict[str, list[quant_panels.QuantPanels]] = {n: [] for n in keep if n not in ("embed", "lm_head")}
     # Output (k, c, h) of the fused QKV: query head k G + c (c < G), key head k (c = G), value
     # head k (c = G + 1), in the rows of [q; k; v] concatenated, Q and K rows un-permuted.
@@ -225,44 +219,49 @@ def load_gguf_params(
     qkv_rows = np.concatenate([q_rows, N * H + k_rows, N * H + K * H + v_rows], axis=1).reshape(-1)
     for i in range(L):
         b = f"blk.{i}."
-        layers["attn_norm"].append(table.get(b + "attn_norm.weight", (D,)))
-        layers["mlp_norm"].append(table.get(b + "ffn_norm.weight", (D,)))
+        layer: dict[str, np.ndarray] = {}
+        layer["attn_norm"] = table.get(b + "attn_norm.weight", (D,))
+        layer["mlp_norm"] = table.get(b + "ffn_norm.weight", (D,))
         if "wqkv" in keep:
             parts = [(b + "attn_q.weight", N * H), (b + "attn_k.weight", K * H), (b + "attn_v.weight", K * H)]
             quantized["wqkv"].append(blocks.panels(parts, D, (K, G + 2, H), keep["wqkv"], qkv_rows))
         else:
             wq = rope_rows(table.get(b + "attn_q.weight", (N * H, D)), N)
             wk = rope_rows(table.get(b + "attn_k.weight", (K * H, D)), K)
-            layers["wq"].append(wq.T.reshape(D, N, H))
-            layers["wk"].append(wk.T.reshape(D, K, H))
-            layers["wv"].append(table.get(b + "attn_v.weight", (K * H, D)).T.reshape(D, K, H))
+            layer["wq"] = wq.T.reshape(D, N, H)
+            layer["wk"] = wk.T.reshape(D, K, H)
+            layer["wv"] = table.get(b + "attn_v.weight", (K * H, D)).T.reshape(D, K, H)
         if cfg.attention_bias:  # rows as the weights' rows (un-permuted with them)
-            layers["bq"].append(rope_rows(table.get(b + "attn_q.bias", (N * H,)), N).reshape(N, H))
-            layers["bk"].append(rope_rows(table.get(b + "attn_k.bias", (K * H,)), K).reshape(K, H))
-            layers["bv"].append(table.get(b + "attn_v.bias", (K * H,)).reshape(K, H))
+            layer["bq"] = rope_rows(table.get(b + "attn_q.bias", (N * H,)), N).reshape(N, H)
+            layer["bk"] = rope_rows(table.get(b + "attn_k.bias", (K * H,)), K).reshape(K, H)
+            layer["bv"] = table.get(b + "attn_v.bias", (K * H,)).reshape(K, H)
         if cfg.qk_norm:
-            layers["q_norm"].append(table.get(b + "attn_q_norm.weight", (H,)))
-            layers["k_norm"].append(table.get(b + "attn_k_norm.weight", (H,)))
+            layer["q_norm"] = table.get(b + "attn_q_norm.weight", (H,))
+            layer["k_norm"] = table.get(b + "attn_k_norm.weight", (H,))
         if cfg.sandwich_norms:  # Gemma's, stored as the multipliers (convert_hf_to_gguf.py adds its 1)
-            layers["post_attn_norm"].append(table.get(b + "post_attention_norm.weight", (D,)))
-            layers["post_mlp_norm"].append(table.get(b + "post_ffw_norm.weight", (D,)))
+            layer["post_attn_norm"] = table.get(b + "post_attention_norm.weight", (D,))
+            layer["post_mlp_norm"] = table.get(b + "post_ffw_norm.weight", (D,))
         if "wo" in keep:
             quantized["wo"].append(blocks.panels([(b + "attn_output.weight", D)], N * H, (D,), keep["wo"]))
         else:
-            layers["wo"].append(table.get(b + "attn_output.weight", (D, N * H)).T.reshape(N, H, D))
+            layer["wo"] = table.get(b + "attn_output.weight", (D, N * H)).T.reshape(N, H, D)
         if "w_gate_up" in keep:
             parts = [(b + "ffn_gate.weight", F), (b + "ffn_up.weight", F)]
             quantized["w_gate_up"].append(blocks.panels(parts, D, (2, F), keep["w_gate_up"]))
         else:
-            layers["w_gate"].append(table.get(b + "ffn_gate.weight", (F, D)).T)
-            layers["w_up"].append(table.get(b + "ffn_up.weight", (F, D)).T)
+            layer["w_gate"] = table.get(b + "ffn_gate.weight", (F, D)).T
+            layer["w_up"] = table.get(b + "ffn_up.weight", (F, D)).T
         if "w_down" in keep:
             quantized["w_down"].append(blocks.panels([(b + "ffn_down.weight", D)], F, (D,), keep["w_down"]))
         else:
-            layers["w_down"].append(table.get(b + "ffn_down.weight", (D, F)).T)
+            layer["w_down"] = table.get(b + "ffn_down.weight", (D, F)).T
+        for name, array in fuse_projections({n: a[None] for n, a in layer.items()}, K).items():
+            if name not in stacked:
+                stacked[name] = np.empty((L, *array.shape[1:]), dtype)
+            stacked[name][i] = array[0]
+        del layer
 
-    stacked = {n: np.stack(arrs).astype(dtype) for n, arrs in layers.items()}
-    fused = fuse_projections(stacked, K)
+    fused: dict[str, Any] = dict(stacked)
     fused.update({n: quant_panels.stack(qs) for n, qs in quantized.items()})
 
     def table_of(name: str, key: str) -> Any:

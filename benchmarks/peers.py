@@ -90,6 +90,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import importlib
 import importlib.util
 import json
@@ -306,7 +307,8 @@ class MeshserveRunner(Runner):
 
         if self.loop is not None:
             self.loop.stop()
-        self.loop = None  # free the previous pool first
+        self.loop = None  # free the previous pool and placed weights first (cycles hold them: collect)
+        gc.collect()
         length = prompt_len + new_tokens
         ecfg = EngineConfig(
             num_slots=batch,

@@ -155,19 +155,23 @@ def test_unsupported_families_and_features_are_one_line_errors(tmp_path: Path) -
 
 
 LAYOUT_CASES = {
-    "Qwen2Config": {"tie_word_embeddings": False, "head_dim": 16},
-    "Qwen3Config": {"tie_word_embeddings": False, "head_dim": 16},
-    # Gemma 3 270M's heads: 4 query heads on 1 KV head (no split of the heads divides it).
-    "Gemma3TextConfig": GEMMA3 | {"num_key_value_heads": 1},
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "head_dim": 16}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 16}),
+    # The real files' heads, at head_dim 16: Qwen2.5-Coder-0.5B's 14 query heads on 2 KV heads,
+    # the 1.5B's 12 on 2 (tp3 divides 12 but not 2), Gemma 3 270M's 4 on 1.
+    "qwen2-14-2": ("Qwen2Config", {"tie_word_embeddings": False, "hidden_size": 224, "num_attention_heads": 14}),
+    "qwen2-12-2": ("Qwen2Config", {"tie_word_embeddings": False, "hidden_size": 192, "num_attention_heads": 12}),
+    "gemma3-4-1": ("Gemma3TextConfig", GEMMA3 | {"num_key_value_heads": 1}),
 }
 
 
-@pytest.mark.parametrize("config_class", list(LAYOUT_CASES))
-def test_every_preset_layout_serves_one_devices_greedy_ids(config_class: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_every_preset_layout_serves_one_devices_greedy_ids(case: str, tmp_path: Path) -> None:
     """On 8 CPU devices: each preset (and 1x2, where 2 KV heads split) serves the greedy ids and
     last-prompt logits of one device, holding the weight bytes its plan predicts; ``tp3``, which
-    asks for attention split over heads, is refused: 3 divides neither 4 nor 2 (nor 1) heads."""
-    tiny_family_model(tmp_path, config_class, LAYOUT_CASES[config_class])
+    asks for attention split over heads, is refused: 3 does not divide 2 (or 1) KV heads."""
+    config_class, fields = LAYOUT_CASES[case]
+    tiny_family_model(tmp_path, config_class, fields)
     cfg, graphdef, state = load_hf_model(tmp_path)
     ecfg = EngineConfig(num_slots=8, max_seq_len=64, chunk_size=32)
     prompts = [[3, 17, 99, 42, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]

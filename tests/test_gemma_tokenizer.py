@@ -5,16 +5,14 @@ Hugging Face transformers building its tokenizer from the same file
 The fast tests write a tiny gemma3 GGUF (tokenizer metadata only) whose vocabulary exercises each
 rule: control and user-defined tokens, tokens of only spaces, byte fallback, and merges ranked by
 position in the file rather than by score. The ``slow`` ones use the real gemma-3-270m Q4_K_M file
-(262,144 tokens): ``model.weights.fetch`` when it has a ``gemma-3-270m`` entry, else the file in the
-model cache if present, else they are skipped. Building the reference from the real file takes
-about 15 s, most of these tests' time.
+(262,144 tokens), fetched once into the model cache (``meshserve fetch --model gemma-3-270m``).
+Building the reference from the real file takes about 15 s, most of these tests' time.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,10 @@ import pytest
 
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.tokenizer import Tokenizer
+from model.weights.fetch import fetch_model
 
 HF_REASON = "needs transformers (pip install -e '.[hf]')"
 GEMMA_MODEL = "gemma-3-270m"
-GEMMA_FILE = "gemma-3-270m-Q4_K_M.gguf"
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -181,25 +179,9 @@ def test_llama_vocabulary_of_another_architecture_raises(tmp_path: Path) -> None
 # --- the real gemma-3-270m file ---------------------------------------------------------------
 
 
-@cache
-def _gemma_file() -> Path | None:
-    from model.weights import fetch
-
-    if GEMMA_MODEL in fetch.MODELS:
-        try:
-            return fetch.fetch_model(GEMMA_MODEL)
-        except fetch.FetchError:
-            return None
-    path = fetch.cache_dir() / GEMMA_FILE
-    return path if path.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def gemma_file() -> Path:
-    path = _gemma_file()
-    if path is None:
-        pytest.skip(f"the {GEMMA_FILE} file is not in the model cache and could not be fetched")
-    return path
+    return fetch_model(GEMMA_MODEL)  # downloaded once into the model cache
 
 
 @pytest.fixture(scope="module")

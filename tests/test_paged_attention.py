@@ -388,15 +388,21 @@ def test_sequence_blocks_match_dense_attention(page_size: int, block: int, stack
     assert not out[padding].any()
 
 
-@pytest.mark.parametrize("path", ["xla", "xla-blocks", "native", "native-blocks"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "xla",
+        "xla-blocks",
+        pytest.param("native", marks=needs_kernels),
+        pytest.param("native-blocks", marks=needs_kernels),
+    ],
+)
 @pytest.mark.parametrize("window", [1, 5, 16, 21])
 def test_a_sliding_window_attends_only_its_latest_positions(window: int, path: str) -> None:
     """A local layer's window (Gemma 3's sliding window, passed traced as the scanned layers pass
     it): each token attends only its ``window`` latest positions, on XLA's paths and the native
     kernels, per token and in sequence blocks (5 tokens, not aligned with the 8-position pages).
     Windows of 1 (the token alone), shorter and longer than a page and than some sequences."""
-    if path.startswith("native") and (jax.devices()[0].platform != "cpu" or not cpu_paged_attention.available()):
-        pytest.skip("native CPU kernels not built")
     block = 5 if path.endswith("blocks") else None
     step = mixed_step(8, seed=window)
     step = in_sequence_blocks(step, block) if block else step

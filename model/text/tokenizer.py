@@ -64,6 +64,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -190,12 +191,27 @@ def _byte_level_backend(tokens: list[str], token_types: list[int], merges: list[
     )
     backend.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet is a mislabel; transformers skips those too.
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, kind in zip(tokens, token_types, strict=True)
-        if kind == _CONTROL and set(t) <= alphabet
-    ]
-    backend.add_special_tokens(control)
+    _add_file_tokens(backend, tokens, token_types, vocab, control_ok=lambda t: set(t) <= alphabet)
+    return backend
+
+
+def _add_file_tokens(
+    backend: HFTokenizer,
+    tokens: list[str],
+    token_types: list[int],
+    vocab: dict[str, int],
+    control_ok: Callable[[str], bool] = lambda t: True,
+) -> None:
+    """Add a GGUF vocabulary's control tokens (those ``control_ok`` accepts) to ``backend`` as
+    special added tokens, matched whole and dropped by ``decode(skip_special_tokens=True)``, and
+    its user-defined tokens spelled as in ``vocab`` as plain added tokens, matched whole."""
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, token_types, strict=True)
+            if kind == _CONTROL and control_ok(t)
+        ]
+    )
     user = [
         AddedToken(t, normalized=False, special=False)
         for t, kind in zip(tokens, token_types, strict=True)
@@ -203,7 +219,6 @@ def _byte_level_backend(tokens: list[str], token_types: list[int], merges: list[
     ]
     if user:
         backend.add_tokens(user)
-    return backend
 
 
 def _sentencepiece_merges(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -250,22 +265,9 @@ def _gemma_backend(tokens: list[str], token_types: list[int], unk_token: str) ->
     )
     backend.normalizer = normalizers.Replace(" ", _SPACE_MARK)
     backend.decoder = _sentencepiece_decoder()
-    backend.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind in zip(tokens, token_types, strict=True)
-            if kind == _CONTROL
-        ]
-    )
     # A user-defined token of only spaces is in the vocabulary as "▁..." (and reached through the
     # merges), not as its stored spelling, so it is not added; the reference skips it the same way.
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, kind in zip(tokens, token_types, strict=True)
-        if kind == _USER_DEFINED and t in vocab
-    ]
-    if user:
-        backend.add_tokens(user)
+    _add_file_tokens(backend, tokens, token_types, vocab)
     return backend
 
 

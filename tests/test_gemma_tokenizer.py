@@ -48,8 +48,11 @@ CORPUS = [
 ]
 
 
-def _write_gguf(path: Path, tokens: list[str], types: list[int], scores: list[float], arch: str = "gemma3") -> Path:
-    """A GGUF file with only tokenizer metadata, as a Gemma 3 file has it (no merges)."""
+def _write_gguf(
+    path: Path, tokens: list[str], types: list[int], scores: list[float], arch: str = "gemma3", template: str = ""
+) -> Path:
+    """A GGUF file with only tokenizer metadata, as a Gemma 3 file has it (no merges; a chat
+    template if ``template``)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
@@ -65,6 +68,8 @@ def _write_gguf(path: Path, tokens: list[str], types: list[int], scores: list[fl
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
+    if template:
+        writer.add_chat_template(template)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -87,14 +92,35 @@ TINY_TEXTS = [
 ]
 
 
-def tiny_gemma_gguf(path: Path) -> Path:
+def tiny_gemma_gguf(path: Path, template: str = "") -> Path:
     """The tiny Gemma-style vocabulary: control tokens, user-defined ones (two of only spaces),
     the 256 byte tokens, then normal tokens whose scores disagree with their order."""
     tokens = [*TINY_CONTROL, *TINY_USER, *(f"<0x{b:02X}>" for b in range(256)), *TINY_NORMAL]
     types = [3] * len(TINY_CONTROL) + [4] * len(TINY_USER) + [6] * 256 + [1] * len(TINY_NORMAL)
     first = len(tokens) - len(TINY_NORMAL)
     scores = [-1000.0] * first + [(0.0 if t == "bc" else -100.0 - i) for i, t in enumerate(TINY_NORMAL)]
-    return _write_gguf(path, tokens, types, scores)
+    return _write_gguf(path, tokens, types, scores, template=template)
+
+
+# Gemma 3 instruct's template, shortened: it writes the BOS itself.
+GEMMA_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [GEMMA_CHAT, GEMMA_CHAT.removeprefix("{{ bos_token }}")])
+def test_a_chat_prompt_starts_with_one_bos(template: str, tmp_path: Path) -> None:
+    """A file that asks for a BOS and a template that writes one: the served chat prompt holds it
+    once (llama.cpp strips the rendered one, transformers adds none), where plain ``encode`` of
+    the rendered text would hold two; a template without it still gets the file's one."""
+    from service.server.validation import chat_prompt_ids
+
+    tok = Tokenizer.from_gguf(tiny_gemma_gguf(tmp_path / "chat.gguf", template))
+    ids = chat_prompt_ids([("user", "hello")], tok, "messages")
+    assert ids[:2] == [2, 5] and ids.count(2) == 1  # <bos> <start_of_turn>
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert tok.encode(rendered)[:2] == ([2, 2] if template == GEMMA_CHAT else [2, 5])
 
 
 @pytest.fixture

@@ -181,7 +181,7 @@ def chat_prompt_ids(
         raise
     except (jinja2.TemplateError, ValueError) as exc:
         raise InvalidRequest(f"{field}: the model's chat template refused the messages: {exc}") from None
-    return tokenizer.encode(rendered)
+    return tokenizer.encode_chat(rendered)
 
 
 def input_field(req: pb.GenerateRequest) -> str:

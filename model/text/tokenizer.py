@@ -600,9 +600,9 @@ class Tokenizer:
         template that writes the BOS itself (``{{ bos_token }}``: Gemma's, Llama's) gets no second
         one prepended, as llama.cpp strips it from the rendered text (``common_chat_templates_apply``)
         and transformers adds none to a rendered chat."""
-        ids = self._backend.encode_batch([rendered], add_special_tokens=False)[0].ids
-        if self._add_bos and self._bos_id is not None and ids[:1] != [self._bos_id]:
-            ids.insert(0, self._bos_id)
+        ids = self.encode(rendered)
+        if self._add_bos and self._bos_id is not None and ids[:2] == [self._bos_id, self._bos_id]:
+            del ids[0]  # the one encode prepended; the template's own stays
         return ids
 
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:

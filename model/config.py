@@ -135,11 +135,6 @@ class LlamaConfig:
         -0.5, or H ** -0.5 (Vaswani et al. 2017, §3.2.1)."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def layer_window(self, layer: int) -> int:
-        """The sliding window of layer ``layer``: ``sliding_window`` for a local layer, else 0
-        (every earlier position)."""
-        return self.sliding_window if layer in self.local_layers else 0
-
     @property
     def dims(self) -> tuple[int, int, int, int, int, int, int]:
         """(L, D, N, K, H, F, V): layers, hidden, query heads, KV heads, head dim, MLP width,

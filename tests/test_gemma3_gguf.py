@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_qwen2_gguf import CORPUS, HF_REASON, hf_logits, step_logits
+from test_qwen2_gguf import CORPUS, hf_from_gguf, hf_logits, step_logits
 
 from model.weights.fetch import fetch_model
 from model.weights.loader import LoadedModel, abstract_llama, load_model
@@ -38,14 +38,7 @@ def ours(gemma_file: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf(gemma_file: Path) -> tuple[Any, Any]:
-    for module in ("torch", "transformers", "accelerate"):
-        pytest.importorskip(module, reason=HF_REASON)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name)
-    model = AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name, dtype=torch.float32)
-    return tok, model.eval()
+    return hf_from_gguf(gemma_file)
 
 
 def test_the_config_is_gemma3s(ours: LoadedModel) -> None:

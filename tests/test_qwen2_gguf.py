@@ -50,13 +50,19 @@ def ours(qwen_file: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def hf(qwen_file: Path) -> tuple[Any, Any]:
+    return hf_from_gguf(qwen_file)
+
+
+def hf_from_gguf(path: Path) -> tuple[Any, Any]:
+    """transformers' tokenizer and float32 model (eval mode) built from the GGUF at ``path``;
+    skips, saying why, without torch, transformers and accelerate."""
     for module in ("torch", "transformers", "accelerate"):
         pytest.importorskip(module, reason=HF_REASON)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(qwen_file.parent, gguf_file=qwen_file.name)
-    model = AutoModelForCausalLM.from_pretrained(qwen_file.parent, gguf_file=qwen_file.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return tok, model.eval()
 
 

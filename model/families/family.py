@@ -74,7 +74,7 @@ class Family:
         """The local (sliding-window) layers of its GGUF files of ``num_layers`` layers: all
         but every ``gguf_global_every``-th."""
         every = self.gguf_global_every
-        return tuple(i for i in range(num_layers) if every and (i + 1) % every) if every else ()
+        return tuple(i for i in range(num_layers) if (i + 1) % every) if every else ()
 
     def describe(self) -> str:
         """ "qwen2 (Qwen2ForCausalLM)": its names, for error messages."""

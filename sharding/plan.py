@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 from flax import nnx
@@ -188,9 +189,10 @@ def param_bytes_per_device(
         axes: its logical axes (``model.llama``'s ``logical_axes``).
         shape: its float shape ([L, D, K, G + 2, H] for "layers/wqkv").
         storage: an int: a float array of that itemsize (bytes per element); or a block format
-            ("q8_0", "q4_0", "q4_1"): the parameter held as ``QuantPanels`` of that format
-            (``model.weights.block_params.abstract_panels``: int8/uint8 codes and float16 scales, plus
-            float16 minimums for Q4_1; 34, 18 and 20 bytes per 32 weights), split as
+            (``model.weights.quant_panels.FORMATS``): the parameter held as ``QuantPanels`` of that
+            format (``model.weights.block_params.abstract_panels``: int8/uint8 codes and float16
+            scales, plus float16 minimums for Q4_1, 34, 18 and 20 bytes per 32 weights; or a record
+            format's uint8 records), split as
             ``sharding.rules.quant_shardings`` splits them (panels over the outputs' first axis,
             blocks over the inputs' first axis, where it is the only split one and divides; else
             replicated).
@@ -208,10 +210,12 @@ def param_bytes_per_device(
     if isinstance(storage, str):
         panels = block_params.abstract_panels(path, shape, storage)
         shardings = quant_shardings(axes, panels, mesh, rules)
-        arrays = [(panels.codes, shardings.codes), (panels.scales, shardings.scales)]
-        if panels.mins is not None:  # Q4_1's minimums, split as the scales
-            arrays.append((panels.mins, shardings.mins))
-        return sum((_shard_bytes(tuple(a.shape), a.dtype.itemsize, s) for a, s in arrays), 0)
+        pairs: tuple[tuple[Any, Any], ...] = (
+            (panels.codes, shardings.codes),
+            (panels.scales, shardings.scales),  # None for the record formats
+            (panels.mins, shardings.mins),  # Q4_1's minimums, split as the scales
+        )
+        return sum((_shard_bytes(tuple(a.shape), a.dtype.itemsize, s) for a, s in pairs if a is not None), 0)
     sharding = NamedSharding(mesh, spec_for(axes, shape, rules, mesh, f"parameter {path}"))
     return _shard_bytes(shape, storage, sharding)
 

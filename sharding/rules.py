@@ -80,7 +80,12 @@ def quant_shardings(axes: tuple[str, ...], value: QuantPanels, mesh: Mesh | Abst
     head = (None,) * len(lead)
     codes = NamedSharding(mesh, P(*head, panel, block, None, None))
     scales = NamedSharding(mesh, P(*head, panel, block, None))
-    return dataclasses.replace(value, codes=codes, scales=scales, mins=None if value.mins is None else scales)  # type: ignore[arg-type]
+    return dataclasses.replace(
+        value,
+        codes=codes,
+        scales=None if value.scales is None else scales,  # the record formats have none
+        mins=None if value.mins is None else scales,
+    )  # type: ignore[arg-type]
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:

@@ -255,9 +255,9 @@ def test_a_truncated_or_mislabelled_block_checkpoint_is_named(q41_checkpoint: Pa
     (relabelled / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"layers/w_down/(codes|mins)"):
         load_model(relabelled, stored=True)
-    config["blocks"]["layers/w_down"] = "q5_k"
+    config["blocks"]["layers/w_down"] = "q2_k"
     (relabelled / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"'blocks' gives 'layers/w_down' the format 'q5_k'"):
+    with pytest.raises(CheckpointError, match=r"'blocks' gives 'layers/w_down' the format 'q2_k'"):
         load_model(relabelled, stored=True)
     config["blocks"]["layers/w_down"] = "q4_1"
     config["format_version"] = 1  # version 1 readers would take the block arrays for floats

@@ -1,5 +1,5 @@
 """The native matmul over GGUF-quantized weights (``model.native.quant_matmul``) against float64 products
-of the dequantized weights, for Q8_0, Q4_0 and Q4_1, both of the kernel's paths, odd shapes and
+of the dequantized weights, for Q8_0, Q4_0 and Q4_1 (the record formats: tests/test_record_matmul.py), both of the kernel's paths, odd shapes and
 batch sizes, stacked weights with a traced layer index (jit and lax.scan), and its errors."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from model import native
 from model.native import quant_matmul
 from model.weights import quant_panels
-from model.weights.quant_panels import BLOCK_BYTES, FORMATS, GGML_TYPES, QuantPanels
+from model.weights.quant_panels import BLOCK_BYTES, GGML_TYPES, QuantPanels
+from model.weights.quant_panels import BLOCK_FORMATS as FORMATS
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the native kernels are not built here (not x86-64, or no compiler)"

@@ -49,6 +49,13 @@ def ours(qwen_file: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
+def ours_stored(qwen_file: Path) -> LoadedModel:
+    """The same file with its blocks kept as stored (Q5_0, Q6_K records; Q8_0 holding the
+    attention's Q5_0/Q8_0 mix), as the engine serves it on one CPU device."""
+    return load_model(qwen_file, stored=True)
+
+
+@pytest.fixture(scope="module")
 def hf(qwen_file: Path) -> tuple[Any, Any]:
     return hf_from_gguf(qwen_file)
 
@@ -108,8 +115,12 @@ def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["dequantized", "stored"])
 @pytest.mark.parametrize("length", [20, 640])
-def test_logits_and_greedy_ids_equal_transformers(length: int, ours: LoadedModel, hf: tuple[Any, Any]) -> None:
+def test_logits_and_greedy_ids_equal_transformers(
+    length: int, stored: bool, request: pytest.FixtureRequest, hf: tuple[Any, Any]
+) -> None:
+    ours: LoadedModel = request.getfixturevalue("ours_stored" if stored else "ours")
     tok, model = hf
     text = " ".join(CORPUS) * 8
     ids = tok.encode(text, add_special_tokens=False)[:length]

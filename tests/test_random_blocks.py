@@ -40,7 +40,7 @@ def test_the_blocks_are_laid_out_as_quantize_params_lays_them_out(fmt: str) -> N
 
 def test_an_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown block format"):
-        random_block_llama(LlamaConfig.tiny(), fmt="q5_k")
+        random_block_llama(LlamaConfig.tiny(), fmt="q2_k")
 
 
 def test_the_sweep_times_int8_blocks() -> None:

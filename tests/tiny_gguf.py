@@ -44,6 +44,33 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, [f"{a} {b}" for a, b in MERGES]
 
 
+RANDOM_ONLY = ("q5_0", "q4_k", "q5_k", "q6_k")  # types written as random blocks
+
+
+def random_rows(
+    rng: np.random.Generator, fmt: str, n: int, k: int, wide: bool = False, spread: float = 0.0
+) -> np.ndarray:
+    """GGUF rows uint8 [n, k / unit * bytes] of ``fmt`` (one of ``RANDOM_ONLY``) with random
+    bits, the float16 fields (d, dmin) random finite values: normal ones (|d| ~ 1e-3, or sized
+    so the weights' spread is about ``spread``), or with ``wide`` any finite float16 bit pattern
+    (subnormals, zeros, both signs, up to 65504)."""
+    from model.weights.record_panels import RECORD_FORMATS, SOURCE_BYTES
+
+    halves = {"q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[fmt]  # float16 fields
+    code_spread = {"q5_0": 9.2, "q4_k": 4.6 * 18, "q5_k": 9.2 * 18, "q6_k": 18.5 * 74}[fmt]  # std of q (x sc)
+    ku, size = k // RECORD_FORMATS[fmt].unit, SOURCE_BYTES[fmt]
+    raw = rng.integers(0, 256, (n, ku, size), dtype=np.uint8)
+    for at in halves:
+        if wide:
+            bits = rng.integers(0, 1 << 16, (n, ku), dtype=np.uint16)
+            bits[(bits & 0x7C00) == 0x7C00] ^= 0x4000  # no infinities or NaNs
+            half = bits.view(np.float16)
+        else:
+            half = (rng.standard_normal((n, ku)) * (spread / code_spread if spread else 1e-3)).astype(np.float16)
+        raw[..., at : at + 2] = half[..., None].view(np.uint8)
+    return raw.reshape(n, ku * size)
+
+
 def write_tiny_llama_gguf(
     path: str | Path,
     *,
@@ -59,9 +86,11 @@ def write_tiny_llama_gguf(
     """Write the tiny model to ``path`` and return it (head dim = hidden_size // num_heads).
 
     ``quantize``: a ``gguf.GGMLQuantizationType`` name ("Q8_0", "Q4_0", "Q4_1") for every
-    layer matmul tensor, or a mapping from tensor names without the ``blk.{i}.`` prefix
-    ("attn_q.weight", ...) to type names for some of them (``gguf.quants.quantize`` of the same
-    random float32 values); the rest stay float32."""
+    layer matmul tensor, or a mapping from tensor names, with or without the ``blk.{i}.``
+    prefix ("blk.1.ffn_down.weight", "attn_q.weight", ...), to type names for some of them
+    (``gguf.quants.quantize`` of the same random float32 values; for the types gguf cannot
+    quantize to, Q5_0 and the K-quants, ``random_rows`` of the tensor's shape and about its
+    spread); the rest stay float32."""
     import gguf
 
     path = Path(path)
@@ -96,11 +125,15 @@ def write_tiny_llama_gguf(
     types = {f"{m}.weight": quantize for m in matmuls} if isinstance(quantize, str) else dict(quantize or {})
 
     def add(name: str, array: np.ndarray) -> None:
-        kind = types.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
+        kind = types.get(name, types.get(name.split(".", 2)[-1] if name.startswith("blk.") else name))
         if kind is None:
             writer.add_tensor(name, array)
             return
         qtype = gguf.GGMLQuantizationType[kind]
+        if kind.lower() in RANDOM_ONLY:  # gguf cannot quantize to these: random blocks of the shape
+            raw = random_rows(rng, kind.lower(), array.shape[0], array.shape[1], spread=float(array.std()))
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            return
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 
     def w(*shape: int, scale: float = 0.1) -> np.ndarray:

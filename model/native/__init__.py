@@ -3,7 +3,7 @@
 One shared library: attention over the paged KV cache (``model.native.cpu_paged_attention``: decode
 tokens one at a time, and prefill chunks a block of tokens of one sequence at a time), the
 weight matmuls over float32 panels (``model.native.cpu_matmul``) and over GGUF-quantized weights kept as
-stored (``model.native.quant_matmul``: Q8_0, Q4_0, Q4_1, one target each), and greedy decoding's argmax
+stored (``model.native.quant_matmul``: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, one target each), and greedy decoding's argmax
 (``model.native.cpu_argmax``). The library is compiled on first use with the machine's C++ compiler
 (``g++``, or ``$CXX``) against the FFI headers of the installed jaxlib, for the target
 ``-march=$MESHSERVE_NATIVE_MARCH`` (``march()``; default ``native``, this CPU), into
@@ -48,6 +48,10 @@ QUANT_MATMUL = {  # QuantPanels.format -> FFI target of the quantized-weight mat
     "q8_0": "meshserve_quant_matmul_q8_0",
     "q4_0": "meshserve_quant_matmul_q4_0",
     "q4_1": "meshserve_quant_matmul_q4_1",
+    "q5_0": "meshserve_quant_matmul_q5_0",
+    "q4_k": "meshserve_quant_matmul_q4_k",
+    "q5_k": "meshserve_quant_matmul_q5_k",
+    "q6_k": "meshserve_quant_matmul_q6_k",
 }
 TARGETS = {  # -> exported symbol
     PANEL_MATMUL: "MeshservePanelMatmul",
@@ -57,6 +61,10 @@ TARGETS = {  # -> exported symbol
     QUANT_MATMUL["q8_0"]: "MeshserveQuantMatmulQ8_0",
     QUANT_MATMUL["q4_0"]: "MeshserveQuantMatmulQ4_0",
     QUANT_MATMUL["q4_1"]: "MeshserveQuantMatmulQ4_1",
+    QUANT_MATMUL["q5_0"]: "MeshserveQuantMatmulQ5_0",
+    QUANT_MATMUL["q4_k"]: "MeshserveQuantMatmulQ4_K",
+    QUANT_MATMUL["q5_k"]: "MeshserveQuantMatmulQ5_K",
+    QUANT_MATMUL["q6_k"]: "MeshserveQuantMatmulQ6_K",
 }
 MARCH_ENV = "MESHSERVE_NATIVE_MARCH"  # the build target's -march value; default "native"
 SUPPORTED_MACHINES = ("x86_64", "AMD64")  # platform.machine() values the kernels are built for

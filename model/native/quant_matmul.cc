@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] @ W[K, N] over GGUF-quantized weights kept as stored (Q8_0, Q4_0, Q4_1),
+// y[M, N] = x[M, K] @ W[K, N] over GGUF-quantized weights kept as stored (Q8_0, Q4_0, Q4_1; and
+// the record formats Q5_0, Q4_K, Q5_K, Q6_K, in their own section below),
 // dequantized on the fly, as XLA FFI custom calls for the CPU.
 //
 // The weights are model/weights/quant_panels.py's QuantPanels: codes [L, P, Kb, B, 32] (P = N/32
@@ -485,6 +486,240 @@ ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return run<Format::kQ4_1>(pool, x, codes.typed_data(), codes.dimensions(), scales, &mins, layer, y, path);
 }
 
+
+// ---- record formats (Q5_0, Q4_K, Q5_K, Q6_K) ------------------------------------------------
+//
+// model/weights/record_panels.py's records: codes [L, P, Ku, R, 32] uint8, one record of R rows
+// of 32 bytes per unit (U = 1 or 8 blocks of 32 weights) and 32 columns: 16 U rows of nibbles
+// (byte j of block b: weight j low, j + 16 high), the codes' high bits (4 U rows of 1 bit: row
+// i bit t for weight 4t + i; or 8 U rows of 2 bits: row i bits 2t for weight 8t + i), the int8
+// scales (one or two rows per block: weights 0-15, 16-31), the uint8 minimums (one row per
+// block), then d and dmin as 32 float16 each (two rows each). Weight value: D_h (q - offset) -
+// M with D_h = d sc_h and M = dmin m, both exact in float32, as gguf.quants.dequantize has it.
+// The direct path keeps a block's sums of x q for its two halves apart (their scales differ in
+// Q6_K) and applies D_h once per block, M through the row sums of x; the dequantized path
+// writes D_h (q - offset) - M into the scratch panel (bit for bit gguf's values: D_h q is exact
+// where M is not zero, and M is zero where it is not).
+
+struct RecordFormat {
+  int blocks, high_bits, halves;
+  bool mins;
+  int offset;
+  constexpr int high_rows() const { return high_bits == 0 ? 0 : high_bits == 1 ? 4 : 8; }
+  constexpr int sc_row() const { return 16 * blocks + high_rows() * blocks; }
+  constexpr int m_row() const { return sc_row() + halves * blocks; }
+  constexpr int d_row() const { return m_row() + (mins ? blocks : 0); }
+  constexpr int rows() const { return d_row() + (mins ? 4 : 2); }
+  constexpr int unit() const { return blocks * kPanel; }
+};
+constexpr RecordFormat kQ5_0{1, 1, 0, false, 16};
+constexpr RecordFormat kQ4_K{8, 0, 1, true, 0};
+constexpr RecordFormat kQ5_K{8, 1, 1, true, 0};
+constexpr RecordFormat kQ6_K{8, 2, 2, true, 32};
+
+// Rows per direct tile: two sums (the halves) of R x kPanelVectors each, a panel row's codes and
+// the broadcast value in the registers: 7 on AVX-512, 1 on AVX2 and SSE2.
+constexpr int kRecordRows =
+    std::max(1, (meshserve::kVectorRegisters - kBroadcastRegs - 2 * kPanelVectors) / (2 * kPanelVectors));
+static_assert(kRecordRows <= kDirectRows, "x is packed by pack_rows<kDirectRows>");
+
+inline vi widen_u8(const uint8_t* row, int c) { return widen<Format::kQ4_0>(row, c); }
+inline vi widen_s8(const uint8_t* row, int c) { return widen<Format::kQ8_0>(row, c); }
+
+// Codes of row j (0..15) of block b of a record, column vector c: weights j (lo) and j + 16 (hi),
+// less the offset.
+template <const RecordFormat& F>
+inline void record_codes(const uint8_t* rec, int b, int j, int c, vi& lo, vi& hi) {
+  const vi v = widen_u8(rec + (16 * b + j) * kPanel, c);
+  lo = v & 0x0f;
+  hi = v >> 4;
+  if constexpr (F.high_bits == 1) {
+    const vi h = widen_u8(rec + (16 * F.blocks + 4 * b + j % 4) * kPanel, c);
+    lo |= ((h >> (j / 4)) & 1) << 4;
+    hi |= ((h >> (j / 4 + 4)) & 1) << 4;
+  } else if constexpr (F.high_bits == 2) {
+    const vi h = widen_u8(rec + (16 * F.blocks + 8 * b + j % 8) * kPanel, c);
+    const int s = 2 * (j / 8);
+    lo |= ((h >> s) & 3) << 4;
+    hi |= ((h >> (s + 4)) & 3) << 4;
+  }
+  if constexpr (F.offset != 0) {
+    lo -= F.offset;
+    hi -= F.offset;
+  }
+}
+
+// Block b's scales of its two halves (D_0, D_1) and its minimum M, column vector c.
+template <const RecordFormat& F>
+inline void record_scales(const uint8_t* rec, int b, int c, vf& d0, vf& d1, vf& m) {
+  const vf d = load_half(reinterpret_cast<const uint16_t*>(rec + F.d_row() * kPanel) + c * kLanes);
+  if constexpr (F.halves == 0) {
+    d0 = d1 = d;
+  } else {
+    d0 = d * __builtin_convertvector(widen_s8(rec + (F.sc_row() + F.halves * b) * kPanel, c), vf);
+    d1 = F.halves == 2 ? d * __builtin_convertvector(widen_s8(rec + (F.sc_row() + 2 * b + 1) * kPanel, c), vf) : d0;
+  }
+  if constexpr (F.mins) {
+    const vf dmin = load_half(reinterpret_cast<const uint16_t*>(rec + (F.d_row() + 2) * kPanel) + c * kLanes);
+    m = dmin * __builtin_convertvector(widen_u8(rec + (F.m_row() + b) * kPanel, c), vf);
+  } else {
+    m = vf{};
+  }
+}
+
+// y[0:R, 0:32] = x[0:R, :] @ panel p. xt: the rows packed as [K, R]; xs: their sums per block
+// [K/32, R] (formats with minimums); codes: the matrix's records.
+template <const RecordFormat& F, int R>
+void record_tile(const float* xt, const float* xs, const uint8_t* codes, int64_t K, int64_t p, float* y, int64_t N) {
+  constexpr int64_t bytes = static_cast<int64_t>(F.rows()) * kPanel;
+  const int64_t Ku = K / F.unit();
+  const uint8_t* rec = codes + p * Ku * bytes;
+  vf total[R][kPanelVectors];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) total[r][c] = vf{};
+  for (int64_t u = 0; u < Ku; ++u, rec += bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(rec + kAheadBytes + l, 0, 3);
+    for (int b = 0; b < F.blocks; ++b) {
+      const int64_t blk = u * F.blocks + b;
+      const float* xb = xt + blk * kPanel * R;
+      vf s0[R][kPanelVectors], s1[R][kPanelVectors];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kPanelVectors; ++c) s0[r][c] = s1[r][c] = vf{};
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < kPanelVectors; ++c) {
+          vi lo, hi;
+          record_codes<F>(rec, b, j, c, lo, hi);
+          const vf ql = __builtin_convertvector(lo, vf), qh = __builtin_convertvector(hi, vf);
+          for (int r = 0; r < R; ++r) s0[r][c] += xb[j * R + r] * ql;
+          for (int r = 0; r < R; ++r) s1[r][c] += xb[(j + 16) * R + r] * qh;
+        }
+      for (int c = 0; c < kPanelVectors; ++c) {
+        vf d0, d1, m;
+        record_scales<F>(rec, b, c, d0, d1, m);
+        for (int r = 0; r < R; ++r) {
+          total[r][c] += d0 * s0[r][c] + d1 * s1[r][c];
+          if constexpr (F.mins) total[r][c] -= xs[blk * R + r] * m;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, total[r][c]);
+}
+
+template <const RecordFormat& F, int R = kRecordRows>
+void record_rows(int rows, const float* xt, const float* xs, const uint8_t* codes, int64_t K, int64_t p, float* y,
+                 int64_t N) {
+  if constexpr (R >= 1) {
+    if (rows == R) return record_tile<F, R>(xt, xs, codes, K, p, y, N);
+    return record_rows<F, R - 1>(rows, xt, xs, codes, K, p, y, N);
+  }
+}
+
+// Panel p dequantized into out [K, 32]: exactly the values gguf.quants.dequantize gives.
+template <const RecordFormat& F>
+void dequantize_record_panel(const uint8_t* codes, int64_t K, int64_t p, float* out) {
+  constexpr int64_t bytes = static_cast<int64_t>(F.rows()) * kPanel;
+  const int64_t Ku = K / F.unit();
+  const uint8_t* rec = codes + p * Ku * bytes;
+  for (int64_t u = 0; u < Ku; ++u, rec += bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(rec + kAheadBytes + l, 0, 3);
+    for (int b = 0; b < F.blocks; ++b, out += kPanel * kPanel) {
+      vf d0[kPanelVectors], d1[kPanelVectors], m[kPanelVectors];
+      for (int c = 0; c < kPanelVectors; ++c) record_scales<F>(rec, b, c, d0[c], d1[c], m[c]);
+      for (int j = 0; j < 16; ++j)
+        for (int c = 0; c < kPanelVectors; ++c) {
+          vi lo, hi;
+          record_codes<F>(rec, b, j, c, lo, hi);
+          // Not contracted into FMAs (-std=c++17): each product rounded, then the minimum.
+          const vf a = d0[c] * __builtin_convertvector(lo, vf), h = d1[c] * __builtin_convertvector(hi, vf);
+          store(out + j * kPanel + c * kLanes, F.mins ? a - m[c] : a);
+          store(out + (j + 16) * kPanel + c * kLanes, F.mins ? h - m[c] : h);
+        }
+    }
+  }
+}
+
+template <const RecordFormat& F>
+void record_matmul(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, int64_t K, int64_t P, float* y,
+                   int64_t M, bool direct) {
+  const int64_t N = P * kPanel, Kb = K / kPanel;
+  const int tile_rows = direct ? kRecordRows : kMaxRows;
+  const bool sums = direct && F.mins;
+  const int64_t tiles = (M + tile_rows - 1) / tile_rows;
+  std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
+  std::unique_ptr<float[]> xs(sums ? new float[static_cast<size_t>(M * Kb)] : nullptr);
+  meshserve::ParallelFor(pool, tiles, [&](int64_t t) {
+    const int64_t m = t * tile_rows;
+    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, M - m));
+    float* s = sums ? xs.get() + m * Kb : nullptr;
+    if (direct)
+      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
+    else
+      pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
+  });
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
+  meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
+    const int64_t p0 = i * per_item, p1 = std::min(P, p0 + per_item);
+    if (direct) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t m = 0; m < M; m += kRecordRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRecordRows, M - m));
+          record_rows<F>(rows, xp.get() + m * K, sums ? xs.get() + m * Kb : nullptr, codes, K, p,
+                         y + m * N + p * kPanel, N);
+        }
+      return;
+    }
+    std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(K * kPanel + 16)]);  // every used element written
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t{63});
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize_record_panel<F>(codes, K, p, panel);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        meshserve::panel::tile_rows<false>(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
+      }
+    }
+  });
+}
+
+template <const RecordFormat& F>
+ffi::Error run_records(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& codes,
+                       ffi::Buffer<ffi::S32>& layer, ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t path) {
+  if (layer.dimensions().size() != 0) return ffi::Error::InvalidArgument("quant_matmul: layer must be a scalar");
+  if (path < 0 || path > 2) return ffi::Error::InvalidArgument("quant_matmul: path must be 0 (auto), 1 or 2");
+  const auto xd = x.dimensions(), cd = codes.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
+  if (cd.size() != 5 || cd[3] != F.rows() || cd[4] != kPanel)
+    return ffi::Error::InvalidArgument("quant_matmul: records must be [L, P, Ku, R, 32] with the format's R");
+  const int64_t L = cd[0], P = cd[1], Ku = cd[2], K = Ku * F.unit();
+  if (xd[1] != K) return ffi::Error::InvalidArgument("quant_matmul: x's K differs from the records' units");
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != P * kPanel)
+    return ffi::Error::InvalidArgument("quant_matmul: y must be [M, 32 * P]");
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("quant_matmul: layer index outside [0, L)");
+  const int64_t M = xd[0];
+  if (M == 0 || P == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(y->typed_data(), y->typed_data() + M * P * kPanel, 0.0f);
+    return ffi::Error::Success();
+  }
+  const uint8_t* base = codes.typed_data() + static_cast<int64_t>(l) * P * Ku * F.rows() * kPanel;
+  const bool direct = path == 0 ? M <= kDirectMaxM : path == 1;
+  record_matmul<F>(pool, x.typed_data(), base, K, P, y->typed_data(), M, direct);
+  return ffi::Error::Success();
+}
+
+#define MESHSERVE_RECORD_HANDLER(NAME, FMT)                                                                  \
+  ffi::Error NAME(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,                 \
+                  ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t path) {         \
+    return run_records<FMT>(pool, x, codes, layer, y, path);                                                 \
+  }
+MESHSERVE_RECORD_HANDLER(Q5_0, kQ5_0)
+MESHSERVE_RECORD_HANDLER(Q4_K, kQ4_K)
+MESHSERVE_RECORD_HANDLER(Q5_K, kQ5_K)
+MESHSERVE_RECORD_HANDLER(Q6_K, kQ6_K)
+
 }  // namespace
 
 // Operands: x [M, K] f32; codes [L, P, Kb, B, 32]; scales (and Q4_1's mins) [L, P, Kb, 32] f16;
@@ -518,3 +753,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveQuantMatmulQ4_1, Q4_1,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("path"));
+
+// Record formats: x [M, K] f32; codes [L, P, Ku, R, 32] u8; layer []; attribute path; y [M, N].
+#define MESHSERVE_RECORD_SYMBOL(SYMBOL, NAME)                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, NAME,                     \
+                                ffi::Ffi::Bind()                  \
+                                    .Ctx<ffi::ThreadPool>()       \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::U8>>()  \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<int64_t>("path"));
+MESHSERVE_RECORD_SYMBOL(MeshserveQuantMatmulQ5_0, Q5_0)
+MESHSERVE_RECORD_SYMBOL(MeshserveQuantMatmulQ4_K, Q4_K)
+MESHSERVE_RECORD_SYMBOL(MeshserveQuantMatmulQ5_K, Q5_K)
+MESHSERVE_RECORD_SYMBOL(MeshserveQuantMatmulQ6_K, Q6_K)

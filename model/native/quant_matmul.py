@@ -1,4 +1,5 @@
-"""x @ W over GGUF-quantized weights kept as stored (``QuantPanels``: Q8_0, Q4_0, Q4_1), as a
+"""x @ W over GGUF-quantized weights kept as stored (``QuantPanels``: Q8_0, Q4_0, Q4_1, and the
+record formats Q5_0, Q4_K, Q5_K, Q6_K), as a
 native XLA:CPU custom call that dequantizes on the fly (``native/quant_matmul.cc``).
 
 A decode step's matmuls stream their weights from memory; Q4_1 panels hold 0.625 bytes per
@@ -33,7 +34,8 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
     Args:
         x: [M, K] (cast to float32).
         w: ``QuantPanels`` of W [K, N]: codes [P, Kb, B, 32] (one matrix, ``layer`` None) or
-            [L, P, Kb, B, 32] (stacked, ``layer`` given), scales (and Q4_1's mins) float16.
+            [L, P, Kb, B, 32] (stacked, ``layer`` given), scales (and Q4_1's mins) float16; or
+            a record format's records [(L,) P, Ku, R, 32] uint8 alone.
         layer: None for one matrix; for stacked panels an int32 scalar in [0, L), which may be
             traced (under jit or in a ``lax.scan`` body): matrix ``layer`` of the stack, read in
             place. None takes ``w.layer`` (``model.kernels.with_stacked`` sets it).
@@ -61,7 +63,8 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
     if codes.ndim == 4:
         if layer is not None:
             raise ValueError("layer is for stacked QuantPanels (codes [L, P, Kb, B, 32]); these hold one matrix")
-        codes, scales = codes[None], scales[None]  # L = 1: a reshape, no copy
+        codes = codes[None]  # L = 1: a reshape, no copy
+        scales = None if scales is None else scales[None]
         mins = None if mins is None else mins[None]
         layer = 0
     elif codes.ndim == 5:
@@ -72,7 +75,7 @@ def matmul(x: jax.Array, w: QuantPanels, layer: jax.Array | int | None = None, *
     m = x.shape[0]
     n = codes.shape[1] * BLOCK
     call = jax.ffi.ffi_call(native.QUANT_MATMUL[w.format], jax.ShapeDtypeStruct((m, n), jnp.float32))
-    operands = [x.astype(jnp.float32), codes, scales, *([] if mins is None else [mins])]
+    operands = [x.astype(jnp.float32), codes, *(a for a in (scales, mins) if a is not None)]
     y = call(*operands, jnp.asarray(layer, jnp.int32), path=PATHS[path])
     return y.reshape(m, *w.out_shape)
 

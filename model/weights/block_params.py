@@ -32,6 +32,7 @@ import numpy as np
 
 from model.weights import quant_panels
 from model.weights.quant_panels import BLOCK, QuantPanels
+from model.weights.record_panels import RECORD_FORMATS
 
 # Per stacked layer parameter: how many of its axes (after the layer axis) are inputs.
 INPUT_AXES = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
@@ -110,7 +111,8 @@ def layout(path: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tup
 def abstract_panels(path: str, shape: tuple[int, ...], fmt: str) -> QuantPanels:
     """``QuantPanels`` of ``jax.ShapeDtypeStruct`` that parameter ``path`` of float ``shape``
     holds in block format ``fmt`` (``model.weights.quant_panels`` module docstring: codes
-    [*lead, N/32, K/32, B, 32], scales and Q4_1's mins [*lead, N/32, K/32, 32] float16).
+    [*lead, N/32, K/32, B, 32], scales and Q4_1's mins [*lead, N/32, K/32, 32] float16; a record
+    format's records [*lead, N/32, K/unit, R, 32] uint8 alone).
 
     Raises:
         ValueError: see ``layout``; ``fmt`` is unknown, or K or N is not whole 32-blocks.
@@ -121,6 +123,12 @@ def abstract_panels(path: str, shape: tuple[int, ...], fmt: str) -> QuantPanels:
     n = math.prod(out_shape)
     if k % BLOCK or n % BLOCK:
         raise ValueError(f"{path}: [{k}, {n}] is not whole blocks of {BLOCK}")
+    if fmt in RECORD_FORMATS:  # one uint8 record per unit and 32 columns
+        spec = RECORD_FORMATS[fmt]
+        if k % spec.unit:
+            raise ValueError(f"{path}: {k} inputs are not whole {fmt} blocks of {spec.unit}")
+        codes = jax.ShapeDtypeStruct((*lead, n // BLOCK, k // spec.unit, spec.rows, BLOCK), np.uint8)
+        return QuantPanels(codes, None, None, out_shape, fmt)
     p, kb = n // BLOCK, k // BLOCK
     codes = jax.ShapeDtypeStruct(
         (*lead, p, kb, 32 if fmt == "q8_0" else 16, BLOCK), np.int8 if fmt == "q8_0" else np.uint8

@@ -18,7 +18,7 @@ from flax import nnx
 
 from model.config import LlamaConfig
 from model.llama import Llama
-from model.weights import block_params
+from model.weights import block_params, quant_panels
 from model.weights.quant_panels import QuantPanels
 
 
@@ -46,8 +46,11 @@ def random_block_llama(
     would make (``abstract_panels``); a weight whose widths are not whole 32-blocks stays float.
 
     Raises:
-        ValueError: ``fmt`` is not a block format (``model.weights.quant_panels.FORMATS``).
+        ValueError: ``fmt`` is not one of ``model.weights.quant_panels.BLOCK_FORMATS`` (the
+            record formats are not made at random here).
     """
+    if fmt not in quant_panels.BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}: expected one of {', '.join(quant_panels.BLOCK_FORMATS)}")
     _, state = abstract_llama(cfg, dtype)
     key = jax.random.key(seed)
     counter = itertools.count()
@@ -68,6 +71,7 @@ def random_block_llama(
         codes = jax.random.bits(k, abstract.codes.shape, jnp.uint8)
         if abstract.codes.dtype == np.int8:
             codes = jax.lax.bitcast_convert_type(codes, jnp.int8)
+        assert abstract.scales is not None  # a block format's
         scale = jnp.full(abstract.scales.shape, 0.02 / spread[fmt], jnp.float16)
         mins = None if abstract.mins is None else jnp.full(abstract.mins.shape, -7.5 * 0.02 / spread[fmt], jnp.float16)
         return QuantPanels(codes, scale, mins, abstract.out_shape, fmt)

@@ -421,7 +421,7 @@ def _with_blocks(restored: dict[str, Any], like: dict[str, Any]) -> dict[str, An
     for key, value in like.items():
         if isinstance(value, QuantPanels):
             got = restored[key]
-            out[key] = dataclasses.replace(value, codes=got["codes"], scales=got["scales"], mins=got.get("mins"))
+            out[key] = dataclasses.replace(value, codes=got["codes"], scales=got.get("scales"), mins=got.get("mins"))
         elif isinstance(value, dict):
             out[key] = _with_blocks(restored[key], value)
         else:

@@ -23,7 +23,7 @@ import numpy as np
 from model.config import LlamaConfig
 from model.families import FAMILIES
 from model.llama import fuse_projections
-from model.weights import quant_panels
+from model.weights import quant_panels, record_panels
 from model.weights.gguf_file import GGUFMetadataError, open_gguf
 
 
@@ -67,39 +67,47 @@ class _TensorTable:
 
 class _StoredBlocks:
     """The matmul weights of a GGUF as ``QuantPanels`` of their stored bytes, where every tensor
-    a parameter is made of (in every layer) has one of the formats kept as stored."""
+    a parameter is made of (in every layer) has a format kept as stored, or formats one of them
+    holds exactly (``held_as``)."""
 
     def __init__(self, reader: gguf.GGUFReader, progress: Callable[[str], None] | None):
         self._tensors = {t.name: t for t in reader.tensors}
         self._progress = progress
 
     def format(self, names: list[str]) -> str | None:
-        """The one stored format of all ``names``, or None (a missing tensor, mixed or other types,
-        or widths that are not whole 32-weight blocks and 32-column panels)."""
+        """The format all ``names`` are held in together (``held_as``), or None (a missing
+        tensor, types no format holds together, or widths that are not whole blocks and
+        32-column panels)."""
         tensors = [self._tensors.get(n) for n in names]
         present = [t for t in tensors if t is not None]
         formats = {quant_panels.format_of(t.tensor_type) for t in present}
-        if len(present) < len(names) or len(formats) != 1 or None in formats:
+        if len(present) < len(names) or None in formats:
             return None
         # ggml's shape is [inputs, rows]: both whole blocks / panels of 32
         if any(int(d) % quant_panels.BLOCK for t in present for d in t.shape[:2]):
             return None
-        return formats.pop()
+        return held_as(formats)  # type: ignore[arg-type]
 
-    def raw(self, name: str, rows: int, k: int, fmt: str) -> np.ndarray:
-        """Tensor ``name``'s bytes as [rows, K/32 * bytes per block] uint8, checked.
+    def raw(self, name: str, rows: int, k: int) -> tuple[np.ndarray, str]:
+        """Tensor ``name``'s bytes as [rows, bytes per row] uint8, checked, and its format.
 
         Raises:
             WeightError: the tensor is not [rows, K] or its bytes are not ``rows`` rows of K
-                weights in ``fmt``.
+                weights in its type.
         """
         t = self._tensors[name]
+        fmt = quant_panels.format_of(t.tensor_type)
+        assert fmt is not None  # format() chose this tensor's parameter
         if tuple(int(d) for d in t.shape[:2]) != (k, rows):  # ggml's order: [inputs, rows]
             raise WeightError(
                 f"GGUF tensor {name!r} has shape {tuple(int(d) for d in t.shape)[::-1]}, expected {(rows, k)}"
             )
         data = np.asarray(t.data)
-        want = (rows, k // quant_panels.BLOCK * quant_panels.BLOCK_BYTES[fmt])
+        if fmt in record_panels.RECORD_FORMATS:
+            unit = record_panels.RECORD_FORMATS[fmt].unit
+            want = (rows, k // unit * record_panels.SOURCE_BYTES[fmt])
+        else:
+            want = (rows, k // quant_panels.BLOCK * quant_panels.BLOCK_BYTES[fmt])
         if data.dtype != np.uint8 or data.size != want[0] * want[1]:
             raise WeightError(
                 f"GGUF tensor {name!r} ({fmt}) holds {data.nbytes} bytes, expected {want[0] * want[1]} "
@@ -107,29 +115,55 @@ class _StoredBlocks:
             )
         if self._progress is not None:
             self._progress(name)
-        return data.reshape(want)
+        return data.reshape(want), fmt
 
     def panels(
         self, parts: list[tuple[str, int]], k: int, out_shape: tuple[int, ...], fmt: str, rows: np.ndarray | None = None
     ) -> quant_panels.QuantPanels:
-        """``QuantPanels`` of tensors ``parts`` ((name, rows) each) concatenated row-wise, output n
-        being concatenated row ``rows[n]`` (None: in order).
+        """``QuantPanels`` in format ``fmt`` of tensors ``parts`` ((name, rows) each)
+        concatenated row-wise, output n being concatenated row ``rows[n]`` (None: in order).
 
         Raises:
             WeightError: a tensor's bytes do not match its shape (``raw``), or its blocks are
                 unreadable.
         """
-        raw = np.concatenate([self.raw(name, n, k, fmt) for name, n in parts])
+        names = [n for n, _ in parts]
         try:
-            return quant_panels.pack_rows(raw, fmt, k, out_shape, rows)
+            if fmt in record_panels.RECORD_FORMATS:
+                codes = [
+                    record_panels.convert(record_panels.decode(raw, src, k), fmt)
+                    for raw, src in (self.raw(name, n, k) for name, n in parts)
+                ]
+                return quant_panels.pack_records(record_panels.concatenate(codes), out_shape, rows)
+            raws = [
+                raw if src == fmt else quant_panels.as_q8_0(raw, src, k)
+                for raw, src in (self.raw(name, n, k) for name, n in parts)
+            ]
+            return quant_panels.pack_rows(np.concatenate(raws), fmt, k, out_shape, rows)
         except ValueError as e:
-            raise WeightError(f"GGUF tensors {[n for n, _ in parts]}: {e}") from e
+            if isinstance(e, WeightError):
+                raise
+            raise WeightError(f"GGUF tensors {names}: {e}") from e
+
+
+def held_as(formats: set[str]) -> str | None:
+    """The one stored format that holds tensors of all ``formats`` exactly, or None: a format
+    alone is itself; Q4_0 and Q5_0 with Q8_0 are Q8_0 (their d (q - offset) is a Q8_0 value);
+    the K-quants together as ``record_panels.union_format`` says (Q4_K_M files mix Q4_K and
+    Q6_K in attn_v and ffn_down)."""
+    if len(formats) == 1:
+        return next(iter(formats))
+    if formats <= {"q8_0", "q4_0", "q5_0"}:
+        return "q8_0"
+    if formats <= set(record_panels.RECORD_FORMATS):
+        return record_panels.union_format(formats)
+    return None
 
 
 def stored_matmuls(source: str | Path | gguf.GGUFReader, cfg: LlamaConfig) -> dict[str, str]:
     """Which matmul parameters of a GGUF ``load_gguf_params(stored=True)`` keeps as stored
     blocks, and in which format: {"wqkv": "q4_1", "embed": "q8_0", ...}; the ones absent are
-    dequantized (another type, or mixed types across their tensors or layers)."""
+    dequantized (another type, or types no one format holds together: ``held_as``)."""
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     blocks = _StoredBlocks(reader, None)
     out = {}
@@ -171,8 +205,8 @@ def load_gguf_params(
     stored: bool = False,
 ) -> dict[str, Any]:
     """Every weight of a GGUF as the nested dict of ``Llama``'s state: dequantized, or,
-    with ``stored``, the matmul weights whose tensors are Q8_0, Q4_0 or Q4_1 kept as their
-    stored blocks (``model.weights.quant_panels.QuantPanels``; ``stored_matmuls`` says which).
+    with ``stored``, the matmul weights whose tensors are Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K
+    or Q6_K kept as their stored blocks (``model.weights.quant_panels.QuantPanels``; ``stored_matmuls`` says which).
 
     Args:
         source: a GGUF path or open reader.

@@ -1,4 +1,6 @@
-"""GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1) kept as stored, re-laid out once in column panels.
+"""GGUF's quantized matmul weights kept as stored, re-laid out once in column panels: the
+32-weight blocks (Q8_0, Q4_0, Q4_1) here, the K-quants and Q5_0 as byte records
+(``model.weights.record_panels``).
 
 A weight matrix W [K, N] (x @ W: K contracted, N outputs) comes from a GGUF tensor stored as N
 rows of K weights, each row cut into K/32 blocks of 32 consecutive weights with one float16
@@ -27,6 +29,9 @@ kernel streams 32 columns' blocks together and XLA's dequantization is a reshape
 
 ``lead`` is empty for one matrix or (L,) for the stacked layers of the scanned model. The bytes
 equal the GGUF tensor's: Q4_1 20 per 32 weights, Q4_0 18, Q8_0 34.
+
+The record formats (Q5_0, Q4_K, Q5_K, Q6_K) hold everything in the codes, [*lead, P, Ku, R, 32]
+uint8 (``record_panels`` module docstring), with no scales or mins arrays.
 """
 
 from __future__ import annotations
@@ -40,9 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.weights import record_panels
+from model.weights.record_panels import RECORD_FORMATS
+
 BLOCK = 32  # weights per GGUF block, and columns per panel
-FORMATS = ("q8_0", "q4_0", "q4_1")
-GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3}  # gguf.GGMLQuantizationType values
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")  # codes, scales (and mins) arrays
+FORMATS = (*BLOCK_FORMATS, *RECORD_FORMATS)  # every format held as stored
+GGML_TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3} | {f.name: f.ggml_type for f in RECORD_FORMATS.values()}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # bytes of one stored block
 
 
@@ -59,7 +68,7 @@ class QuantPanels:
     reads that matrix in place (``model.kernels.with_stacked`` sets it)."""
 
     codes: Any  # jax.Array, or host numpy before placement (likewise below)
-    scales: Any
+    scales: Any | None  # None for the record formats
     mins: Any | None
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     format: str = dataclasses.field(default="q4_1", metadata={"static": True})
@@ -69,7 +78,8 @@ class QuantPanels:
     @property
     def k(self) -> int:
         """Contracted size K (inputs)."""
-        return int(self.codes.shape[-3]) * BLOCK
+        unit = RECORD_FORMATS[self.format].unit if self.format in RECORD_FORMATS else BLOCK
+        return int(self.codes.shape[-3]) * unit
 
     @property
     def n(self) -> int:
@@ -89,7 +99,7 @@ class QuantPanels:
 
 def format_of(ggml_type: int) -> str | None:
     """The ``QuantPanels`` format of a ``gguf.GGMLQuantizationType`` value, or None when the
-    type is not one kept as stored (F32, F16, the K-quants, ...)."""
+    type is not one kept as stored (F32, F16, Q2_K, IQ4_XS, ...)."""
     return {v: k for k, v in GGML_TYPES.items()}.get(int(ggml_type))
 
 
@@ -108,8 +118,8 @@ def split_blocks(raw: np.ndarray, fmt: str, k: int) -> tuple[np.ndarray, np.ndar
     Raises:
         ValueError: ``fmt`` is unknown, K is not a multiple of 32, or ``raw`` has the wrong size.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown block format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}: expected one of {', '.join(BLOCK_FORMATS)}")
     if k % BLOCK:
         raise ValueError(f"a {fmt} row of {k} weights is not whole 32-weight blocks")
     kb, size = k // BLOCK, BLOCK_BYTES[fmt]
@@ -123,6 +133,25 @@ def split_blocks(raw: np.ndarray, fmt: str, k: int) -> tuple[np.ndarray, np.ndar
     if fmt == "q4_0":
         return blocks[..., 2:].copy(), scales, None
     return blocks[..., 4:].copy(), scales, blocks[..., 2:4].copy().view(np.float16)[..., 0]
+
+
+def as_q8_0(raw: np.ndarray, fmt: str, k: int) -> np.ndarray:
+    """Q4_0 or Q5_0 rows (uint8 [N, K/32 * bytes per block]) as Q8_0 rows [N, K/32 * 34] of the
+    same values: d (q - offset), the codes less their offset fitting int8.
+
+    Raises:
+        ValueError: ``fmt`` is neither, or ``raw`` is not N rows of K weights in it.
+    """
+    if fmt == "q4_0":
+        nibbles, d, _ = split_blocks(raw, fmt, k)
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.int8) - np.int8(8)
+    elif fmt == "q5_0":
+        codes = record_panels.decode(raw, fmt, k)
+        q, d = (codes.q.astype(np.int8) - np.int8(16)).reshape(raw.shape[0], k // BLOCK, BLOCK), codes.d
+    else:
+        raise ValueError(f"{fmt} blocks are not held as q8_0")
+    scale = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(*d.shape, 2)
+    return np.concatenate([scale, q.view(np.uint8)], axis=-1).reshape(raw.shape[0], -1)
 
 
 def pack_rows(
@@ -159,6 +188,19 @@ def pack_rows(
     return QuantPanels(panel_codes, per_column(scales), per_column(mins), tuple(int(d) for d in out_shape), fmt)
 
 
+def pack_records(codes: record_panels.Codes, out_shape: Sequence[int], rows: np.ndarray | None = None) -> QuantPanels:
+    """A record format's ``QuantPanels`` (host numpy) of ``codes`` (``record_panels.decode``d
+    and ``convert``-ed to one format), output n being row ``rows[n]`` (None: in order).
+
+    Raises:
+        ValueError: the rows are not the outputs ``out_shape`` in panels of 32.
+    """
+    n = math.prod(out_shape)
+    if n != (codes.q.shape[0] if rows is None else len(rows)):
+        raise ValueError(f"{codes.q.shape[0]} rows cannot be outputs {tuple(out_shape)}")
+    return QuantPanels(record_panels.pack(codes, rows), None, None, tuple(int(d) for d in out_shape), codes.fmt)
+
+
 def stack(panels: Sequence[QuantPanels]) -> QuantPanels:
     """Several matrices of one format and shape as one with a leading layer axis (host numpy)."""
     first = panels[0]
@@ -166,16 +208,18 @@ def stack(panels: Sequence[QuantPanels]) -> QuantPanels:
         (q.format, q.out_shape, q.codes.shape) != (first.format, first.out_shape, first.codes.shape) for q in panels
     ):
         raise ValueError("stacked QuantPanels must share format and shape")
-    mins = None if first.mins is None else np.stack([np.asarray(q.mins) for q in panels])
-    return QuantPanels(
-        np.stack([q.codes for q in panels]), np.stack([q.scales for q in panels]), mins, first.out_shape, first.format
-    )
+
+    def stacked(name: str) -> np.ndarray | None:
+        return None if getattr(first, name) is None else np.stack([np.asarray(getattr(q, name)) for q in panels])
+
+    return QuantPanels(stacked("codes"), stacked("scales"), stacked("mins"), first.out_shape, first.format)
 
 
 def layer(w: QuantPanels, i: jax.Array | int) -> QuantPanels:
     """Matrix ``i`` of stacked panels (a slice of each array)."""
+    scales = None if w.scales is None else w.scales[i]
     mins = None if w.mins is None else w.mins[i]
-    return dataclasses.replace(w, codes=w.codes[i], scales=w.scales[i], mins=mins, layer=None)
+    return dataclasses.replace(w, codes=w.codes[i], scales=scales, mins=mins, layer=None)
 
 
 def codes_as_float(codes: jax.Array, fmt: str) -> jax.Array:
@@ -191,6 +235,13 @@ def codes_as_float(codes: jax.Array, fmt: str) -> jax.Array:
 def dequantize(w: QuantPanels) -> jax.Array:
     """W [*lead, K, N] float32 with exactly the values ``gguf.quants.dequantize`` gives (module
     docstring), in XLA (any backend; traceable)."""
+    if w.format in RECORD_FORMATS:
+        values = record_panels.dequantize(w.codes, w.format)  # [*lead, P, K, 32]
+        lead, p = values.shape[:-3], values.shape[-3]
+        nd = len(lead)
+        order = (*range(nd), nd + 1, nd, nd + 2)  # -> [*lead, K, P, 32]
+        return values.transpose(order).reshape(*lead, w.k, p * BLOCK)
+    assert w.scales is not None  # a block format's
     q = codes_as_float(w.codes, w.format)  # [*lead, P, Kb, 32 (k), 32 (c)]
     values = q * w.scales.astype(jnp.float32)[..., None, :]
     if w.mins is not None:
@@ -206,6 +257,10 @@ def dequantize_rows(w: QuantPanels, rows: jax.Array) -> jax.Array:
     """Columns ``rows`` of W as vectors: [..., K] float32 for int ``rows`` [...] in [0, N) (an
     embedding table's lookup, with W [D, V] the transposed table). ``w`` has no lead axes."""
     p, c = rows // BLOCK, rows % BLOCK
+    if w.format in RECORD_FORMATS:  # a record's float16 rows are not per column: whole panels
+        values = record_panels.dequantize(w.codes[p], w.format)  # [..., K, 32]
+        return jnp.take_along_axis(values, c[..., None, None], axis=-1)[..., 0]
+    assert w.scales is not None  # a block format's
     codes = w.codes[p, :, :, c]  # [..., Kb, B]
     q = codes_as_float(codes[..., None], w.format)[..., 0]  # [..., Kb, 32]
     values = q * w.scales[p, :, c].astype(jnp.float32)[..., None]

@@ -26,7 +26,8 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   so every round prefills every prompt again. Its TTFT includes the loop's scheduling;
 * ``hf``: Hugging Face transformers on CPU torch, ``from_pretrained(dir, gguf_file=...)``
   dequantized to float32, sdpa attention, ``generate`` with the rows as one batch;
-* ``llamacpp``: llama-cpp-python on the same GGUF (Q4_1 as shipped) and on F32 and F16 GGUFs made
+* ``llamacpp``: llama-cpp-python on the same GGUF as shipped ("llama.cpp GGUF blocks": the default
+  model's Q4_1, a Q4_K_M file's mix) and on F32 and F16 GGUFs made
   from it with llama.cpp's own ``llama_model_quantize`` (LLAMA_FTYPE_ALL_F32, MOSTLY_F16); one
   sequence per row in one batch (``n_seq_max`` = B, ``n_batch`` 512), greedy argmax on the logits
   (``--python llamacpp=PATH`` runs it from another virtual environment);
@@ -36,8 +37,8 @@ timestamped (vLLM) still gets decode = N-token run - 1-token run. Engines:
   and matmuls and a bfloat16 KV cache (``EngineConfig.kv_dtype``): half the bytes each decode
   step's attention reads. llama.cpp's contexts keep their KV cache in float16 by default
   (``type_k``, ``type_v``), so its rows here, F32 included, are 16-bit-KV rows too;
-* ``meshserve-stored`` (only when named in ``--peers``): the same engine over the GGUF's Q4_1 and
-  Q8_0 blocks as stored (``load_model(stored=True)``: what ``serve`` holds for the default
+* ``meshserve-stored`` (only when named in ``--peers``): the same engine over the GGUF's blocks
+  (Q4_1 and Q8_0; a Q4_K_M file's Q4_K, Q6_K, Q5_0 and Q8_0) as stored (``load_model(stored=True)``: what ``serve`` holds for the default
   model on one CPU device), float32 activations multiplied at exactly the dequantized values
   (``model.native.quant_matmul``). No MBU: its weights are not the fp32 bytes the roofline
   counts.
@@ -61,7 +62,7 @@ Against those two figures the table also gives, per engine, the MBU and MFU of d
 at the mean context P + N/2, and the step's FLOPs, over the measured TPOT) and the MFU of the long
 prompt's TTFT (``prefill_utilization``), and a "roofline (this machine)" column with the
 roofline's own figures on this machine (its TTFT_B: B prompts prefilled one after another).
-llama.cpp Q4_1 reads 4-bit blocks, not the fp32 bytes counted: no MBU for it.
+llama.cpp on the file's blocks reads those, not the fp32 bytes counted: no MBU for it.
 
 "host share of TPOT" (meshserve's rows): the mean time of a ``Runner.step`` call of a decode
 step (one without prefill chunks; the rows' installs, the jitted call's arguments and its
@@ -130,20 +131,21 @@ VARIANTS = {
     "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
-        ("llamacpp-q4_1", "llama.cpp Q4_1"),
-        ("llamacpp-f32", "llama.cpp F32"),
+        ("llamacpp-q4_1", "llama.cpp GGUF blocks")(  # the file as shipped (Q4_1, Q4_K_M, ...),
+            "llamacpp-f32", "llama.cpp F32"
+        ),
         ("llamacpp-f16", "llama.cpp F16"),
     ],
     "vllm": [("vllm", "vLLM-CPU fp32")],
 }
 QUANTIZED = {
-    "llama.cpp Q4_1",
+    "llama.cpp GGUF blocks",
     "llama.cpp F16",
     "meshserve GGUF blocks as stored",
     "meshserve int8 (Q8_0 of fp32)",
 }  # weights are not the fp32 bytes the roofline counts: no MBU
 # Engines whose KV cache is not float32 (llama.cpp's default context keeps it in float16), for the MBU's KV bytes.
-KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp Q4_1": "float16", "llama.cpp F32": "float16",
+KV_DTYPE = {"meshserve fp32, bf16 KV": "bfloat16", "llama.cpp GGUF blocks": "float16", "llama.cpp F32": "float16",
             "llama.cpp F16": "float16"}  # fmt: skip
 ROOFLINE = "roofline (this machine)"
 # English text for the prompts: docstrings of standard-library modules (present wherever Python is).
@@ -584,7 +586,7 @@ def make_runner(variant: str, wl: dict[str, Any]) -> Runner:
         return MeshserveRunner(model, threads)
     if variant == "meshserve-kv-bf16":  # float32 weights and matmuls, bfloat16 KV cache (EngineConfig.kv_dtype)
         return MeshserveRunner(model, threads, kv_dtype="bfloat16")
-    if variant == "meshserve-stored":  # the GGUF's Q4_1/Q8_0 blocks as stored (serve's default weights on one CPU)
+    if variant == "meshserve-stored":  # the GGUF's blocks as stored (serve's default weights on one CPU)
         return MeshserveRunner(model, threads, stored=True)
     if variant == "meshserve-int8":  # the float32 weights quantized to Q8_0 blocks (serve --weights int8)
         return MeshserveRunner(model, threads, int8=True)

@@ -921,7 +921,7 @@ def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=WEIGHT_MODES,
         default="auto",
-        help="how the weights are held, priced by their bytes: auto (default), stored: a GGUF's Q8_0/Q4_0/Q4_1 "
+        help="how the weights are held, priced by their bytes: auto (default), stored: a GGUF's Q8_0/Q4_0/Q4_1/K-quant "
         "matmul weights (or a converted checkpoint's blocks) as their blocks, the rest --dtype (a model without "
         "blocks: all --dtype); int8: the float matmul weights as Q8_0 blocks too; float32, bfloat16: every "
         "weight dequantized to that dtype (sets --dtype)",

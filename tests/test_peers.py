@@ -30,7 +30,11 @@ def result(tpot_ms: float) -> dict:
 
 
 def test_mbu_mfu_and_the_roofline_column() -> None:
-    results = {"meshserve fp32": result(1.0), "llama.cpp Q4_1": result(0.5), "vLLM-CPU fp32": {"status": "failed: x"}}
+    results = {
+        "meshserve fp32": result(1.0),
+        "llama.cpp GGUF blocks": result(0.5),
+        "vLLM-CPU fp32": {"status": "failed: x"},
+    }
     roof = peers.add_utilization(results, WL, MACHINE, TINY)
     # B=1 at context 8 + 4/2 = 10: (90112 + 320) x 4 + 10 x 512 bytes, 2 x 90112 + 4 x 10 x L2 x N4 x H16 FLOPs,
     # over a 1 ms step at 1 GB/s and 1 GFLOP/s.
@@ -38,7 +42,7 @@ def test_mbu_mfu_and_the_roofline_column() -> None:
     assert b1["mbu"] == pytest.approx(((90112 + 320) * 4 + 10 * 512) / 1e-3 / 1e9)
     assert b1["mfu"] == pytest.approx((2 * 90112 + 4 * 10 * 2 * 4 * 16) / 1e-3 / 1e9)
     assert b1["predicted_tpot_ms"] == pytest.approx(((90112 + 320) * 4 + 10 * 512) / 1e9 * 1e3)  # memory-bound
-    q4 = results["llama.cpp Q4_1"]["batches"]["1"]
+    q4 = results["llama.cpp GGUF blocks"]["batches"]["1"]
     assert q4["mbu"] is None and q4["mfu"] == pytest.approx(2 * b1["mfu"])  # same FLOPs in half the time
     assert results["meshserve fp32"]["ttft_long_mfu"] > 0 and "batches" not in results["vLLM-CPU fp32"]
     # The roofline's own step: memory-bound, so MBU 100 %; its TPOT is the prediction.
@@ -314,13 +318,13 @@ def test_greedy_ids_are_compared_with_the_float32_row() -> None:
     ids = {
         "meshserve fp32": [1, 2, 3, 4],
         "meshserve GGUF blocks as stored": [1, 2, 9, 4],
-        "llama.cpp Q4_1": [1, 2, 3, 4],
+        "llama.cpp GGUF blocks": [1, 2, 3, 4],
     }
     assert peers.id_agreement(ids) == {
         "meshserve GGUF blocks as stored": "greedy ids agree with meshserve fp32 for 2/4 tokens",
-        "llama.cpp Q4_1": "greedy ids agree with meshserve fp32 for 4/4 tokens",
+        "llama.cpp GGUF blocks": "greedy ids agree with meshserve fp32 for 4/4 tokens",
     }
-    assert peers.id_agreement({"llama.cpp Q4_1": [1]}) == {}
+    assert peers.id_agreement({"llama.cpp GGUF blocks": [1]}) == {}
 
 
 def test_only_the_served_engines_rows_are_offered() -> None:

@@ -192,7 +192,7 @@ def load_model(
         tokenizer: also load the tokenizer (``LoadedModel.tokenizer``; else None).
         progress: called with each tensor's name after it is read (GGUF/HF only: a progress bar's
             hook; ``num_tensors`` tells how many calls to expect).
-        stored: a GGUF's Q8_0, Q4_0 and Q4_1 matmul weights stay in their blocks
+        stored: a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K matmul weights stay in their blocks
             (``model.weights.gguf_weights.load_gguf_params(stored=True)``: ``QuantPanels`` values), and
             so do a checkpoint's blocks (``model.weights.checkpoint``; without ``stored`` they are
             dequantized after the restore, on the host); ``dtype`` then applies to the rest.

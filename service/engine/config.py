@@ -43,7 +43,7 @@ class EngineConfig:
         layer_loop: how the step runs the decoder blocks: "scan" (stacked weights, one block
             compiled), "unrolled" (per-layer weights, L blocks compiled) or "auto": scan on
             CPU, unrolled on accelerators (``model.kernels``).
-        weights: how a GGUF's matmul weights are held: "stored" (Q8_0, Q4_0 and Q4_1 tensors
+        weights: how a GGUF's matmul weights are held: "stored" (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K tensors
             kept in their 32-weight blocks, ``model.weights.quant_panels``, multiplied by
             float32 activations at exactly their dequantized values: the native CPU kernel on
             one CPU device, XLA's dequantize-then-dot elsewhere; the norms and any tensor of

@@ -70,7 +70,7 @@ def matmul_mode(text: str) -> str:
 
 # The --weights flag of serve and layouts (EngineConfig.weights).
 WEIGHTS_HELP = (
-    "stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1 matmul weights kept in their blocks and "
+    "stored: a GGUF's (or a converted checkpoint's) Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K matmul weights kept in their blocks and "
     "multiplied at exactly their dequantized values (about 6x fewer bytes than float32); int8: float matmul "
     "weights quantized at load to Q8_0 blocks (int8, a float16 scale per 32 weights; 0.27x float32's bytes; "
     "not exact); float32, bfloat16: every weight dequantized (sets --dtype); auto: stored for a GGUF "
@@ -370,7 +370,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a GGUF file or Hugging Face Llama directory into a checkpoint directory: a GGUF's
-    Q8_0/Q4_0/Q4_1 matmul weights kept as their blocks (unless ``--dequantize``), float matmul
+    Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q5_K/Q6_K matmul weights kept as their blocks (unless ``--dequantize``), float matmul
     weights quantized to int8 blocks with ``--quantize int8``, the rest stored as ``--dtype``."""
     from flax import nnx
     from tqdm import tqdm
@@ -745,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument(
         "--dequantize",
         action="store_true",
-        help="store a GGUF's Q8_0/Q4_0/Q4_1 blocks dequantized to --dtype instead of as they are",
+        help="store a GGUF's quantized blocks (Q8_0, Q4_K, ...) dequantized to --dtype instead of as they are",
     )
     cv.set_defaults(func=cmd_convert)
 

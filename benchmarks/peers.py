@@ -131,9 +131,8 @@ VARIANTS = {
     "meshserve-int8": [("meshserve-int8", "meshserve int8 (Q8_0 of fp32)")],
     "hf": [("hf", "HF transformers fp32")],
     "llamacpp": [
-        ("llamacpp-q4_1", "llama.cpp GGUF blocks")(  # the file as shipped (Q4_1, Q4_K_M, ...),
-            "llamacpp-f32", "llama.cpp F32"
-        ),
+        ("llamacpp-q4_1", "llama.cpp GGUF blocks"),  # the file as shipped (Q4_1, Q4_K_M, ...)
+        ("llamacpp-f32", "llama.cpp F32"),
         ("llamacpp-f16", "llama.cpp F16"),
     ],
     "vllm": [("vllm", "vLLM-CPU fp32")],

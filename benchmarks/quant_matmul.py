@@ -1,8 +1,9 @@
 """The quantized-weight matmul kernel against XLA and the float32 panel kernel, in one process.
 
 For SmolLM2-135M's matmul shapes (K x N: 576 x 960 fused QKV, 576 x 576 wo, 576 x 3072 fused
-gate/up, 1536 x 576 down, 576 x 49152 LM head), for each batch size M and each format (Q4_1 and
-Q8_0 by default; random codes and scales: values do not change speed), these are jitted with the
+gate/up, 1536 x 576 down, 576 x 49152 LM head; or Qwen2.5-Coder-1.5B's, whose K the K-quants'
+256-weight blocks divide), for each batch size M and each format (Q4_1 and Q8_0 by default; random
+codes and scales: values do not change speed), these are jitted with the
 weights as arguments and timed alternately, so all see the same machine state:
 
 * ``kernel``: ``model.native.quant_matmul.matmul`` on the ``QuantPanels`` (its own choice of path);
@@ -20,6 +21,7 @@ Results: docs/cpu-kernels.md.
 
     python benchmarks/quant_matmul.py                          # M = 1 8 32 64 256, Q4_1 and Q8_0
     python benchmarks/quant_matmul.py --rows 1 4 8 16 --formats q4_1 --paths --json out.json
+    python benchmarks/quant_matmul.py --rows 1 8 --formats q4_k q6_k q5_0 --shapes qwen_gate_up qwen_down
 """
 
 from __future__ import annotations
@@ -44,19 +46,31 @@ import numpy as np  # noqa: E402
 
 from model import native  # noqa: E402
 from model.native import cpu_matmul, quant_matmul  # noqa: E402
-from model.weights import quant_panels  # noqa: E402
+from model.weights import quant_panels, record_panels  # noqa: E402
 
-SHAPES = {  # SmolLM2-135M: name -> (K, N)
+SHAPES = {  # name -> (K, N): SmolLM2-135M's, then Qwen2.5-Coder-1.5B's (K whole K-quant blocks of 256)
     "qkv": (576, 960),
     "wo": (576, 576),
     "gate_up": (576, 3072),
     "down": (1536, 576),
     "lm_head": (576, 49152),
+    "qwen_qkv": (1536, 2048),
+    "qwen_gate_up": (1536, 17920),
+    "qwen_down": (8960, 1536),
+    "qwen_lm_head": (1536, 151936),
 }
+DEFAULT_SHAPES = ["qkv", "wo", "gate_up", "down", "lm_head"]
 
 
 def random_panels(rng: np.random.Generator, fmt: str, k: int, n: int) -> quant_panels.QuantPanels:
     """Random GGUF rows of ``fmt`` (codes uniform, scales and minimums small normals) packed."""
+    if fmt in record_panels.RECORD_FORMATS:
+        ku, size = k // record_panels.RECORD_FORMATS[fmt].unit, record_panels.SOURCE_BYTES[fmt]
+        raw = rng.integers(0, 256, (n, ku, size), dtype=np.uint8)
+        for at in {"q5_0": (0,), "q6_k": (208,)}.get(fmt, (0, 2)):  # the float16 fields: d (and dmin)
+            raw[..., at : at + 2] = (rng.standard_normal((n, ku, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        codes = record_panels.decode(raw.reshape(n, ku * size), fmt, k)
+        return quant_panels.pack_records(record_panels.convert(codes, fmt), (n,))
     kb, size = k // 32, quant_panels.BLOCK_BYTES[fmt]
     raw = rng.integers(0, 256, (n, kb, size), dtype=np.uint8)
     raw[..., 0:2] = (rng.standard_normal((n, kb, 1)) * 0.01).astype(np.float16).view(np.uint8)
@@ -88,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256], help="batch sizes M")
     ap.add_argument("--formats", nargs="+", default=["q4_1", "q8_0"], choices=quant_panels.FORMATS)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES),
+                    help="matrices (SmolLM2's by default; the qwen_* ones take the record formats)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (median taken)")
     ap.add_argument("--round-ms", type=float, default=30.0, help="about this long per round and variant")
     ap.add_argument("--paths", action="store_true", help="also time the kernel forced onto each path")

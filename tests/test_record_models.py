@@ -1,12 +1,15 @@
 """A model whose GGUF mixes the record formats as llama.cpp's Q4_K_M files do (Q4_K, Q5_K,
 Q6_K and Q5_0 tensors, attn_v and ffn_down changing type from layer to layer), loaded with its
 blocks as stored: each parameter is held in the one format that holds its tensors exactly, the
-engine's logits equal the dequantized model's, and a checkpoint keeps the records bit for bit."""
+engine's logits equal the dequantized model's, a checkpoint keeps the records bit for bit, and a
+truncated tensor is a load error naming it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import gguf
 import jax
 import numpy as np
 import pytest
@@ -16,9 +19,10 @@ from test_qwen2_gguf import step_logits
 from tiny_gguf import write_tiny_llama_gguf
 
 from model import native
+from model.config import LlamaConfig
 from model.weights.checkpoint import read_checkpoint_config, save_checkpoint
 from model.weights.gguf_file import open_gguf
-from model.weights.gguf_weights import stored_matmuls
+from model.weights.gguf_weights import WeightError, load_gguf_params, stored_matmuls
 from model.weights.loader import load_model
 from model.weights.quant_panels import QuantPanels
 
@@ -74,3 +78,13 @@ def test_a_checkpoint_keeps_the_records_bit_for_bit(mixed_file: Path, tmp_path: 
     assert same(restored, params)
     floats = jax.tree.map(np.asarray, nnx.to_pure_dict(load_model(out).state))
     assert same(floats, nnx.to_pure_dict(load_model(mixed_file).state))  # the values, dequantized
+
+
+@pytest.mark.parametrize("name", ["blk.1.attn_v.weight", "blk.2.ffn_gate.weight"])  # Q4_K in a mix; Q5_0
+def test_a_truncated_record_tensor_is_a_load_error_naming_it(mixed_file: Path, name: str) -> None:
+    reader = gguf.GGUFReader(str(mixed_file))
+    cfg = LlamaConfig.from_gguf(mixed_file)
+    i = next(i for i, t in enumerate(reader.tensors) if t.name == name)
+    reader.tensors[i] = reader.tensors[i]._replace(data=reader.tensors[i].data.reshape(-1)[:-5])  # cut short
+    with pytest.raises(WeightError, match=re.escape(name)):
+        load_gguf_params(reader, cfg, stored=True)

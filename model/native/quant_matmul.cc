@@ -496,8 +496,8 @@ ffi::Error Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
 // scales (one or two rows per block: weights 0-15, 16-31), the uint8 minimums (one row per
 // block), then d and dmin as 32 float16 each (two rows each). Weight value: D_h (q - offset) -
 // M with D_h = d sc_h and M = dmin m, both exact in float32, as gguf.quants.dequantize has it.
-// The direct path keeps a block's sums of x q for its two halves apart (their scales differ in
-// Q6_K) and applies D_h once per block, M through the row sums of x; the dequantized path
+// The direct path sums x q per block (at one row the two halves apart; at more rows Q6_K's codes
+// times their half's scale) and applies the block's scale once, M through the row sums of x; the dequantized path
 // writes D_h (q - offset) - M into the scratch panel (bit for bit gguf's values: D_h q is exact
 // where M is not zero, and M is zero where it is not).
 
@@ -517,11 +517,15 @@ constexpr RecordFormat kQ4_K{8, 0, 1, true, 0};
 constexpr RecordFormat kQ5_K{8, 1, 1, true, 0};
 constexpr RecordFormat kQ6_K{8, 2, 2, true, 32};
 
-// Rows per direct tile: two sums (the halves) of R x kPanelVectors each, a panel row's codes and
-// the broadcast value in the registers: 7 on AVX-512, 1 on AVX2 and SSE2.
-constexpr int kRecordRows =
-    std::max(1, (meshserve::kVectorRegisters - kBroadcastRegs - 2 * kPanelVectors) / (2 * kPanelVectors));
-static_assert(kRecordRows <= kDirectRows, "x is packed by pack_rows<kDirectRows>");
+// Rows per direct tile. One row keeps the sums of a block's two halves apart (two chains of FMAs
+// a column vector, and Q6_K's halves have scales of their own); more rows share one sum a row and
+// column vector, Q6_K's codes multiplied by their half's int8 scale first (an exact product, at
+// most 32 x 128), which takes 2 x kPanelVectors registers for the scales. So 15 rows on AVX-512
+// (13 for Q6_K), 2 on AVX2 (1 for Q6_K), as the blocks' direct tiles.
+constexpr int record_rows_max(const RecordFormat& f) {
+  return f.halves == 2 ? std::max(1, (meshserve::kVectorRegisters - kBroadcastRegs - 3 * kPanelVectors) / kPanelVectors)
+                       : kDirectRows;
+}
 
 inline vi widen_u8(const uint8_t* row, int c) { return widen<Format::kQ4_0>(row, c); }
 inline vi widen_s8(const uint8_t* row, int c) { return widen<Format::kQ8_0>(row, c); }
@@ -585,6 +589,8 @@ inline void record_scales(const uint8_t* rec, int b, int c, vf& d0, vf& d1, vf& 
 template <const RecordFormat& F, int R>
 void record_tile(const float* xt, const float* xs, const uint8_t* codes, int64_t K, int64_t p, float* y, int64_t N) {
   constexpr int64_t bytes = static_cast<int64_t>(F.rows()) * kPanel;
+  constexpr int S = R == 1 ? 2 : 1;             // sums a row and column vector: the halves apart at one row
+  constexpr bool fold = S == 1 && F.halves == 2;  // Q6_K's half scales folded into the codes
   const int64_t Ku = K / F.unit();
   const uint8_t* rec = codes + p * Ku * bytes;
   vf total[R][kPanelVectors];
@@ -595,25 +601,39 @@ void record_tile(const float* xt, const float* xs, const uint8_t* codes, int64_t
     for (int b = 0; b < F.blocks; ++b) {
       const int64_t blk = u * F.blocks + b;
       const float* xb = xt + blk * kPanel * R;
-      vf s0[R][kPanelVectors], s1[R][kPanelVectors];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kPanelVectors; ++c) s0[r][c] = s1[r][c] = vf{};
+      vf s[S][R][kPanelVectors], sc0[kPanelVectors], sc1[kPanelVectors];
+      for (int i = 0; i < S; ++i)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < kPanelVectors; ++c) s[i][r][c] = vf{};
+      if constexpr (fold)
+        for (int c = 0; c < kPanelVectors; ++c) {
+          sc0[c] = __builtin_convertvector(widen_s8(rec + (F.sc_row() + 2 * b) * kPanel, c), vf);
+          sc1[c] = __builtin_convertvector(widen_s8(rec + (F.sc_row() + 2 * b + 1) * kPanel, c), vf);
+        }
       // Unrolled: the high bits' shifts become immediates and the loop's scalar work goes.
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         alignas(kPanel) uint8_t lo[kPanel], hi[kPanel];
         record_row<F>(rec, b, j, lo, hi);
         for (int c = 0; c < kPanelVectors; ++c) {
-          const vf ql = record_widen<F>(lo, c), qh = record_widen<F>(hi, c);
-          for (int r = 0; r < R; ++r) s0[r][c] += xb[j * R + r] * ql;
-          for (int r = 0; r < R; ++r) s1[r][c] += xb[(j + 16) * R + r] * qh;
+          vf ql = record_widen<F>(lo, c), qh = record_widen<F>(hi, c);
+          if constexpr (fold) {
+            ql *= sc0[c];
+            qh *= sc1[c];
+          }
+          for (int r = 0; r < R; ++r) s[0][r][c] += xb[j * R + r] * ql;
+          for (int r = 0; r < R; ++r) s[S - 1][r][c] += xb[(j + 16) * R + r] * qh;
         }
       }
       for (int c = 0; c < kPanelVectors; ++c) {
         vf d0, d1, m;
         record_scales<F>(rec, b, c, d0, d1, m);
+        if constexpr (fold) d0 = load_half(reinterpret_cast<const uint16_t*>(rec + F.d_row() * kPanel) + c * kLanes);
         for (int r = 0; r < R; ++r) {
-          total[r][c] += d0 * s0[r][c] + d1 * s1[r][c];
+          if constexpr (S == 2)
+            total[r][c] += d0 * s[0][r][c] + d1 * s[1][r][c];
+          else
+            total[r][c] += d0 * s[0][r][c];  // one scale for both halves, or Q6_K's d (folded)
           if constexpr (F.mins) total[r][c] -= xs[blk * R + r] * m;
         }
       }
@@ -623,7 +643,7 @@ void record_tile(const float* xt, const float* xs, const uint8_t* codes, int64_t
     for (int c = 0; c < kPanelVectors; ++c) store(y + r * N + c * kLanes, total[r][c]);
 }
 
-template <const RecordFormat& F, int R = kRecordRows>
+template <const RecordFormat& F, int R = record_rows_max(F)>
 void record_rows(int rows, const float* xt, const float* xs, const uint8_t* codes, int64_t K, int64_t p, float* y,
                  int64_t N) {
   if constexpr (R >= 1) {
@@ -661,6 +681,8 @@ template <const RecordFormat& F>
 void record_matmul(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, int64_t K, int64_t P, float* y,
                    int64_t M, bool direct) {
   const int64_t N = P * kPanel, Kb = K / kPanel;
+  constexpr int kRecordRows = record_rows_max(F);
+  static_assert(kRecordRows <= kDirectRows, "x is packed by pack_rows<kDirectRows>");
   const int tile_rows = direct ? kRecordRows : kMaxRows;
   const bool sums = direct && F.mins;
   const int64_t tiles = (M + tile_rows - 1) / tile_rows;

@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in args.formats:
         for shape in args.shapes:
             k, n = SHAPES[shape]
+            unit = record_panels.RECORD_FORMATS[fmt].unit if fmt in record_panels.RECORD_FORMATS else 32
+            if k % unit:
+                print(f"{fmt} {shape:8s} {k:5d}x{n:<6d}: skipped (K is not whole {unit}-weight blocks)")
+                continue
             w = jax.tree.map(jnp.asarray, random_panels(rng, fmt, k, n))
             w32 = quant_panels.dequantize(w)
             p32 = cpu_matmul.pack(w32, 1)

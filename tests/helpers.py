@@ -5,8 +5,10 @@ penalized, get, post``."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -27,11 +29,26 @@ from service.server.client import make_request
 Samples = dict[tuple[str, frozenset], float]
 
 
+PORT_BLOCK = 2500  # ports per pytest-xdist worker, from 10000 up: below the kernel's ephemeral range
+_next_port = itertools.count(random.randrange(PORT_BLOCK))
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 a moment ago, for a server the test starts.
+
+    Not one the kernel hands out itself (bind to port 0): those come from the ephemeral range,
+    which every outgoing connection draws from too, so a client elsewhere could take the port
+    before the server binds it (tests/test_drain.py once failed so). These come from a block of
+    ``PORT_BLOCK`` ports below that range, one block per xdist worker, each port in turn, so
+    neither another worker nor this one's earlier servers hold it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 10000 + (int(worker) if worker.isdigit() else 0) % 8 * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + next(_next_port) % PORT_BLOCK
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in [{base}, {base + PORT_BLOCK})")
 
 
 def job_process_env(local_devices: int = 4) -> dict[str, str]:

@@ -2,7 +2,7 @@
 Q6_K and Q5_0 tensors, attn_v and ffn_down changing type from layer to layer), loaded with its
 blocks as stored: each parameter is held in the one format that holds its tensors exactly, the
 engine's logits equal the dequantized model's, a checkpoint keeps the records bit for bit, and a
-truncated tensor is a load error naming it."""
+truncated tensor is a load error naming it; placed on meshes, the records serve one device's ids."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from model.weights.gguf_file import open_gguf
 from model.weights.gguf_weights import WeightError, load_gguf_params, stored_matmuls
 from model.weights.loader import load_model
 from model.weights.quant_panels import QuantPanels
+from service.engine.runner import Runner
+from sharding.layouts import Layout
 
 TYPES = {
     "attn_q.weight": "Q4_K",
@@ -88,3 +90,29 @@ def test_a_truncated_record_tensor_is_a_load_error_naming_it(mixed_file: Path, n
     reader.tensors[i] = reader.tensors[i]._replace(data=reader.tensors[i].data.reshape(-1)[:-5])  # cut short
     with pytest.raises(WeightError, match=re.escape(name)):
         load_gguf_params(reader, cfg, stored=True)
+
+
+def test_records_on_every_mesh_give_one_devices_ids(mixed_file: Path) -> None:
+    """Records placed in a layout's shardings (panels over the model axis, or replicated where
+    the units do not divide) serve one device's greedy ids through XLA's dequantization."""
+    from test_block_checkpoints import ECFG
+    from test_stored_weights import greedy
+
+    from sharding.mesh import make_mesh
+    from sharding.plan import make_plan
+    from sharding.rules import param_shardings
+
+    one = load_model(mixed_file, stored=True)
+    want = greedy(Runner(one.cfg, one.graphdef, one.state, Layout("1x1"), ECFG))
+    for layout in (Layout("1x2", data=1, model=2), Layout("2x4", data=2, model=4)):
+        devices = jax.devices()[: layout.num_devices]
+
+        def shardings(cfg: LlamaConfig, state: nnx.State, layout: Layout = layout, devices: list = devices) -> object:
+            return param_shardings(state, make_mesh(layout, devices), make_plan(layout, cfg, ECFG.num_slots).rules)
+
+        placed = load_model(mixed_file, shardings=shardings, stored=True)
+        w_down = placed.state["layers"]["w_down"].get_value()
+        assert isinstance(w_down, QuantPanels) and w_down.format == "q6_k"
+        assert len(w_down.codes.sharding.device_set) == layout.num_devices
+        runner = Runner(placed.cfg, placed.graphdef, placed.state, layout, ECFG, devices)
+        assert greedy(runner) == want, layout.name

@@ -47,6 +47,9 @@ def test_dequantize_equals_gguf_bitwise(fmt: str, wide: bool) -> None:
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     rows = np.array([0, 95, 33, 33, 64])
     np.testing.assert_array_equal(np.asarray(quant_panels.dequantize_rows(w, jnp.asarray(rows))), want.T[rows])
+    rows = np.array([[1, 2, 94], [31, 32, 63]])  # [batch, tokens], as a prefill's lookup
+    got_rows = np.asarray(jax.jit(quant_panels.dequantize_rows)(w, jnp.asarray(rows)))
+    np.testing.assert_array_equal(got_rows.view(np.uint32), want.T[rows].view(np.uint32))
 
 
 @pytest.mark.parametrize(

@@ -257,9 +257,8 @@ def dequantize_rows(w: QuantPanels, rows: jax.Array) -> jax.Array:
     """Columns ``rows`` of W as vectors: [..., K] float32 for int ``rows`` [...] in [0, N) (an
     embedding table's lookup, with W [D, V] the transposed table). ``w`` has no lead axes."""
     p, c = rows // BLOCK, rows % BLOCK
-    if w.format in RECORD_FORMATS:  # a record's float16 rows are not per column: whole panels
-        values = record_panels.dequantize(w.codes[p], w.format)  # [..., K, 32]
-        return jnp.take_along_axis(values, c[..., None, None], axis=-1)[..., 0]
+    if w.format in RECORD_FORMATS:
+        return record_panels.dequantize_column(w.codes, p, c, w.format)
     assert w.scales is not None  # a block format's
     codes = w.codes[p, :, :, c]  # [..., Kb, B]
     q = codes_as_float(codes[..., None], w.format)[..., 0]  # [..., Kb, 32]

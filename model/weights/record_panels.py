@@ -244,35 +244,50 @@ def pack(codes: Codes, rows: np.ndarray | None = None) -> np.ndarray:
 
 
 def _half_row(codes: jax.Array, row: int) -> jax.Array:
-    """The float16 field at record rows ``row``, ``row + 1`` as float32 [..., 32]."""
-    b = codes[..., row : row + 2, :].reshape(*codes.shape[:-2], BLOCK, 2).astype(jnp.uint16)
+    """The float16 field at record rows ``row``, ``row + 1`` as float32 [..., C] (C columns)."""
+    b = codes[..., row : row + 2, :].reshape(*codes.shape[:-2], codes.shape[-1], 2).astype(jnp.uint16)
     return jax.lax.bitcast_convert_type(b[..., 0] | (b[..., 1] << 8), jnp.float16).astype(jnp.float32)
 
 
 def dequantize(codes: jax.Array, fmt: str) -> jax.Array:
-    """Records [..., Ku, R, 32] as values [..., Ku * unit, 32] float32, exactly
-    ``gguf.quants.dequantize``'s (module docstring), in XLA (any backend; traceable)."""
+    """Records [..., Ku, R, C] as values [..., Ku * unit, C] float32, exactly
+    ``gguf.quants.dequantize``'s (module docstring), in XLA (any backend; traceable). C is 32
+    (a panel), or 1 (``dequantize_column``'s one-column record)."""
     spec = RECORD_FORMATS[fmt]
-    u = spec.blocks
+    u, cols = spec.blocks, codes.shape[-1]
     lead = codes.shape[:-2]
-    nib = codes[..., : 16 * u, :].reshape(*lead, u, 16, BLOCK)
+    nib = codes[..., : 16 * u, :].reshape(*lead, u, 16, cols)
     q = jnp.concatenate([nib & 0x0F, nib >> 4], axis=-2).astype(jnp.int32)  # [..., U, 32 (k), 32 (c)]
     if spec.high_bits:
-        h = codes[..., 16 * u : spec.sc_row, :].reshape(*lead, u, spec.high_rows, BLOCK).astype(jnp.int32)
+        h = codes[..., 16 * u : spec.sc_row, :].reshape(*lead, u, spec.high_rows, cols).astype(jnp.int32)
         w = np.arange(BLOCK)
         bits = (h[..., w % spec.high_rows, :] >> (spec.high_bits * (w // spec.high_rows))[:, None]) & (
             (1 << spec.high_bits) - 1
         )
         q = q | (bits << 4)
-    d = _half_row(codes, spec.d_row)[..., None, None, :]  # [..., 1, 1, 32]
+    d = _half_row(codes, spec.d_row)[..., None, None, :]  # [..., 1, 1, C]
     if spec.halves:
         sc = jax.lax.bitcast_convert_type(codes[..., spec.sc_row : spec.m_row, :], jnp.int8).astype(jnp.float32)
-        sc = sc.reshape(*lead, u, spec.halves, BLOCK)
-        scale = d * jnp.repeat(sc, 32 // spec.halves, axis=-2)  # [..., U, 32, 32], exact
+        sc = sc.reshape(*lead, u, spec.halves, cols)
+        scale = d * jnp.repeat(sc, BLOCK // spec.halves, axis=-2)  # [..., U, 32, C], exact
     else:
-        scale = jnp.broadcast_to(d, (*lead, u, BLOCK, BLOCK))
+        scale = jnp.broadcast_to(d, (*lead, u, BLOCK, cols))
     values = scale * (q - spec.offset).astype(jnp.float32)
     if spec.mins:
-        m = codes[..., spec.m_row : spec.d_row, :].astype(jnp.float32)  # [..., U, 32]
+        m = codes[..., spec.m_row : spec.d_row, :].astype(jnp.float32)  # [..., U, C]
         values = values - (_half_row(codes, spec.d_row + 2)[..., None, :] * m)[..., None, :]
-    return values.reshape(*lead[:-1], lead[-1] * spec.unit, BLOCK)
+    return values.reshape(*lead[:-1], lead[-1] * spec.unit, cols)
+
+
+def dequantize_column(codes: jax.Array, p: jax.Array, c: jax.Array, fmt: str) -> jax.Array:
+    """Column c of panel p of records [P, Ku, R, 32] as values [..., Ku * unit] float32 for int
+    ``p``, ``c`` [...] (an embedding table's lookup), exactly ``dequantize``'s: the column's byte
+    of every per-column row, and its two bytes of each float16 field (which is laid out as 32
+    little-endian uint16, not a byte per column), as a record one column wide."""
+    spec = RECORD_FORMATS[fmt]
+    column = codes[p, :, :, c]  # [..., Ku, R]
+    halves = codes[p, :, spec.d_row :, :]  # [..., Ku, 2 or 4, 32]: d (and dmin), 64 bytes each
+    halves = halves.reshape(*halves.shape[:-2], -1, 2 * BLOCK)  # [..., Ku, 1 or 2, 64]
+    picked = jnp.take_along_axis(halves, (2 * c[..., None, None, None] + jnp.arange(2)), axis=-1)
+    column = column.at[..., spec.d_row :].set(picked.reshape(*column.shape[:-1], -1))
+    return dequantize(column[..., None], fmt)[..., 0]

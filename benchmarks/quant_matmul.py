@@ -67,7 +67,7 @@ def random_panels(rng: np.random.Generator, fmt: str, k: int, n: int) -> quant_p
     if fmt in record_panels.RECORD_FORMATS:
         ku, size = k // record_panels.RECORD_FORMATS[fmt].unit, record_panels.SOURCE_BYTES[fmt]
         raw = rng.integers(0, 256, (n, ku, size), dtype=np.uint8)
-        for at in {"q5_0": (0,), "q6_k": (208,)}.get(fmt, (0, 2)):  # the float16 fields: d (and dmin)
+        for at in record_panels.SOURCE_HALVES[fmt]:  # the float16 fields: d (and dmin)
             raw[..., at : at + 2] = (rng.standard_normal((n, ku, 1)) * 1e-3).astype(np.float16).view(np.uint8)
         codes = record_panels.decode(raw.reshape(n, ku * size), fmt, k)
         return quant_panels.pack_records(record_panels.convert(codes, fmt), (n,))

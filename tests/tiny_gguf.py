@@ -54,13 +54,12 @@ def random_rows(
     bits, the float16 fields (d, dmin) random finite values: normal ones (|d| ~ 1e-3, or sized
     so the weights' spread is about ``spread``), or with ``wide`` any finite float16 bit pattern
     (subnormals, zeros, both signs, up to 65504)."""
-    from model.weights.record_panels import RECORD_FORMATS, SOURCE_BYTES
+    from model.weights.record_panels import RECORD_FORMATS, SOURCE_BYTES, SOURCE_HALVES
 
-    halves = {"q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[fmt]  # float16 fields
     code_spread = {"q5_0": 9.2, "q4_k": 4.6 * 18, "q5_k": 9.2 * 18, "q6_k": 18.5 * 74}[fmt]  # std of q (x sc)
     ku, size = k // RECORD_FORMATS[fmt].unit, SOURCE_BYTES[fmt]
     raw = rng.integers(0, 256, (n, ku, size), dtype=np.uint8)
-    for at in halves:
+    for at in SOURCE_HALVES[fmt]:
         if wide:
             bits = rng.integers(0, 1 << 16, (n, ku), dtype=np.uint16)
             bits[(bits & 0x7C00) == 0x7C00] ^= 0x4000  # no infinities or NaNs

@@ -127,23 +127,15 @@ class _StoredBlocks:
             WeightError: a tensor's bytes do not match its shape (``raw``), or its blocks are
                 unreadable.
         """
-        names = [n for n, _ in parts]
+        stored = [self.raw(name, n, k) for name, n in parts]  # (bytes, format) each, checked
         try:
             if fmt in record_panels.RECORD_FORMATS:
-                codes = [
-                    record_panels.convert(record_panels.decode(raw, src, k), fmt)
-                    for raw, src in (self.raw(name, n, k) for name, n in parts)
-                ]
+                codes = [record_panels.convert(record_panels.decode(raw, src, k), fmt) for raw, src in stored]
                 return quant_panels.pack_records(record_panels.concatenate(codes), out_shape, rows)
-            raws = [
-                raw if src == fmt else quant_panels.as_q8_0(raw, src, k)
-                for raw, src in (self.raw(name, n, k) for name, n in parts)
-            ]
+            raws = [raw if src == fmt else quant_panels.as_q8_0(raw, src, k) for raw, src in stored]
             return quant_panels.pack_rows(np.concatenate(raws), fmt, k, out_shape, rows)
         except ValueError as e:
-            if isinstance(e, WeightError):
-                raise
-            raise WeightError(f"GGUF tensors {names}: {e}") from e
+            raise WeightError(f"GGUF tensors {[n for n, _ in parts]}: {e}") from e
 
 
 def held_as(formats: set[str]) -> str | None:

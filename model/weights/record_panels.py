@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK = 32  # weights per block, columns per panel
-QK_K = 256  # weights per K-quant super-block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +97,8 @@ RECORD_FORMATS = {
 }
 # A GGUF tensor's bytes per 32 weights (Q5_0) or 256 (the K-quants)
 SOURCE_BYTES = {"q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+# Byte offsets of its float16 fields in a GGUF block: d (and the K-quants' dmin), as ggml lays them out
+SOURCE_HALVES = {"q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 @dataclasses.dataclass
@@ -140,7 +141,7 @@ def decode(raw: np.ndarray, fmt: str, k: int) -> Codes:
         ql = b[..., 6:22]
         low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [N, Ku, 32]
         high = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-        return Codes(fmt, (low | (high.astype(np.uint8) << 4)).reshape(n, k), half(0))
+        return Codes(fmt, (low | (high.astype(np.uint8) << 4)).reshape(n, k), half(SOURCE_HALVES[fmt][0]))
     if fmt == "q6_k":
         ql = b[..., :128].reshape(n, ku, 2, 64)
         low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [N, Ku, 2, 128]: weight 128h + i
@@ -148,7 +149,7 @@ def decode(raw: np.ndarray, fmt: str, k: int) -> Codes:
         high = (qh & 3).reshape(n, ku, 2, 128)
         q = (low | (high << 4)).reshape(n, k)
         sc = b[..., 192:208].copy().view(np.int8).reshape(n, ku * 8, 2)
-        return Codes(fmt, q, half(208), sc=sc)
+        return Codes(fmt, q, half(SOURCE_HALVES[fmt][0]), sc=sc)
     # Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of bit 4), codes
     sc, m = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(n * ku, 12))
     qs = b[..., 16:144] if fmt == "q4_k" else b[..., 48:176]
@@ -158,7 +159,8 @@ def decode(raw: np.ndarray, fmt: str, k: int) -> Codes:
         qh = b[..., 16:48].reshape(n, ku, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
         q = q | ((qh & 1) << 4)
     sc = np.repeat(sc.reshape(n, ku * 8, 1).astype(np.int8), 2, axis=-1)
-    return Codes(fmt, q.reshape(n, k), half(0), sc=sc, m=m.reshape(n, ku * 8).astype(np.uint8), dmin=half(2))
+    d_at, dmin_at = SOURCE_HALVES[fmt]
+    return Codes(fmt, q.reshape(n, k), half(d_at), sc=sc, m=m.reshape(n, ku * 8).astype(np.uint8), dmin=half(dmin_at))
 
 
 def union_format(formats: set[str]) -> str | None:

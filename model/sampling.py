@@ -23,10 +23,16 @@ share one compiled program:
   ban_eos [S] bool: this step may not pick them (their logits become -inf): the host sets it
   while the request has generated fewer than its ``min_tokens`` ids.
 
+A token mask (constrained decoding: a grammar allows some ids only) is not a parameter but a
+step's input, [S, W] int32 packed as llguidance and vLLM pack it: W = ceil(V / 32) words, bit j
+of word i allowing id 32 i + j; a row with every bit set is unconstrained
+(``apply_token_mask``). It acts first, on the raw logits: the penalties, the filters and the
+draw see only the allowed ids, and so do the log-probabilities (``service.engine.output``).
+
 The ids a slot has seen live on the device in a :class:`TokenHistory` (counts of generated ids,
 a mask of prompt ids), which the engine updates inside its steps.
 
-Order: the EOS ban and the penalties act on the raw logits, as in vLLM's sampler (repetition,
+Order: the token mask, the EOS ban and the penalties act on the raw logits, as in vLLM's sampler (repetition,
 then frequency, then presence); greedy slots take the argmax of those penalized logits. Sampled
 slots then divide by the temperature and filter by top-k, top-p, then min_p, the order of
 Hugging Face's warpers (and of vLLM's V0 sampler), and draw. min_p reads the distribution left
@@ -159,6 +165,20 @@ def ban_eos(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jnp.where(sp.ban_eos[:, None] & is_eos, -jnp.inf, logits)
 
 
+def mask_words(vocab_size: int) -> int:
+    """W, the int32 words of one row's packed token mask over ``vocab_size`` ids."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """``logits`` [S, V] float32 with the ids the packed mask [S, W] int32 does not allow set to
+    NEG_INF (finite, unlike -inf: a masked id's log-probability stays a number). Bit j of word i
+    allows id 32 i + j (llguidance's ``allocate_token_bitmask`` layout); bits past V are ignored."""
+    V = logits.shape[-1]
+    bits = jnp.right_shift(mask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(mask.shape[0], -1)[:, :V] != 0, logits, NEG_INF)
+
+
 def min_p_filter(logits: jax.Array, min_p: jax.Array | np.ndarray) -> jax.Array:
     """``logits`` [S, V] (already divided by the temperature) with the ids whose probability is
     below ``min_p`` [S] times the row's largest probability set to NEG_INF (Hugging Face's
@@ -251,6 +271,7 @@ def sample(
     positions: jax.Array,
     argmax: Callable[[jax.Array], jax.Array] = first_argmax,
     history: TokenHistory | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """Pick one token per slot.
 
@@ -264,11 +285,13 @@ def sample(
             device, where XLA's reductions are slow.
         history: the ids each row's request has seen ([S, V] arrays, one row per row of
             ``logits``), for the penalties; None: nothing seen (the penalties change nothing).
+        mask: [S, W] int32 packed token mask (``apply_token_mask``), one row per row of
+            ``logits``; None (or every bit set): nothing masked.
 
     Returns:
         [S] int32 token ids. Slots with temperature 0 get the argmax of the penalized logits.
-        Each stage runs only when some slot needs it (``lax.cond``, ``lax.switch``): the EOS
-        ban and the penalties when a slot bans or is penalized, the draw when a slot samples,
+        Each stage runs only when some slot needs it (``lax.cond``, ``lax.switch``): the mask,
+        the EOS ban and the penalties when a slot is masked, bans or is penalized, the draw when a slot samples,
         the sorts when a sampling slot filters by top-k or top-p, min_p when a sampling slot
         sets it.
     """
@@ -304,12 +327,14 @@ def sample(
         return jax.lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
 
     def processed() -> jax.Array:
-        # Rows with no ban and neutral penalties come out unchanged.
-        out = ban_eos(logits, sp)
+        # Rows with every id allowed, no ban and neutral penalties come out unchanged.
+        out = ban_eos(logits if mask is None else apply_token_mask(logits, mask), sp)
         return pick(out if history is None else penalize(out, sp, history))
 
-    # The cond returns ids, not logits: a batch without bans or penalties copies no [S, V] array.
+    # The cond returns ids, not logits: a batch without masks, bans or penalties copies no [S, V] array.
     needs = jnp.any(sp.ban_eos)
     if history is not None:
         needs = needs | jnp.any(uses_penalties(sp))
+    if mask is not None:
+        needs = needs | jnp.any(mask != -1)
     return jax.lax.cond(needs, processed, lambda: pick(logits))

@@ -124,8 +124,9 @@ class Pieces:
 
 
 def make(prompt: list[int], max_tokens: int = N, eos: frozenset[int] = frozenset(), **kw: object) -> Request:
-    """A request; ``kw``: SamplingOptions fields (temperature 0 unless given) or min_tokens/ignore_eos."""
-    request_kw = {k: kw.pop(k) for k in ("min_tokens", "ignore_eos") if k in kw}
+    """A request; ``kw``: SamplingOptions fields (temperature 0 unless given) or
+    min_tokens/ignore_eos/constraint."""
+    request_kw = {k: kw.pop(k) for k in ("min_tokens", "ignore_eos", "constraint") if k in kw}
     kw.setdefault("temperature", 0.0)
     return Request(
         request_id=str(id(prompt)),

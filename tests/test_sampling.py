@@ -142,3 +142,42 @@ def test_sample_with_the_native_argmax_matches_xla() -> None:
     want = np.asarray(jax.jit(sample)(logits, sp, positions))
     got = np.asarray(jax.jit(lambda *a: sample(*a, argmax=cpu_argmax.first_argmax))(logits, sp, positions))
     np.testing.assert_array_equal(got, want)
+
+
+def _random_mask(rows: int, vocab: int, seed: int) -> np.ndarray:
+    """A packed token mask [rows, W] int32 (llguidance's layout) with random allowed ids, at least
+    one per row; the last row allows every id."""
+    rng = np.random.default_rng(seed)
+    allowed = rng.random((rows, vocab)) < 0.2
+    allowed[:, rng.integers(0, vocab)] = True
+    allowed[-1] = True
+    bits = np.zeros((rows, -(-vocab // 32) * 32), bool)
+    bits[:, :vocab] = allowed
+    bits[-1] = True
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_the_token_mask_is_llguidances_and_sampling_stays_inside_it() -> None:
+    """``apply_token_mask`` forbids exactly the ids llguidance's own numpy reference
+    (``apply_token_bitmask_inplace``) does; greedy and sampled ids stay among the allowed ids,
+    greedy ones the best allowed; a row with every bit set samples as without a mask."""
+    import llguidance.numpy
+
+    from model.sampling import NEG_INF, apply_token_mask
+
+    rows = 6
+    logits = np.asarray(_logits(rows, seed=4))
+    mask = _random_mask(rows, V, seed=2)
+    expected = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(expected, mask)
+    got = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
+    allowed = np.isfinite(expected)
+    assert np.array_equal(got[allowed], logits[allowed]) and np.all(got[~allowed] == np.float32(NEG_INF))
+    greedy = np.asarray(sample_jit(jnp.asarray(logits), _params([0.0] * rows, [0] * rows, [1.0] * rows, range(rows)), jnp.zeros(rows, jnp.int32), mask=jnp.asarray(mask)))  # fmt: skip
+    assert np.array_equal(greedy, np.argmax(expected, axis=-1))
+    for seed in range(5):
+        sp = _params([1.0] * rows, [0] * rows, [1.0] * rows, [seed + 10 * r for r in range(rows)])
+        drawn = np.asarray(sample_jit(jnp.asarray(logits), sp, jnp.full(rows, 7, jnp.int32), mask=jnp.asarray(mask)))
+        assert all(allowed[r, drawn[r]] for r in range(rows))
+        free = np.asarray(sample_jit(jnp.asarray(logits), sp, jnp.full(rows, 7, jnp.int32)))
+        assert drawn[-1] == free[-1]  # the unconstrained row draws what it draws without any mask

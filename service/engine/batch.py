@@ -65,6 +65,8 @@ class RaggedBatch:
         window_pages: the attention window the step runs with, in pages; 0: the smallest
             window bucket covering ``max_position`` (``Geometry.window``). A wider one is set
             where the step runs in a larger compiled program (``Geometry.widen``).
+        token_mask: [S, W] int32, each row's packed token mask (``model.sampling.apply_token_mask``;
+            ``service.engine.constraint.TokenMasks`` fills it), or None: no row is constrained.
     """
 
     tokens: np.ndarray
@@ -80,6 +82,7 @@ class RaggedBatch:
     decode_tokens: int
     installs: tuple[RowInstall, ...] = ()
     window_pages: int = 0
+    token_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,10 @@
     scheduler.postprocess(previous plan, previous ids)   # while it runs: ids, finishes, frees
 
 Step N + 1 is dispatched before step N's ids reach the host, so the device never waits for the
-host's bookkeeping; a decode token fed by step N reads its id on the device.
+host's bookkeeping; a decode token fed by step N reads its id on the device. A step that samples
+for a constrained request (``Request.constraint``) is the exception: its token mask needs the
+ids step N sampled, so step N is postprocessed first and the masks filled
+(``service.engine.constraint.TokenMasks``) before step N + 1 is dispatched.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from collections.abc import Callable
 
 from service.engine.batch import build
 from service.engine.block_manager import BlockManager
+from service.engine.constraint import TokenMasks
 from service.engine.output import StepOutput
-from service.engine.request import Request
+from service.engine.request import Request, RequestState
 from service.engine.runner import Runner
 from service.engine.scheduler import QueueFull, Scheduler, StepPlan
 
@@ -88,6 +92,7 @@ class EngineLoop:
         self._switch: tuple[Runner | Callable[[Runner], Runner], threading.Event] | None = None
         self._switch_error: BaseException | None = None  # what the last build function raised
         self._inflight: Dispatched | None = None  # dispatched, not yet postprocessed
+        self._masks: TokenMasks | None = None  # built with the first constrained request
         # Test hook (fault injection), None in production: called with the plan at the top of
         # every step on the loop thread; raising kills the loop, blocking simulates a stall.
         self.step_hook: Callable[[StepPlan], None] | None = None
@@ -240,6 +245,16 @@ class EngineLoop:
             self.step_hook(plan)
         prev = self._inflight
         batch = build(plan, self.runner.geometry, self.scheduler.page_tables, prev.plan.step if prev else None)
+        if any(r.constraint is not None for r, _ in plan.samplers):
+            self._finish_inflight()  # their matchers take the ids in flight before their masks
+            if self._masks is None:
+                self._masks = TokenMasks(self.runner.geometry.num_slots, self.runner.cfg.vocab_size)
+            rows = [
+                (row, r.constraint, r.eos_ids)
+                for r, row in plan.samplers
+                if r.constraint is not None and r.state is not RequestState.FINISHED
+            ]
+            batch = self._masks.fill(batch, rows)
         out = self.runner.step(batch, prev.out if prev else None)
         self._finish_inflight()
         self._inflight = Dispatched(plan, out, time.perf_counter())

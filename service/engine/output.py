@@ -9,10 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.sampling import apply_token_mask
+
 TOP_LOGPROBS = 20  # most alternatives a request may ask for
+# Below this a log-probability is a masked id's (NEG_INF's): not an alternative the row could take.
+MASKED_LOGPROB = -1e29
 
 
-def pack_step(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool = True) -> jax.Array:
+def pack_step(
+    logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool = True, mask: jax.Array | None = None
+) -> jax.Array:
     """Pack a step's host-bound results into one float32 array, so each step makes a single
     device-to-host copy.
 
@@ -20,6 +26,9 @@ def pack_step(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool
         logits: [R, V] float32. ids: [R] int32 sampled ids.
         want_logprobs: scalar bool; when False the log-softmax and top-k over the vocabulary
             are skipped (``lax.cond``) and those columns are 0.
+        mask: [R, W] int32 packed token mask (``model.sampling.apply_token_mask``) or None: a
+            constrained row's log-probabilities are those of the distribution its grammar
+            leaves (the masked ids' are about -1e30: ``MASKED_LOGPROB`` drops them on the host).
 
     Returns:
         [R, 2 + 2 * TOP_LOGPROBS] float32: the id (exact in float32 below 2**24), its
@@ -28,7 +37,8 @@ def pack_step(logits: jax.Array, ids: jax.Array, want_logprobs: jax.Array | bool
     """
 
     def with_logprobs(_: None) -> jax.Array:
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        allowed = logits if mask is None else apply_token_mask(logits, mask)
+        logprobs = jax.nn.log_softmax(allowed.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)
         top_lp, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
         return jnp.concatenate([chosen, top_lp, top_ids.astype(jnp.float32)], axis=-1)

@@ -7,17 +7,22 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from service.engine.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from service.engine.constraint import Constraint
 
 
 class FinishReason(enum.Enum):
     """Why a request stopped; values match ``meshserve.v1.FinishReason``."""
 
     LENGTH = 1
-    EOS = 2
+    EOS = 2  # an EOS id, or a constraint's grammar complete (EOS the only id it allows next)
     STOP_STRING = 3
     CANCELLED = 4
+    GRAMMAR_DEAD_END = 5  # the constraint's grammar allows no next id (``Constraint.dead_end``)
 
 
 class RequestState(enum.Enum):
@@ -64,7 +69,8 @@ class TokenLogprob:
 class Chunk:
     """One streamed event: the text delta and the ids generated since the last chunk.
 
-    ``finish_reason`` and the usage counts are set on the last chunk only. ``error`` is set
+    ``finish_reason`` and the usage counts (``cached_tokens``: the prompt's tokens the prefix
+    cache served at the request's first admission) are set on the last chunk only. ``error`` is set
     when the engine failed and the request cannot complete (the server maps it to UNAVAILABLE).
     """
 
@@ -73,6 +79,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
@@ -104,6 +111,9 @@ class Request:
         group: the sequences of one request with n > 1 share it (None for n = 1): the
             scheduler admits one of them first and the others once its prompt is prefilled, so
             they reuse its prompt's pages instead of computing them n times.
+        constraint: the grammar its output follows (its own state, advanced by each accepted
+            id), or None. Each step samples it under its grammar's token mask; the grammar's end
+            ends it as EOS, a dead end as GRAMMAR_DEAD_END.
     """
 
     request_id: str
@@ -118,6 +128,7 @@ class Request:
     ignore_eos: bool = False
     prefix_cache: bool = True
     group: str | None = None
+    constraint: Constraint | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None  # its row of the step's per-row arrays while it runs
@@ -125,6 +136,7 @@ class Request:
     sampled: int = 0  # ids sampled by dispatched steps (EOS included), known before they land
     sampled_by: int | None = None  # the number of the step that sampled the newest id (None: none yet)
     preemptions: int = 0  # times the scheduler preempted it (it was recomputed as often)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
     finish_reason: FinishReason | None = None
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
@@ -158,19 +170,31 @@ class Request:
         return (self.prompt_ids + self.output_ids)[start : start + length]
 
     def accept_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
-        """Record one sampled id: check EOS (unless ``ignore_eos``), stop strings (from the
-        ``min_tokens``-th id on) and max_tokens, and emit a chunk (with ``logprob`` attached
-        when the request asked for log-probabilities)."""
+        """Record one sampled id: check the constraint's dead end, EOS (unless ``ignore_eos``),
+        stop strings (from the ``min_tokens``-th id on), the constraint's end and max_tokens,
+        and emit a chunk (with ``logprob`` attached when the request asked for
+        log-probabilities)."""
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
+        if self.constraint is not None and self.constraint.dead_end is not None:
+            self.finish(FinishReason.GRAMMAR_DEAD_END)  # its mask allowed EOS ids alone: this is one
+            return
         if token_id in self.eos_ids and not self.ignore_eos:
             self.finish(FinishReason.EOS)
             return
         self.output_ids.append(token_id)
         delta, stopped = self.text.push(token_id, check_stop=len(self.output_ids) >= self.min_tokens)
         lps = [logprob] if logprob is not None and self.logprobs is not None else []
+        # An id outside the grammar (never sampled under its mask) leaves it at a dead end.
+        ended = self.constraint is not None and not stopped and (
+            not self.constraint.accept(token_id) or self.constraint.complete
+        )  # fmt: skip
         if stopped:
             self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)
+        elif ended:
+            assert self.constraint is not None
+            reason = FinishReason.EOS if self.constraint.dead_end is None else FinishReason.GRAMMAR_DEAD_END
+            self.finish(reason, last_text=delta, last_ids=[token_id], logprobs=lps)
         elif len(self.output_ids) >= self.max_tokens:
             self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id], logprobs=lps)
         else:
@@ -200,6 +224,7 @@ class Request:
                 finish_reason=reason,
                 prompt_tokens=self.prompt_len,
                 completion_tokens=len(self.output_ids),
+                cached_tokens=self.cached_tokens,
                 logprobs=list(logprobs or []),
             )
         )

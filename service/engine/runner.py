@@ -5,8 +5,9 @@ Each step runs a flat batch of tokens (``service.engine.batch.RaggedBatch``; the
 ``ragged_step``): one token for every decoding sequence and prefill chunks of any number of
 prompts, and samples one id for every row whose token is a decode token or the last of its
 prefill. Its jit arguments are the weights, the two cache arrays, the token history, the
-sampling parameters and nine small metadata arrays: their number is the same whatever the pool
-size, the longest sequence or the number of rows, so the call's dispatch does not grow with them.
+sampling parameters, nine small metadata arrays and the token mask: their number is the same
+whatever the pool size, the longest sequence or the number of rows, so the call's dispatch does
+not grow with them.
 
 What runs where is chosen once, by ``model.kernels.choose`` for the mesh's devices: the
 attention backend, the weights' form (packed panels, stored blocks' kernel), the argmax and the
@@ -60,7 +61,7 @@ from model.attention.base import StepMeta
 from model.attention.pages import PagedKVCache
 from model.config import LlamaConfig
 from model.llama import ragged_step
-from model.sampling import SamplingParams, TokenHistory, sample, seed_to_key
+from model.sampling import SamplingParams, TokenHistory, mask_words, sample, seed_to_key
 from model.weights.build import abstract_llama
 from model.weights.quant_panels import QuantPanels
 from service.engine import kv_pool
@@ -220,6 +221,8 @@ class Runner:
         # Step inputs split by replica: token regions, page tables and rows over ``data``.
         self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
         self._no_prev = global_array(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
+        # The token mask of a step without constrained rows (``RaggedBatch.token_mask``): all allowed.
+        self._all_allowed = global_array(np.full((S, mask_words(cfg.vocab_size)), -1, np.int32), self.repl)
         self._set_row = jax.jit(TokenHistory.with_row, out_shardings=self.repl, donate_argnums=(0,))
         self.channel: Channel | None = None  # process 0 of a job: the followers' (MIRRORED)
 
@@ -274,6 +277,7 @@ class Runner:
             sample_index,
             sample_rows,
             ban,
+            mask,
         ):  # type: ignore[no-untyped-def]
             S = page_tables.shape[0]
             from_prev = prev[jnp.clip(rows, 0, S - 1), 0].astype(jnp.int32)
@@ -298,8 +302,9 @@ class Runner:
             own = jnp.where(real, sample_rows, 0)
             slot_sp = dataclasses.replace(jax.tree.map(lambda a: a[own], sp), ban_eos=ban)
             slot_history = TokenHistory(counts=history.counts[own], in_prompt=history.in_prompt[own])
-            next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history)
-            packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real))
+            slot_mask = mask[own]
+            next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, slot_mask)
+            packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), slot_mask)
             # One row per row (what the host and the next step's ``prev`` read); empty slots dropped.
             by_row = (
                 jnp.zeros((S, packed.shape[1]), packed.dtype)
@@ -311,7 +316,7 @@ class Runner:
         r, by = self.repl, self.by_replica
         return jax.jit(
             run,
-            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, r),
+            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, r, r),
             # Logits stay with their replica's devices (read by tests, not by the loop).
             out_shardings=(r, by, self._cache_sh, r),
             donate_argnums=(1, 2),
@@ -437,9 +442,10 @@ class Runner:
             split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
         tokens, source, positions, rows, generated, page_tables, slot_index, slot_rows = split
         previous = prev.packed if prev is not None else self._no_prev
+        mask = self._all_allowed if batch.token_mask is None else global_array(batch.token_mask, self.repl)
         return (
             self.params, self.cache, self.history, self._sampling(), tokens, source, previous, positions, rows,
-            generated, page_tables, slot_index, slot_rows, ban,
+            generated, page_tables, slot_index, slot_rows, ban, mask,
         )  # fmt: skip
 
     def dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:

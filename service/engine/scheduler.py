@@ -54,7 +54,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from service.engine.block_manager import BlockManager, OutOfPages
-from service.engine.output import HostStep
+from service.engine.output import MASKED_LOGPROB, HostStep
 from service.engine.request import FinishReason, Request, RequestState, TokenLogprob
 
 
@@ -129,10 +129,15 @@ def bans_eos(request: Request) -> bool:
 
 
 def token_logprob(host: HostStep, row: int, top_n: int | None) -> TokenLogprob | None:
-    """Row ``row``'s log-probability record with ``top_n`` alternatives (None when not asked)."""
+    """Row ``row``'s log-probability record with ``top_n`` alternatives (None when not asked;
+    fewer where a token mask allowed fewer ids: masked ones are no alternative)."""
     if top_n is None:
         return None
-    top = tuple((int(host.top_ids[row, i]), float(host.top_logprobs[row, i])) for i in range(top_n))
+    top = tuple(
+        (int(host.top_ids[row, i]), float(host.top_logprobs[row, i]))
+        for i in range(top_n)
+        if host.top_logprobs[row, i] > MASKED_LOGPROB
+    )
     return TokenLogprob(token_id=int(host.ids[row]), logprob=float(host.logprob[row]), top=top)
 
 
@@ -313,6 +318,8 @@ class Scheduler:
         r.slot = free
         r.state = RequestState.PREFILLING
         r.num_cached = alloc.num_cached_tokens
+        if r.preemptions == 0:  # a recomputation's hits are not the prompt's
+            r.cached_tokens = min(alloc.num_cached_tokens, r.prompt_len)
         self.slots[free] = r
         self.running.append(r)
         self.page_tables[free, : len(alloc.page_table)] = alloc.page_table

@@ -21,12 +21,14 @@ from model.config import LlamaConfig
 from model.sampling import sequence_seed
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.tokenizer import Tokenizer
+from service.engine.constraint import Constraint
 from service.engine.loop import EngineUnavailable
 from service.engine.request import Chunk, FinishReason, Request, RequestState
 from service.engine.scheduler import QueueFull, Scheduler, StepPlan
 from service.engine.text_stream import TextStream
 from service.server.config import ServerConfig
 from service.server.generation import Generation, Refusal, Refused
+from service.server.grammars import Grammars
 from service.server.logs import log
 from service.server.metrics import Metrics
 from service.server.pools import Pool
@@ -80,6 +82,7 @@ class Gateway:
             (``startup.Restorer``; a live switch calls it).
         channel: in a job over several processes, process 0's step channel (its faults are
             health's), else None.
+        grammars: the model's grammar compiler for constrained requests (None while loading).
     """
 
     def __init__(self, cfg: ServerConfig):
@@ -95,6 +98,7 @@ class Gateway:
         self.max_request_tokens = cfg.engine.max_request_tokens
         self.restore: Callable[[Layout, list[Any]], Any] = lambda layout, devices: None
         self.channel: Any = None
+        self.grammars: Grammars | None = None
 
     # ---- pools -----------------------------------------------------------------------------------
     def add_pool(self, pool: Pool) -> None:
@@ -271,14 +275,14 @@ class Gateway:
             if full is not None:
                 raise Refused(Refusal.RESOURCE_EXHAUSTED, full)
             try:
-                v = await asyncio.to_thread(prepare, tok)
+                v, constraint = await asyncio.to_thread(self._prepare, prepare, tok)
             except InvalidRequest as exc:
                 raise Refused(Refusal.INVALID_ARGUMENT, str(exc)) from None
             if not self.accepting:  # the drain began while it was tokenized
                 raise Refused(Refusal.UNAVAILABLE, "the server is shutting down")
             if self.on_admit is not None:
                 self.on_admit()
-            generation = self._start(pool, v, rid, tok)
+            generation = self._start(pool, v, rid, tok, constraint)
         except Refused as exc:
             log.info("request %s: rejected, %s: %s", rid, exc.code.name, exc.message)
             self.metrics.rejected.labels(pool=pool_name, code=exc.code.value).inc()
@@ -289,8 +293,27 @@ class Gateway:
         )  # fmt: skip
         return generation
 
-    def _start(self, pool: Pool, v: ValidatedRequest, rid: str, tok: Tokenizer) -> Generation:
-        """Submit the n sequences of ``v`` to ``pool`` (see ``open``).
+    def _prepare(
+        self, prepare: Callable[[Tokenizer], ValidatedRequest], tok: Tokenizer
+    ) -> tuple[ValidatedRequest, Constraint | None]:
+        """``prepare(tok)`` and its constraint compiled (``Grammars.compile``: cached, or compiled
+        here, on the worker thread ``open`` runs this on).
+
+        Raises:
+            InvalidRequest: from ``prepare``, or the constraint does not compile.
+        """
+        v = prepare(tok)
+        if v.constraint is None:
+            return v, None
+        if self.grammars is None:
+            raise Refused(Refusal.UNAVAILABLE, "the model is still loading")
+        return v, self.grammars.compile(v.constraint)
+
+    def _start(
+        self, pool: Pool, v: ValidatedRequest, rid: str, tok: Tokenizer, constraint: Constraint | None = None
+    ) -> Generation:
+        """Submit the n sequences of ``v`` to ``pool`` (see ``open``), each with its own copy of
+        ``constraint`` (compiled from ``v.constraint``).
 
         Raises:
             Refused: RESOURCE_EXHAUSTED or UNAVAILABLE from the pool's loop; the sequences
@@ -327,6 +350,7 @@ class Gateway:
                     ignore_eos=v.ignore_eos,
                     prefix_cache=v.prefix_cache,
                     group=rid if v.n > 1 else None,
+                    constraint=constraint.fresh() if constraint is not None else None,
                 )
             )
         inflight = self.inflight.setdefault(pool.name, set())

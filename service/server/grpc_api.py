@@ -134,6 +134,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     resp.finish_reason = chunk.finish_reason.value  # type: ignore[assignment]  # the stubs type it as the enum; its values are ints
                     resp.usage.prompt_tokens = chunk.prompt_tokens
                     resp.usage.completion_tokens = chunk.completion_tokens
+                    resp.usage.cached_tokens = chunk.cached_tokens
                     log.info(
                         "request %s: sequence %d finished %s, %d tokens",
                         rid, index, chunk.finish_reason.name, chunk.completion_tokens,

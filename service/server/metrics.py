@@ -21,9 +21,11 @@ Per request, recorded once when it ends:
     meshserve_requests_total{pool,finish_reason}     counter: requests that reached an engine, by how
                                                      they ended; finish_reason is one of
                                                        length       max_tokens or the end of the context
-                                                       eos          the model produced an EOS id
+                                                       eos          the model produced an EOS id, or a
+                                                                    constraint's grammar is complete
                                                        stop_string  a stop string matched
                                                        cancelled    the client cancelled or its deadline passed
+                                                       grammar_dead_end  the constraint allows no next token
                                                        error        failed with UNAVAILABLE: the pool's engine
                                                                     loop died or stalled, or the server shut
                                                                     down before it finished
@@ -85,7 +87,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 NAMESPACE = "meshserve"
-FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "error")  # values of requests_total's label
+# Values of requests_total's label.
+FINISH_REASONS = ("length", "eos", "stop_string", "cancelled", "grammar_dead_end", "error")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -11,10 +11,15 @@ What is served and what is refused (docs/api.md has the table):
   ``stream_options.include_usage``; vLLM's extras ``top_k`` (-1 or 0: off), ``min_p``,
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ours, ``prefix_cache`` (gRPC's field:
   false opts out of the prefix cache); a completions ``prompt`` as token ids.
+* Structured outputs (``constraint``): ``response_format`` ``{"type": "json_object"}`` and
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (``strict`` or not,
+  the schema is enforced), and vLLM's ``structured_outputs`` with one of ``json`` (a schema),
+  ``json_object`` (true), ``regex``, ``grammar`` (Lark or GBNF) and ``choice``; on both
+  endpoints. vLLM's older ``guided_*`` fields are refused, naming their new place.
 * Fields a body has that are not listed here are ignored, as OpenAI's servers do.
 * Fields that would change the answer and are not built are refused with a 400 naming the field:
   ``tools``, ``functions``, ``tool_choice`` and ``function_call`` (other than "none"),
-  ``response_format`` other than ``{"type": "text"}``, ``logit_bias``, ``audio``, ``modalities``
+  ``structured_outputs`` keys other than the five above, ``logit_bias``, ``audio``, ``modalities``
   other than ``["text"]``, chat roles ``tool`` and ``function``, assistant ``tool_calls``, content
   parts other than text; for completions ``echo``, ``suffix``, ``best_of`` other than ``n``, and a
   list of several prompts.
@@ -36,6 +41,7 @@ from pydantic import BaseModel, ConfigDict
 from model.text.tokenizer import Tokenizer
 from service.engine.request import Chunk, FinishReason, TokenLogprob
 from service.server.validation import (
+    GrammarSpec,
     InvalidRequest,
     Params,
     ValidatedRequest,
@@ -53,7 +59,19 @@ FINISH_REASONS = {
     FinishReason.STOP_STRING: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "abort",  # vLLM's name; a client that went away never sees it
+    # Ours (docs/api.md): the constraint's grammar allows no next token, so the text is not a
+    # whole sentence of it; "stop" would tell a client it is.
+    FinishReason.GRAMMAR_DEAD_END: "grammar_dead_end",
 }
+STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+}
+# vLLM's names before ``structured_outputs`` (refused: silently unconstrained output would parse as nothing)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar", "guided_json_object": "json_object"}  # fmt: skip
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -91,6 +109,13 @@ class _Common(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     prefix_cache: bool | None = None  # ours: false opts out of the prefix cache
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: Any = None  # vLLM's older names, refused (``GUIDED``)
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -114,7 +139,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
 
@@ -157,6 +181,75 @@ def _check_common(body: _Common) -> None:
         raise _refuse("stream_options", "only allowed with stream: true")
 
 
+def constraint(body: _Common) -> GrammarSpec | None:
+    """The body's structured-output constraint: ``response_format`` (OpenAI's) or
+    ``structured_outputs`` (vLLM's), None when neither constrains the output.
+
+    Raises:
+        InvalidRequest: both given, an unknown type or key, a value of the wrong type, or one
+            of vLLM's older ``guided_*`` fields.
+    """
+    for old, new in GUIDED.items():
+        if getattr(body, old) is not None:
+            raise _refuse(old, f"vLLM's older name: send structured_outputs.{new} instead")
+    spec = None
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            spec = GrammarSpec("json_object", "", "response_format")
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _refuse("response_format.json_schema", "an object with the schema is required")
+            schema = js.get("schema", {"type": "object"})  # OpenAI's schema is optional
+            if not isinstance(schema, dict):
+                raise _refuse("response_format.json_schema.schema", f"must be an object, got {type(schema).__name__}")
+            if not isinstance(js.get("strict", False), bool | None):
+                raise _refuse("response_format.json_schema.strict", "must be a boolean")
+            spec = GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+        elif kind != "text":
+            raise _refuse("response_format.type", f"must be one of text, json_object, json_schema, got {kind!r}")
+    so = body.structured_outputs
+    if so is not None:
+        if spec is not None:
+            raise _refuse("structured_outputs", "give one of response_format and structured_outputs")
+        given = {k: v for k, v in so.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - set(STRUCTURED_OUTPUTS))
+        if unknown:
+            raise _refuse(
+                f"structured_outputs.{unknown[0]}", f"not supported; give one of {', '.join(STRUCTURED_OUTPUTS)}"
+            )
+        if len(given) != 1:
+            raise _refuse(
+                "structured_outputs", f"give exactly one of {', '.join(STRUCTURED_OUTPUTS)}, got {len(given)}"
+            )
+        ((key, value),) = given.items()
+        field = f"structured_outputs.{key}"
+        if key == "json":
+            if isinstance(value, str):  # vLLM takes the schema as JSON text too
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise _refuse(field, f"not valid JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise _refuse(field, f"must be a JSON schema (an object), got {type(value).__name__}")
+            spec = GrammarSpec("json_schema", json.dumps(value), field)
+        elif key == "json_object":
+            if value is not True:
+                raise _refuse(field, "must be true")
+            spec = GrammarSpec("json_object", "", field)
+        elif key == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise _refuse(field, "must be a non-empty list of non-empty strings")
+            spec = GrammarSpec("choice", json.dumps(value), field)
+        else:
+            if not isinstance(value, str) or not value:
+                raise _refuse(field, "must be a non-empty string")
+            spec = GrammarSpec(STRUCTURED_OUTPUTS[key], value, field)
+    return spec
+
+
 def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: dict[str, str]) -> Params:
     stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     top_k = 0 if body.top_k == -1 else body.top_k  # vLLM's "off"
@@ -176,6 +269,7 @@ def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: 
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         prefix_cache=body.prefix_cache,
+        constraint=constraint(body),
         names=names,
     )
 
@@ -215,10 +309,6 @@ def chat_request(
         value = getattr(body, name)
         if value is not None and value != "none":
             raise _refuse(name, f"only 'none' is supported (no tool calling), got {value!r}")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise _refuse(
-            "response_format", f"only {{'type': 'text'}} is supported, got {body.response_format.get('type')!r}"
-        )
     if body.audio is not None:
         raise _refuse("audio", "audio output is not supported")
     if body.modalities is not None and body.modalities != ["text"]:
@@ -302,12 +392,15 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="backslashreplace"), raw
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage: the prompt counted once, the completion summed over the n sequences."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage: the prompt counted once, the completion summed over the n sequences;
+    ``prompt_tokens_details.cached_tokens``: the prompt's tokens the prefix cache served (not
+    prefilled) for the first sequence."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -360,6 +453,7 @@ class Responses:
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # sequence 0's, from its last chunk
         self.want_logprobs = logprobs
         self.tokenizer = tokenizer
         self.choices = [_Choice() for _ in range(n)]
@@ -395,6 +489,8 @@ class Responses:
         if chunk.finish_reason is not None:
             choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
             choice.completion_tokens = chunk.completion_tokens
+            if index == 0:
+                self.cached_tokens = chunk.cached_tokens
         return choice
 
     @staticmethod
@@ -418,8 +514,8 @@ class Responses:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def completion(self) -> dict[str, Any]:
         """The non-streamed response body, once every sequence has finished."""

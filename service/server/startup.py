@@ -32,6 +32,7 @@ from service.engine.loop import make_loop
 from service.engine.runner import Runner
 from service.server.config import ConfigError, ServerConfig
 from service.server.gateway import Gateway, ModelFacts
+from service.server.grammars import Grammars
 from service.server.logs import log
 from service.server.pools import Pool, PoolSpec, assign_devices, parse_pool
 from sharding.layouts import Layout, load_layout
@@ -321,6 +322,7 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
     )  # fmt: skip
     gateway.metrics.set_weights(weights, formats)
     gateway.tokenizer = tokenizer
+    gateway.grammars = Grammars(tokenizer, model_cfg.vocab_size)
     gateway.facts = ModelFacts(
         name=path.stem if kind == "gguf" else path.name,
         path=path,

@@ -11,6 +11,7 @@ documented here and in docs/api.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,28 @@ GREEDY_BELOW = 1e-5
 MIN_REPETITION_PENALTY = 1e-30
 
 
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    """A request's constraint on its output (constrained decoding), as the request gave it;
+    ``service.server.grammars`` compiles it.
+
+    Attributes:
+        kind: one of ``CONSTRAINT_KINDS``: ``json_schema`` (``text`` a JSON schema, as JSON),
+            ``json_object`` (any JSON object; ``text`` empty), ``regex`` (the whole output
+            matches it; Rust ``regex`` syntax), ``grammar`` (a Lark grammar in llguidance's
+            dialect, or GBNF), ``choice`` (``text`` a JSON list of strings: the output is one).
+        text: as above.
+        field: the request field it came in, for messages (``response_format.json_schema``).
+    """
+
+    kind: str
+    text: str
+    field: str
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
 class InvalidRequest(ValueError):
     """A request field is malformed or out of range (gRPC INVALID_ARGUMENT, HTTP 400); the message
     starts with the field's name."""
@@ -71,6 +94,7 @@ class ValidatedRequest:
         ignore_eos: generate past EOS ids.
         prefix_cache: a paged KV cache may reuse cached pages of the prompt's prefix and keep
             this prompt's full pages for later requests (``Request.prefix_cache``).
+        constraint: the grammar every sequence's output follows, or None.
     """
 
     prompt_ids: list[int]
@@ -82,6 +106,7 @@ class ValidatedRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     prefix_cache: bool = True
+    constraint: GrammarSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +133,7 @@ class Params:
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     prefix_cache: bool | None = None
+    constraint: GrammarSpec | None = None
     names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def name(self, field: str) -> str:
@@ -234,8 +260,31 @@ def params_of(req: pb.GenerateRequest) -> Params:
         min_tokens=get("min_tokens"),
         ignore_eos=get("ignore_eos"),
         prefix_cache=get("prefix_cache"),
+        constraint=constraint_of(req),
         names={"prompt": input_field(req)},
     )
+
+
+def constraint_of(req: pb.GenerateRequest) -> GrammarSpec | None:
+    """The ``GenerateRequest.constraint`` as a ``GrammarSpec`` (None when unset).
+
+    Raises:
+        InvalidRequest: the message is set with no kind, or ``json_object`` is false.
+    """
+    if not req.HasField("constraint"):
+        return None
+    c = req.constraint
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(f"constraint: set one of {', '.join(CONSTRAINT_KINDS)}")
+    field = f"constraint.{kind}"
+    if kind == "json_object":
+        if not c.json_object:
+            raise InvalidRequest(f"{field}: must be true (leave constraint unset for none)")
+        return GrammarSpec("json_object", "", field)
+    if kind == "choice":
+        return GrammarSpec("choice", json.dumps(list(c.choice.values)), field)
+    return GrammarSpec(kind, getattr(c, kind), field)
 
 
 def validate(
@@ -379,4 +428,5 @@ def validate_params(
         min_tokens=min_tokens,
         ignore_eos=bool(p.ignore_eos),
         prefix_cache=p.prefix_cache is not False,
+        constraint=p.constraint,
     )

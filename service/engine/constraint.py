@@ -1,0 +1,104 @@
+"""Constrained decoding on the engine's side: each constrained sequence's grammar state
+(``Constraint``, an llguidance ``LLMatcher``) and the packed token masks a step applies
+(``TokenMasks``).
+
+A mask is llguidance's and vLLM's packed bitmask: [S, W] int32 with W = ceil(V / 32), bit j of
+word i allowing id 32 i + j (``model.sampling.apply_token_mask`` applies it in the step). The
+mask for the id a constrained row samples needs every id the row generated before it, its
+matcher advanced over them on the host: the engine loop lands the step in flight first
+(``EngineLoop.step``), then fills the masks (``TokenMasks.fill``). A step with no constrained
+row carries no mask and applies none.
+
+Grammars are compiled by the server (``service.server.grammars``) off the event loop; the engine
+only advances and reads the matchers, on the loop thread (``Request.accept_token``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from service.engine.batch import RaggedBatch
+
+
+class Constraint:
+    """One sequence's grammar state: which ids may come next, given the ids it generated.
+
+    Args:
+        matcher: an llguidance ``LLMatcher``, advanced in place (``fresh`` gives a copy).
+        kind: what the constraint is, for logs ("json_schema", "regex", ...).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str):
+        self.matcher = matcher
+        self.kind = kind
+
+    def fresh(self) -> Constraint:
+        """A copy in this one's state (a compiled grammar's start state, for a new sequence)."""
+        return Constraint(self.matcher.deep_copy(), self.kind)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a generated id; False when the grammar does not allow it (the matcher is
+        then in its error state for good)."""
+        return bool(self.matcher.consume_token(token_id))
+
+    @property
+    def complete(self) -> bool:
+        """The grammar has taken a whole text and allows no more: only an EOS id may follow."""
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
+
+    @property
+    def dead_end(self) -> str | None:
+        """Why the grammar cannot continue (llguidance's error: no id leads on), or None. Its mask
+        then allows the EOS ids alone."""
+        return (self.matcher.get_error() or "the grammar cannot continue") if self.matcher.is_error() else None
+
+
+class TokenMasks:
+    """The token masks of one engine's steps, and the threads that fill them.
+
+    Args:
+        num_slots: S, the engine's rows.
+        vocab_size: V, the model's logits' width (ids the tokenizer lacks are never allowed).
+    """
+
+    def __init__(self, num_slots: int, vocab_size: int):
+        self.shape = llguidance.numpy.get_bitmask_shape(num_slots, vocab_size)
+        self._executor = llguidance.LLExecutor()
+
+    def fill(self, batch: RaggedBatch, rows: list[tuple[int, Constraint, frozenset[int]]]) -> RaggedBatch:
+        """``batch`` with the masks of its constrained rows.
+
+        Args:
+            batch: the step's inputs.
+            rows: (row, constraint, the row's EOS ids) of each row that samples under a
+                constraint whose matcher has taken every id its sequence generated.
+
+        Returns:
+            ``batch`` with ``token_mask`` set: these rows' masks, every other row's allowing
+            every id. A row whose mask allows its EOS ids alone (its grammar complete, or at a
+            dead end) has its EOS ban (``min_tokens``) lifted: the grammar, not ``min_tokens``,
+            decides where a constrained output ends (with both, no id at all would be allowed).
+        """
+        mask = np.full(self.shape, -1, np.int32)
+        if rows:  # llguidance refuses an empty batch
+            matchers = [(c.matcher, row) for row, c, _ in rows]
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+        ban = batch.ban_eos
+        lifted = [row for row, _, eos in rows if ban[row] and not allows_beyond(mask[row], eos)]
+        if lifted:
+            ban = ban.copy()
+            ban[lifted] = False
+        return dataclasses.replace(batch, token_mask=mask, ban_eos=ban)
+
+
+def allows_beyond(words: np.ndarray, ids: frozenset[int]) -> bool:
+    """Whether the packed mask ``words`` [W] int32 allows an id outside ``ids``."""
+    rest = words.view(np.uint32).copy()
+    for i in ids:
+        if i // 32 < len(rest):
+            rest[i // 32] &= ~np.uint32(1 << (i % 32))
+    return bool(rest.any())

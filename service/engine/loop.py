@@ -92,7 +92,7 @@ class EngineLoop:
         self._switch: tuple[Runner | Callable[[Runner], Runner], threading.Event] | None = None
         self._switch_error: BaseException | None = None  # what the last build function raised
         self._inflight: Dispatched | None = None  # dispatched, not yet postprocessed
-        self._masks: TokenMasks | None = None  # built with the first constrained request
+        self.masks: TokenMasks | None = None  # built with the first constrained request (read by benchmarks)
         # Test hook (fault injection), None in production: called with the plan at the top of
         # every step on the loop thread; raising kills the loop, blocking simulates a stall.
         self.step_hook: Callable[[StepPlan], None] | None = None
@@ -247,14 +247,14 @@ class EngineLoop:
         batch = build(plan, self.runner.geometry, self.scheduler.page_tables, prev.plan.step if prev else None)
         if any(r.constraint is not None for r, _ in plan.samplers):
             self._finish_inflight()  # their matchers take the ids in flight before their masks
-            if self._masks is None:
-                self._masks = TokenMasks(self.runner.geometry.num_slots, self.runner.cfg.vocab_size)
+            if self.masks is None:
+                self.masks = TokenMasks(self.runner.geometry.num_slots, self.runner.cfg.vocab_size)
             rows = [
                 (row, r.constraint, r.eos_ids)
                 for r, row in plan.samplers
                 if r.constraint is not None and r.state is not RequestState.FINISHED
             ]
-            batch = self._masks.fill(batch, rows)
+            batch = self.masks.fill(batch, rows)
         out = self.runner.step(batch, prev.out if prev else None)
         self._finish_inflight()
         self._inflight = Dispatched(plan, out, time.perf_counter())

@@ -46,7 +46,8 @@ class Grammars:
         vocab_size: the model's logits' width (ids past the tokenizer's are never allowed).
 
     Attributes:
-        compile_seconds: each compile's seconds (cache misses), for the benchmark.
+        compile_seconds: the seconds of the last 1,024 compiles (cache misses), for the
+            benchmark (benchmarks/structured.py).
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
@@ -56,7 +57,7 @@ class Grammars:
         self._vocabulary_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple[str, str], Constraint] = collections.OrderedDict()
-        self.compile_seconds: list[float] = []
+        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=1024)
 
     def vocabulary(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built on first use (about half a second for

@@ -30,6 +30,18 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML that takes tools as Qwen2.5's template does (a system turn listing them, calls and
+# results as <tool_call> / <tool_response> blocks), for the tool-call tests.
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    'Call a function as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    '{% for c in m.tool_calls or [] %}\n<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 EOS_ID = 2
 # 3 specials + 256 bytes + 5 merges = 264 = 8 * 33: divisible by every TP size up to 8 and by 3.
 VOCAB_SIZE = len(SPECIALS) + 256 + len(MERGES)
@@ -81,6 +93,7 @@ def write_tiny_llama_gguf(
     context_length: int = 512,
     seed: int = 0,
     quantize: str | dict[str, str] | None = None,
+    chat_template: str = CHATML,
 ) -> Path:
     """Write the tiny model to ``path`` and return it (head dim = hidden_size // num_heads).
 
@@ -89,7 +102,8 @@ def write_tiny_llama_gguf(
     prefix ("blk.1.ffn_down.weight", "attn_q.weight", ...), to type names for some of them
     (``gguf.quants.quantize`` of the same random float32 values; for the types gguf cannot
     quantize to, Q5_0 and the K-quants, ``random_rows`` of the tensor's shape and about its
-    spread); the rest stay float32."""
+    spread); the rest stay float32. ``chat_template``: the file's (ChatML without tools by
+    default; ``TOOLS_CHATML`` takes them)."""
     import gguf
 
     path = Path(path)
@@ -117,7 +131,7 @@ def write_tiny_llama_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_ID)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(chat_template)
 
     rng = np.random.default_rng(seed)
     matmuls = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -677,6 +677,11 @@ class Tokenizer:
         self._token_bytes[token_id] = out
         return out
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source (None: the model has none)."""
+        return self._chat_template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's chat template.
 

@@ -64,6 +64,7 @@ from service.server.openai_api import (
     chat_request,
     completion_request,
     sse_event,
+    tool_names,
 )
 from service.server.validation import ValidatedRequest
 
@@ -348,10 +349,12 @@ def create_app(gateway: Gateway) -> FastAPI:
         prepare: Callable[[Tokenizer], ValidatedRequest],
         chat: bool,
         logprobs: bool,
+        tools: set[str] | None = None,
     ) -> Response:
         """Admit ``body`` (``prepare`` validates it with the tokenizer) and answer it, streamed or
         whole: chat completion objects if ``chat``, else text completions; ``logprobs``: the body
-        asks for log-probabilities.
+        asks for log-probabilities; ``tools``: the names of the tools whose calls are parsed
+        out of the answer (``Responses``).
 
         Raises:
             OpenAIError: the request was refused (its HTTP status and message).
@@ -360,7 +363,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         try:
             responses = Responses(
                 chat, rid, _model_id(gateway, generation), generation.n, generation.prompt_tokens, logprobs,
-                _tokenizer(gateway),
+                _tokenizer(gateway), tools,
             )  # fmt: skip
             return await answer(request, generation, responses, bool(body.stream), body.include_usage)
         except BaseException:
@@ -387,6 +390,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             lambda tok: chat_request(body, tok, gateway.max_request_tokens, cfg.default_max_tokens, cfg.max_queue),
             chat=True,
             logprobs=bool(body.logprobs),
+            tools=tool_names(body),
         )
 
     return app

@@ -17,12 +17,16 @@ What is served and what is refused (docs/api.md has the table):
   ``json_object`` (true), ``regex``, ``grammar`` (Lark or GBNF) and ``choice``; on both
   endpoints. vLLM's older ``guided_*`` fields are refused, naming their new place.
 * Fields a body has that are not listed here are ignored, as OpenAI's servers do.
+* Tool calls (chat; ``service.server.tool_calls``): ``tools``, ``tool_choice`` ("auto", "none",
+  "required", a named function: the last two constrained by a grammar of the call),
+  ``parallel_tool_calls``, ``tool`` messages and an assistant's ``tool_calls``, rendered by the
+  model's chat template; the answer's calls parsed into ``message.tool_calls``.
 * Fields that would change the answer and are not built are refused with a 400 naming the field:
-  ``tools``, ``functions``, ``tool_choice`` and ``function_call`` (other than "none"),
-  ``structured_outputs`` keys other than the five above, ``logit_bias``, ``audio``, ``modalities``
-  other than ``["text"]``, chat roles ``tool`` and ``function``, assistant ``tool_calls``, content
-  parts other than text; for completions ``echo``, ``suffix``, ``best_of`` other than ``n``, and a
-  list of several prompts.
+  ``functions`` and ``function_call`` (other than "none"; the deprecated names), ``tools`` for a
+  template that takes none, ``structured_outputs`` keys other than the five above,
+  ``logit_bias``, ``audio``, ``modalities`` other than ``["text"]``, chat role ``function``,
+  content parts other than text; for completions ``echo``, ``suffix``, ``best_of`` other than
+  ``n``, and a list of several prompts.
 
 Every ``InvalidRequest`` message starts with the field's name as the body spelled it
 (``messages[2].content[0].type``); ``service/server/http_api.py``'s ``error_body`` puts that name
@@ -31,6 +35,7 @@ in the error's ``param``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -40,7 +45,17 @@ from pydantic import BaseModel, ConfigDict
 
 from model.text.tokenizer import Tokenizer
 from service.engine.request import Chunk, FinishReason, TokenLogprob
+from service.server.tool_calls import (
+    Tool,
+    ToolCall,
+    ToolCallStream,
+    call_grammar,
+    parse_tools,
+    template_messages,
+    tools_problem,
+)
 from service.server.validation import (
+    CHAT_ROLES,
     GrammarSpec,
     InvalidRequest,
     Params,
@@ -126,6 +141,7 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -137,6 +153,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -275,8 +292,6 @@ def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: 
 
 
 def _message_text(i: int, m: ChatMessage) -> str:
-    if m.tool_calls:
-        raise _refuse(f"messages[{i}].tool_calls", "tool calls are not supported")
     if m.content is None:
         return ""
     if isinstance(m.content, str):
@@ -301,24 +316,33 @@ def chat_request(
         InvalidRequest: a bad or refused field (the message starts with its name).
     """
     _check_common(body)
-    if body.tools:
-        raise _refuse("tools", "tool calling is not supported; remove the field")
     if body.functions:
-        raise _refuse("functions", "function calling is not supported; remove the field")
-    for name in ("tool_choice", "function_call"):
-        value = getattr(body, name)
-        if value is not None and value != "none":
-            raise _refuse(name, f"only 'none' is supported (no tool calling), got {value!r}")
+        raise _refuse("functions", "deprecated: send tools instead")
+    if body.function_call is not None and body.function_call != "none":
+        raise _refuse("function_call", "deprecated: send tool_choice instead")
     if body.audio is not None:
         raise _refuse("audio", "audio output is not supported")
     if body.modalities is not None and body.modalities != ["text"]:
         raise _refuse("modalities", f"only ['text'] is supported, got {body.modalities!r}")
-    messages = []
+    tools, choice = offered_tools(body, tokenizer)
+    messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
-        if m.role in ("tool", "function"):
-            raise _refuse(f"messages[{i}].role", f"{m.role!r} messages are not supported (no tool calling)")
-        messages.append((ROLE_ALIASES.get(m.role, m.role), _message_text(i, m)))
-    ids = chat_prompt_ids(messages, tokenizer, "messages", max_seq_len)
+        if m.role == "function":
+            raise _refuse(f"messages[{i}].role", "'function' messages are deprecated: send 'tool' messages")
+        message: dict[str, Any] = {"role": ROLE_ALIASES.get(m.role, m.role), "content": _message_text(i, m)}
+        if (m.role == "tool" or m.tool_calls) and (problem := tools_problem(tokenizer)) is not None:
+            raise _refuse(f"messages[{i}].{'role' if m.role == 'tool' else 'tool_calls'}", problem)
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise _refuse(f"messages[{i}].tool_calls", "only an assistant message has tool calls")
+            message["tool_calls"] = _checked_calls(i, m.tool_calls)
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    ids = chat_prompt_ids(
+        template_messages(messages), tokenizer, "messages", max_seq_len,
+        tools=body.tools if tools else None, roles=(*CHAT_ROLES, "tool"),
+    )  # fmt: skip
     if not ids:
         raise InvalidRequest("messages: the prompt is empty (0 tokens)")
     names = {"prompt": "messages"}
@@ -338,7 +362,81 @@ def chat_request(
         names["logprobs"] = "top_logprobs"
     elif body.top_logprobs is not None:
         raise _refuse("top_logprobs", "requires logprobs: true")
-    return validate_params(ids, _params(body, max_tokens, logprobs, names), max_seq_len, default_max_tokens, max_queue)
+    params = _params(body, max_tokens, logprobs, names)
+    if choice is not None:  # "required" or a named function: the call is constrained
+        if params.constraint is not None:
+            raise _refuse(
+                "tool_choice", f"a forced tool call and {params.constraint.field.split('.')[0]} exclude each other"
+            )
+        chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
+        params = dataclasses.replace(
+            params, constraint=call_grammar(chosen, tokenizer, parallel=body.parallel_tool_calls is not False)
+        )
+    return validate_params(ids, params, max_seq_len, default_max_tokens, max_queue)
+
+
+def offered_tools(body: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[list[Tool], str | None]:
+    """The tools the model is offered (none when ``tool_choice`` is "none"), and the call that
+    ``tool_choice`` forces: None ("auto", "none"), "required", or a function's name.
+
+    Raises:
+        InvalidRequest: a bad tool (``parse_tools``), a ``tool_choice`` that is none of OpenAI's
+            forms, names no offered tool or comes without tools, or tools for a model whose
+            template takes none (``tools_problem``).
+    """
+    choice = body.tool_choice
+    tools = parse_tools(body.tools or [])
+    if not tools and choice not in (None, "none"):
+        raise _refuse("tool_choice", f"{choice!r} needs tools (as OpenAI's API)")
+    forced: str | None = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise _refuse(
+                "tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+            )
+        if name not in {t.name for t in tools}:
+            raise _refuse("tool_choice.function.name", f"{name!r} is not one of the tools given")
+        forced = name
+    elif choice == "required":
+        forced = "required"
+    elif choice not in (None, "none", "auto"):
+        raise _refuse("tool_choice", f'must be "none", "auto", "required" or a function, got {choice!r}')
+    if choice == "none" or not tools:
+        return [], None
+    problem = tools_problem(tokenizer)
+    if problem is not None:
+        raise _refuse("tools", problem)
+    return tools, forced
+
+
+def tool_names(body: ChatCompletionRequest) -> set[str] | None:
+    """The names of the tools whose calls the answer is parsed for (None: no tools offered, or
+    ``tool_choice`` "none", or tools ``chat_request`` refuses: such a body is answered with its
+    400 before any answer is parsed)."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    try:
+        return {t.name for t in parse_tools(body.tools)}
+    except InvalidRequest:
+        return None
+
+
+def _checked_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked to be OpenAI's shape."""
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), str)
+        ):
+            raise _refuse(
+                f"messages[{i}].tool_calls[{j}]",
+                'must be {"id", "type": "function", "function": {"name", "arguments": <JSON text>}}',
+            )
+    return list(calls)
 
 
 def completion_request(
@@ -415,6 +513,7 @@ class _Choice:
         self.started = False  # a streamed chat choice's first delta carries the role
         self.offsets: list[int] = []  # completions' text_offset of each token in logprobs (non-streamed)
         self.chars = 0  # characters of text so far (completions logprobs only): the next chunk's offset
+        self.tools: ToolCallStream | None = None  # the parser of its tool calls, when tools are offered
 
 
 class Responses:
@@ -436,6 +535,9 @@ class Responses:
         prompt_tokens: the prompt's length in tokens.
         logprobs: whether the request asked for log-probabilities.
         tokenizer: for the token strings of logprobs.
+        tools: the names of the tools offered (chat; None: none): each choice's text is split
+            into content and ``tool_calls`` (``ToolCallStream``), streamed or whole alike, and a
+            choice that called a tool ends with ``finish_reason`` "tool_calls".
     """
 
     def __init__(
@@ -447,6 +549,7 @@ class Responses:
         prompt_tokens: int,
         logprobs: bool,
         tokenizer: Tokenizer,
+        tools: set[str] | None = None,
     ):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -457,6 +560,10 @@ class Responses:
         self.want_logprobs = logprobs
         self.tokenizer = tokenizer
         self.choices = [_Choice() for _ in range(n)]
+        self.with_tools = tools is not None
+        for i, choice in enumerate(self.choices):
+            if tools is not None:
+                choice.tools = ToolCallStream(tools, f"{request_id}_{i}")
         self._event_prefix: str | None = None  # event_bytes' text up to a choice's index
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -484,10 +591,24 @@ class Responses:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
+    def _split(self, choice: _Choice, chunk: Chunk) -> tuple[str, list[ToolCall]]:
+        """The chunk's content text and the tool calls it completes (its text as is, no calls,
+        without tools)."""
+        if choice.tools is None:
+            return chunk.text, []
+        text, calls = choice.tools.push(chunk.text)
+        if chunk.finish_reason is not None:
+            rest, more = choice.tools.finish()
+            text, calls = text + rest, calls + more
+        return text, calls
+
     def _record(self, index: int, chunk: Chunk) -> _Choice:
         choice = self.choices[index]
         if chunk.finish_reason is not None:
             choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
+            ended = chunk.finish_reason in (FinishReason.EOS, FinishReason.STOP_STRING)
+            if ended and choice.tools is not None and choice.tools.calls:
+                choice.finish_reason = "tool_calls"
             choice.completion_tokens = chunk.completion_tokens
             if index == 0:
                 self.cached_tokens = chunk.cached_tokens
@@ -504,8 +625,9 @@ class Responses:
 
     def add(self, index: int, chunk: Chunk) -> None:
         """Collect one chunk of sequence ``index`` for :meth:`completion`."""
+        text, _ = self._split(self.choices[index], chunk)
         choice = self._record(index, chunk)
-        choice.text.append(chunk.text)
+        choice.text.append(text)
         choice.logprobs.extend(chunk.logprobs)
         if self.want_logprobs and not self.chat:
             choice.offsets.extend(self._offsets(choice, chunk))
@@ -524,10 +646,14 @@ class Responses:
             text = "".join(c.text)
             if self.chat:
                 lps = self._chat_logprobs(c.logprobs) if self.want_logprobs else None
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.tools is not None and c.tools.calls:
+                    message = {"role": "assistant", "content": text or None}
+                    message["tool_calls"] = [call.openai() for call in c.tools.calls]
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": lps,
                         "finish_reason": c.finish_reason,
                     }
@@ -546,10 +672,15 @@ class Responses:
         (possibly empty: one event per generated token), its logprobs, and on its last chunk its
         finish_reason. With ``include_usage`` every chunk has ``"usage": null``, as OpenAI sends
         them before the final usage chunk (:meth:`usage_event`)."""
-        choice = self._record(index, chunk)
+        choice = self.choices[index]
+        done = len(choice.tools.calls) if choice.tools is not None else 0
+        text, calls = self._split(choice, chunk)
+        self._record(index, chunk)
         body: dict[str, Any]
         if self.chat:
-            delta: dict[str, Any] = {"content": chunk.text}
+            delta: dict[str, Any] = {"content": text}
+            if calls:  # each call whole in one delta: its arguments are those of the whole answer
+                delta["tool_calls"] = [call.openai(done + k) for k, call in enumerate(calls)]
             if not choice.started:
                 delta = {"role": "assistant", **delta}
                 choice.started = True
@@ -577,7 +708,7 @@ class Responses:
         byte. Without logprobs (a streamed chunk's usual shape) it is written from a prefix built
         once per request and the JSON of the text alone, not a dict encoded whole for every
         token."""
-        if self.want_logprobs:
+        if self.want_logprobs or self.with_tools:
             return sse_event(self.event(index, chunk, include_usage))
         if self._event_prefix is None:
             obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -15,6 +15,7 @@ import json
 import math
 import secrets
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 import numpy as np
@@ -170,33 +171,42 @@ def refuse_text_beyond(text_bytes: int, tokenizer: Tokenizer, max_seq_len: int, 
 
 
 def chat_prompt_ids(
-    messages: Sequence[tuple[str, str]], tokenizer: Tokenizer, field: str, max_seq_len: int | None = None
+    messages: Sequence[tuple[str, str] | dict[str, Any]],
+    tokenizer: Tokenizer,
+    field: str,
+    max_seq_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    roles: tuple[str, ...] = CHAT_ROLES,
 ) -> list[int]:
-    """The ids of chat ``messages`` ((role, content) pairs) rendered with the model's chat template,
-    with an assistant turn opened for the answer.
+    """The ids of chat ``messages`` ((role, content) pairs, or message objects as chat templates
+    take them: ``role``, ``content``, an assistant's ``tool_calls``, a tool's ``tool_call_id``)
+    rendered with the model's chat template, with ``tools`` (OpenAI's tool objects; None: the
+    template gets none) and an assistant turn opened for the answer.
 
     Raises:
-        InvalidRequest: no message, a role that is not one of ``CHAT_ROLES`` (the message
-            names ``field``, e.g. ``chat.messages[1].role``), the chat template raised on the
+        InvalidRequest: no message, a role that is not one of ``roles`` (the message names
+            ``field``, e.g. ``chat.messages[1].role``), the chat template raised on the
             messages (or the model has none), or the contents alone are too long for
             ``max_seq_len`` (``refuse_text_beyond``; None: not checked here).
     """
+    dicts = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
     if max_seq_len is not None:
         refuse_text_beyond(
-            sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages), tokenizer, max_seq_len, field
-        )
+            sum(len((m.get("content") or "").encode("utf-8", "surrogatepass")) for m in dicts),
+            tokenizer, max_seq_len, field,
+        )  # fmt: skip
     if not messages:
         raise InvalidRequest(f"{field}: at least one message is required")
-    for i, (role, _) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{field}[{i}].role: {role!r} is not one of {', '.join(CHAT_ROLES)}")
+    for i, m in enumerate(dicts):
+        if m["role"] not in roles:
+            raise InvalidRequest(f"{field}[{i}].role: {m['role']!r} is not one of {', '.join(roles)}")
     # A template that raises on the messages (``raise_exception``: roles that do not alternate,
     # a system message it does not take) and a model without one refuse the request: the client
     # can change it, and the error would otherwise escape as an internal error (gRPC UNKNOWN,
     # HTTP 500). A template that does not parse is the server's fault and stays one.
     try:
         rendered = tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages], add_generation_prompt=True
+            dicts, add_generation_prompt=True, **({"tools": tools} if tools else {})
         )
     except NoChatTemplateError:
         raise InvalidRequest(

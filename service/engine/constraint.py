@@ -36,15 +36,34 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, kind: str):
         self.matcher = matcher
         self.kind = kind
+        self._taken = 0  # output ids taken so far
+        self._last = True  # whether the last one was allowed
 
     def fresh(self) -> Constraint:
         """A copy in this one's state (a compiled grammar's start state, for a new sequence)."""
         return Constraint(self.matcher.deep_copy(), self.kind)
 
-    def accept(self, token_id: int) -> bool:
-        """Advance over a generated id; False when the grammar does not allow it (the matcher is
-        then in its error state for good)."""
-        return bool(self.matcher.consume_token(token_id))
+    def accept(self, token_id: int, index: int) -> bool:
+        """Advance over output id number ``index`` (0-based); False when the grammar does not
+        allow it (the matcher is then in its error state for good). Taking the same index again
+        does nothing and answers as the first time: the engine loop advances a grammar ahead of
+        the request's bookkeeping (``Request.take_ahead``), which takes the id again.
+
+        Raises:
+            ValueError: ``index`` skips an id.
+        """
+        if index < self._taken:
+            return self._last
+        if index > self._taken:
+            raise ValueError(f"output id {index} given to a grammar that has taken {self._taken}")
+        self._last = bool(self.matcher.consume_token(token_id))
+        self._taken += 1
+        return self._last
+
+    @property
+    def taken(self) -> int:
+        """The output ids taken so far."""
+        return self._taken
 
     @property
     def complete(self) -> bool:

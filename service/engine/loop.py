@@ -8,8 +8,9 @@
 Step N + 1 is dispatched before step N's ids reach the host, so the device never waits for the
 host's bookkeeping; a decode token fed by step N reads its id on the device. A step that samples
 for a constrained request (``Request.constraint``) is the exception: its token mask needs the
-ids step N sampled, so step N is postprocessed first and the masks filled
-(``service.engine.constraint.TokenMasks``) before step N + 1 is dispatched.
+ids step N sampled, so step N's ids are landed, the grammars advanced over them and the masks
+filled (``service.engine.constraint.TokenMasks``) before step N + 1 is dispatched; the rest of
+step N's postprocessing still runs while step N + 1 does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from service.engine.batch import build
 from service.engine.block_manager import BlockManager
 from service.engine.constraint import TokenMasks
-from service.engine.output import StepOutput
+from service.engine.output import HostStep, StepOutput
 from service.engine.request import Request, RequestState
 from service.engine.runner import Runner
 from service.engine.scheduler import QueueFull, Scheduler, StepPlan
@@ -32,13 +33,15 @@ from service.engine.scheduler import QueueFull, Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Dispatched:
-    """A step launched but not yet on the host: its plan, its device output, when it started."""
+    """A step launched but not yet postprocessed: its plan, its device output, when it started,
+    and its ids once on the host."""
 
     plan: StepPlan
     out: StepOutput
     started: float
+    host: HostStep | None = None
 
 
 class EngineUnavailable(Exception):
@@ -246,7 +249,10 @@ class EngineLoop:
         prev = self._inflight
         batch = build(plan, self.runner.geometry, self.scheduler.page_tables, prev.plan.step if prev else None)
         if any(r.constraint is not None for r, _ in plan.samplers):
-            self._finish_inflight()  # their matchers take the ids in flight before their masks
+            # Their grammars take the ids in flight before their masks are filled; the rest of
+            # that step's bookkeeping waits until this step is dispatched.
+            if prev is not None:
+                self.scheduler.advance_grammars(prev.plan, self._land(prev))
             if self.masks is None:
                 self.masks = TokenMasks(self.runner.geometry.num_slots, self.runner.cfg.vocab_size)
             rows = [
@@ -259,14 +265,20 @@ class EngineLoop:
         self._finish_inflight()
         self._inflight = Dispatched(plan, out, time.perf_counter())
 
+    def _land(self, step: Dispatched) -> HostStep:
+        """``step``'s ids on the host (blocks until it is done; copied once)."""
+        if step.host is None:
+            t0 = time.perf_counter()
+            step.host = step.out.host()
+            self._waited += time.perf_counter() - t0
+        return step.host
+
     def _finish_inflight(self) -> None:
         """Postprocess the dispatched step, if any (blocks until its ids are on the host)."""
         if self._inflight is None:
             return
         step, self._inflight = self._inflight, None
-        t0 = time.perf_counter()
-        host = step.out.host()
-        self._waited += time.perf_counter() - t0
+        host = self._land(step)
         self._sampled += len(step.plan.samplers)
         self.scheduler.postprocess(step.plan, host)
         self.steps += 1

@@ -176,8 +176,10 @@ class Request:
         log-probabilities)."""
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
-        if self.constraint is not None and self.constraint.dead_end is not None:
-            self.finish(FinishReason.GRAMMAR_DEAD_END)  # its mask allowed EOS ids alone: this is one
+        c = self.constraint
+        if c is not None and c.taken == len(self.output_ids) and c.dead_end is not None:
+            # Sampled after the grammar's dead end, under a mask of EOS ids alone: this is one.
+            self.finish(FinishReason.GRAMMAR_DEAD_END)
             return
         if token_id in self.eos_ids and not self.ignore_eos:
             self.finish(FinishReason.EOS)
@@ -187,7 +189,7 @@ class Request:
         lps = [logprob] if logprob is not None and self.logprobs is not None else []
         # An id outside the grammar (never sampled under its mask) leaves it at a dead end.
         ended = self.constraint is not None and not stopped and (
-            not self.constraint.accept(token_id) or self.constraint.complete
+            not self.constraint.accept(token_id, len(self.output_ids) - 1) or self.constraint.complete
         )  # fmt: skip
         if stopped:
             self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)
@@ -199,6 +201,16 @@ class Request:
             self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id], logprobs=lps)
         else:
             self.emit(Chunk(text=delta, token_ids=[token_id], logprobs=lps))
+
+    def take_ahead(self, token_id: int) -> None:
+        """Advance the constraint's grammar over a sampled id before ``accept_token`` records it
+        (which then finds it taken): the engine loop fills the next step's token masks before it
+        does the rest of this step's bookkeeping. EOS ids (unless ``ignore_eos``) and a grammar at
+        a dead end take nothing, as in ``accept_token``."""
+        c = self.constraint
+        if c is None or c.dead_end is not None or (token_id in self.eos_ids and not self.ignore_eos):
+            return
+        c.accept(token_id, len(self.output_ids))
 
     def finish(
         self,

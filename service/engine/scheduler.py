@@ -411,6 +411,14 @@ class Scheduler:
         self._commit(r for r in (*(c.request for c in plan.prefills), *(d.request for d in plan.decode)))
         self.release_finished()
 
+    def advance_grammars(self, plan: StepPlan, host: HostStep) -> None:
+        """Advance the constrained requests' grammars over step ``plan``'s ids (``host``) ahead of
+        its ``postprocess`` (``Request.take_ahead``), so the next step's masks can be filled
+        before the rest of this step's bookkeeping."""
+        for r, row in plan.samplers:
+            if r.constraint is not None and r.state is not RequestState.FINISHED:
+                r.take_ahead(int(host.ids[row]))
+
     def _commit(self, requests: Iterable[Request]) -> None:
         """Register in the prefix cache the full pages of ``requests`` whose ids are known on the
         host (a later step may still be writing their keys: it runs before any step that could

@@ -234,3 +234,14 @@ class GrpcStream:
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "the stream did not end"
+
+
+def openai_client(srv: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
+    """The official ``openai`` client on a ``ServerThread``'s HTTP port; no retries (it retries
+    429 and 5xx by default)."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{srv.running.http_port}/v1", api_key="unused", max_retries=0, timeout=timeout,
+        **kwargs,
+    )  # fmt: skip

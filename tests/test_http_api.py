@@ -27,7 +27,7 @@ from typing import Any
 import openai
 import pytest
 from fastapi.sse import format_sse_event
-from helpers import free_port, full_queue, get, held_port, post, scrape, value, wait_for
+from helpers import free_port, full_queue, get, held_port, openai_client, post, scrape, value, wait_for
 
 from model.sampling import sequence_seed
 from model.text.tokenizer import Tokenizer
@@ -56,14 +56,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def api(srv: Any, **kwargs: Any) -> openai.OpenAI:
-    """The official client on ``srv``'s HTTP port; no retries (it retries 429 and 5xx by default)."""
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{srv.running.http_port}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=kwargs.pop("timeout", TIMEOUT_S),
-        **kwargs,
-    )
+    """The official client on ``srv``'s HTTP port (``helpers.openai_client``)."""
+    return openai_client(srv, **{"timeout": TIMEOUT_S, **kwargs})  # type: ignore[no-any-return]
 
 
 def sse_data(text: str) -> list[str]:

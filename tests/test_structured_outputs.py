@@ -19,7 +19,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from helpers import status_of
+from helpers import openai_client, status_of
 from structured_schemas import SCHEMAS, bounded
 
 from protos.meshserve.v1 import meshserve_pb2 as pb
@@ -29,15 +29,9 @@ HI = [{"role": "user", "content": "hi"}]
 DEAD_END = 'start: "a" B\nB: /b/ & /c/'  # after "a", B's two patterns share no text
 
 
-def api(srv: Any) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{srv.running.http_port}/v1", api_key="-", max_retries=0, timeout=300
-    )
-
-
 @pytest.fixture()
 def client(tiny_server) -> Iterator[openai.OpenAI]:  # type: ignore[no-untyped-def]
-    c = api(tiny_server)
+    c = openai_client(tiny_server, timeout=300)
     yield c
     c.close()
 
@@ -181,7 +175,7 @@ def _parses(text: str) -> bool:
 # ---- the real model -----------------------------------------------------------------------------
 @pytest.fixture()
 def real(server) -> Iterator[openai.OpenAI]:  # type: ignore[no-untyped-def]
-    c = api(server)
+    c = openai_client(server, timeout=300)
     yield c
     c.close()
 

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from helpers import free_port
+from helpers import free_port, openai_client
 from tiny_gguf import TOOLS_CHATML, write_tiny_llama_gguf
 
 from model.text.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ def tools_server(tools_gguf: Path) -> Iterator[Any]:
 
 @pytest.fixture()
 def client(tools_server: Any) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"http://127.0.0.1:{tools_server.running.http_port}/v1", api_key="-", max_retries=0, timeout=300)  # fmt: skip
+    c = openai_client(tools_server, timeout=300)
     yield c
     c.close()
 
@@ -171,7 +171,7 @@ def test_bad_tools_are_a_400_naming_the_field(client: openai.OpenAI, extra: dict
 
 
 def test_a_model_whose_template_takes_no_tools_says_so(tiny_server: Any) -> None:
-    c = openai.OpenAI(base_url=f"http://127.0.0.1:{tiny_server.running.http_port}/v1", api_key="-", max_retries=0)
+    c = openai_client(tiny_server)
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model="default", messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools"

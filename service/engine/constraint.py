@@ -15,14 +15,11 @@ only advances and reads the matchers, on the loop thread (``Request.accept_token
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import llguidance
 import llguidance.numpy
 import numpy as np
-
-from service.engine.batch import RaggedBatch
 
 
 class Constraint:
@@ -91,33 +88,34 @@ class TokenMasks:
         self.fills = 0  # steps that filled masks, and the seconds they took (benchmarks/structured.py)
         self.fill_seconds = 0.0
 
-    def fill(self, batch: RaggedBatch, rows: list[tuple[int, Constraint, frozenset[int]]]) -> RaggedBatch:
-        """``batch`` with the masks of its constrained rows.
+    def fill(
+        self, rows: list[tuple[int, Constraint, frozenset[int]]], ban_eos: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The masks of a step's constrained rows (``RaggedBatch.token_mask``), and its EOS bans.
 
         Args:
-            batch: the step's inputs.
             rows: (row, constraint, the row's EOS ids) of each row that samples under a
                 constraint whose matcher has taken every id its sequence generated.
+            ban_eos: [S] bool, the step's EOS bans (``RaggedBatch.ban_eos``; not changed).
 
         Returns:
-            ``batch`` with ``token_mask`` set: these rows' masks, every other row's allowing
-            every id. A row whose mask allows its EOS ids alone (its grammar complete, or at a
-            dead end) has its EOS ban (``min_tokens``) lifted: the grammar, not ``min_tokens``,
-            decides where a constrained output ends (with both, no id at all would be allowed).
+            (mask [S, W] int32: these rows' masks, every other row's allowing every id;
+            the bans, with the ban (``min_tokens``) lifted for a row whose mask allows its EOS ids
+            alone, its grammar complete or at a dead end: the grammar, not ``min_tokens``,
+            decides where a constrained output ends, and with both no id would be allowed).
         """
         t0 = time.perf_counter()
         mask = np.full(self.shape, -1, np.int32)
         if rows:  # llguidance refuses an empty batch
             matchers = [(c.matcher, row) for row, c, _ in rows]
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
-        ban = batch.ban_eos
-        lifted = [row for row, _, eos in rows if ban[row] and not allows_beyond(mask[row], eos)]
+        lifted = [row for row, _, eos in rows if ban_eos[row] and not allows_beyond(mask[row], eos)]
         if lifted:
-            ban = ban.copy()
-            ban[lifted] = False
+            ban_eos = ban_eos.copy()
+            ban_eos[lifted] = False
         self.fills += 1
         self.fill_seconds += time.perf_counter() - t0
-        return dataclasses.replace(batch, token_mask=mask, ban_eos=ban)
+        return mask, ban_eos
 
 
 def allows_beyond(words: np.ndarray, ids: frozenset[int]) -> bool:

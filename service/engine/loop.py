@@ -260,7 +260,8 @@ class EngineLoop:
                 for r, row in plan.samplers
                 if r.constraint is not None and r.state is not RequestState.FINISHED
             ]
-            batch = self.masks.fill(batch, rows)
+            mask, ban = self.masks.fill(rows, batch.ban_eos)
+            batch = dataclasses.replace(batch, token_mask=mask, ban_eos=ban)
         out = self.runner.step(batch, prev.out if prev else None)
         self._finish_inflight()
         self._inflight = Dispatched(plan, out, time.perf_counter())

@@ -338,3 +338,23 @@ def test_generate_waiting_for_no_server_is_one_line(capsys: pytest.CaptureFixtur
     assert done.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("meshserve: ") and "SERVING" in err and err.count("\n") == 1, err
+
+
+def test_generate_constraint_flags_reach_the_request(tiny_server, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """--choice, --regex and --json-schema (a file) constrain the answer (the tiny model's random
+    weights write nothing of the kind unconstrained); two of them at once is a usage error."""
+    import json
+    import re
+
+    base = ["generate", "--address", tiny_server.address, "--temperature", "0", "--max-tokens", "40", "hi"]
+    assert main([*base, "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main([*base, "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", capsys.readouterr().out.strip())
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}))  # fmt: skip
+    assert main([*base, "--json-schema", str(schema)]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out)["ok"], bool)
+    with pytest.raises(SystemExit) as info:
+        main([*base, "--regex", "a", "--choice", "b"])
+    assert info.value.code == 2

@@ -223,7 +223,31 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "logprobs": args.logprobs,
         "layout": args.layout,
         "prefix_cache": None if args.prefix_cache else False,  # unset: the server's default (true)
+        "constraint": _constraint(args),
     }
+
+
+def _constraint(args: argparse.Namespace) -> Any:
+    """The request's ``constraint`` from ``--json-schema`` (a file, or the schema's JSON text),
+    ``--json``, ``--regex``, ``--grammar`` (a file, or the grammar's text) or ``--choice``
+    (repeatable); None when none is given (argparse lets one at most)."""
+    from protos.meshserve.v1 import meshserve_pb2 as pb
+
+    def text_or_file(value: str) -> str:
+        path = Path(value)
+        return path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
+
+    if args.json_schema is not None:
+        return pb.Constraint(json_schema=text_or_file(args.json_schema))
+    if args.json_object:
+        return pb.Constraint(json_object=True)
+    if args.regex is not None:
+        return pb.Constraint(regex=args.regex)
+    if args.grammar is not None:
+        return pb.Constraint(grammar=text_or_file(args.grammar))
+    if args.choice:
+        return pb.Constraint(choice=pb.Choices(values=args.choice))
+    return None
 
 
 def _end_line(parts: list[str]) -> None:
@@ -584,6 +608,14 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="neither reuse cached pages of the prompt nor keep its pages (the request's prefix_cache: false)",
     )
+    c = p.add_mutually_exclusive_group()  # the request's constraint (docs/api.md, "Structured outputs")
+    c.add_argument(
+        "--json-schema", metavar="SCHEMA", help="answer JSON valid against this schema (its JSON text or a file)"
+    )
+    c.add_argument("--json", dest="json_object", action="store_true", help="answer a JSON object")
+    c.add_argument("--regex", help="answer a whole match of this regular expression")
+    c.add_argument("--grammar", help="answer a sentence of this Lark or GBNF grammar (its text or a file)")
+    c.add_argument("--choice", action="append", help="answer one of these strings (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:

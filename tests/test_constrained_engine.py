@@ -173,3 +173,45 @@ def test_constrained_ids_survive_preemption() -> None:
         assert loop.scheduler.preemptions > 0
     finally:
         loop.stop()
+
+
+def test_constrained_streams_keep_their_ids_across_a_live_switch() -> None:
+    """2x1 -> 1x1 with constrained streams in flight: every sequence is recomputed over the new
+    pools with its grammar state kept, and each stream's ids stay the constrained reference's."""
+    import threading
+    import time
+
+    import jax
+
+    from sharding.layouts import Layout
+
+    loop = tiny_loop("2x1", jax.devices()[:2])
+    new = loop.runner.relayout(Layout("1x1"), jax.devices()[:1])
+    new.warmup_to_replace(loop.runner)
+    loop.start()
+    try:
+        assert loop.ready.wait(600)
+        cases = [(PROMPT_A, DIGITS), (PROMPT_C, JSON), (PROMPT_B, DIGITS)]
+        requests = [make(p, 24, eos=frozenset({EOS}), constraint=constraint(g)) for p, g in cases]
+        started = threading.Event()
+        ids: list[list[int]] = [[] for _ in requests]
+        done = [threading.Event() for _ in requests]
+        for i, r in enumerate(requests):
+
+            def emit(chunk, i=i):  # type: ignore[no-untyped-def]
+                ids[i].extend(chunk.token_ids)
+                time.sleep(0.02)  # on the loop thread: the switch lands mid-stream
+                if len(ids[i]) >= 2:
+                    started.set()
+                if chunk.finish_reason is not None or chunk.error is not None:
+                    done[i].set()
+
+            r.emit = emit
+            loop.submit(r)
+        assert started.wait(120)
+        loop.switch_runner(new)
+        assert all(d.wait(300) for d in done)
+        assert sum(r.preemptions for r in requests) >= 1  # recomputed at the switch
+        assert ids == [constrained_reference(p, 24, g)[0] for p, g in cases]
+    finally:
+        loop.stop()

@@ -324,3 +324,30 @@ def test_real_save_and_from_checkpoint_round_trip(ours: Tokenizer, tmp_path: Pat
         ours.vocab_size,
     )
     assert back.max_token_bytes == ours.max_token_bytes
+
+
+@pytest.mark.slow
+def test_real_vocabulary_drives_a_grammar(ours: Tokenizer) -> None:
+    """llguidance takes Gemma's SentencePiece vocabulary (▁ for spaces, byte fallback) as the
+    constraint compiler builds it: a JSON schema's mask admits our own encoding of a valid answer
+    (BOS dropped) id by id, ends it, and refuses an id that would break it."""
+    import json
+
+    import llguidance.numpy
+    import numpy as np
+
+    from service.server.grammars import Grammars
+    from service.server.validation import GrammarSpec
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "n": {"type": "integer"}}, "required": ["city", "n"], "additionalProperties": False}  # fmt: skip
+    constraint = Grammars(ours, ours.vocab_size).compile(GrammarSpec("json_schema", json.dumps(schema), "t")).fresh()
+    ids = ours.encode('{"city": "Zürich ☃", "n": 12}')[1:]
+    mask = llguidance.numpy.allocate_token_bitmask(1, ours.vocab_size)
+    for i, token in enumerate(ids):
+        llguidance.numpy.fill_next_token_bitmask(constraint.matcher, mask, 0)
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        assert allowed[token], (i, token)
+        if i == 0:
+            assert not allowed[ours.encode("x")[-1]]  # a JSON object starts with {
+        assert constraint.accept(token, i)
+    assert constraint.complete

@@ -32,10 +32,10 @@ draw see only the allowed ids, and so do the log-probabilities (``service.engine
 The ids a slot has seen live on the device in a :class:`TokenHistory` (counts of generated ids,
 a mask of prompt ids), which the engine updates inside its steps.
 
-Order: the token mask, the EOS ban and the penalties act on the raw logits, as in vLLM's sampler (repetition,
-then frequency, then presence); greedy slots take the argmax of those penalized logits. Sampled
-slots then divide by the temperature and filter by top-k, top-p, then min_p, the order of
-Hugging Face's warpers (and of vLLM's V0 sampler), and draw. min_p reads the distribution left
+Order: the token mask, the EOS ban and the penalties act on the raw logits, as in vLLM's sampler
+(repetition, then frequency, then presence); greedy slots take the argmax of those penalized
+logits. Sampled slots then divide by the temperature and filter by top-k, top-p, then min_p,
+the order of Hugging Face's warpers (and of vLLM's V0 sampler), and draw. min_p reads the distribution left
 by top-k/top-p, whose ratios to the most likely id's probability are the unfiltered ones (a
 renormalisation does not change them), so it keeps the survivors with p >= min_p * p_max.
 Each stage runs only when some slot uses it (``lax.cond``, ``lax.switch``): a batch without
@@ -291,9 +291,9 @@ def sample(
     Returns:
         [S] int32 token ids. Slots with temperature 0 get the argmax of the penalized logits.
         Each stage runs only when some slot needs it (``lax.cond``, ``lax.switch``): the mask,
-        the EOS ban and the penalties when a slot is masked, bans or is penalized, the draw when a slot samples,
-        the sorts when a sampling slot filters by top-k or top-p, min_p when a sampling slot
-        sets it.
+        the EOS ban and the penalties when a slot is masked, bans or is penalized, the draw when
+        a slot samples, the sorts when a sampling slot filters by top-k or top-p, min_p when a
+        sampling slot sets it.
     """
     V = logits.shape[-1]
     sampling = sp.temperature > 0

@@ -173,3 +173,32 @@ def run(loop: EngineLoop, requests: list[Request]) -> list[tuple[list[int], Fini
     for d in done:
         assert d.wait(300)
     return list(zip(ids, reasons, strict=True))
+
+
+def run_across_switch(loop: EngineLoop, new: Runner, requests: list[Request]) -> list[list[int]]:
+    """Submit ``requests`` to the started ``loop``, switch it to ``new`` (built and warmed) once
+    a stream has two ids, and wait for all: each one's ids. Each emit sleeps 20 ms on the loop
+    thread, so the switch lands while the streams run."""
+    import time
+
+    started = threading.Event()
+    ids: list[list[int]] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+    for i, r in enumerate(requests):
+
+        def emit(chunk: Chunk, i: int = i) -> None:
+            ids[i].extend(chunk.token_ids)
+            time.sleep(0.02)
+            if len(ids[i]) >= 2:
+                started.set()
+            if chunk.finish_reason is not None or chunk.error is not None:
+                done[i].set()
+
+        r.emit = emit
+        loop.submit(r)
+    assert started.wait(120)
+    loop.switch_runner(new)
+    assert loop.runner is new
+    assert not all(d.is_set() for d in done)  # still streaming after the switch
+    assert all(d.wait(300) for d in done)
+    return ids

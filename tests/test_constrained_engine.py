@@ -13,7 +13,20 @@ import llguidance.numpy
 import numpy as np
 import pytest
 from helpers import penalized
-from reference import CFG, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, PROMPT_C, T, dense_logits, make, run, tiny_loop
+from reference import (
+    CFG,
+    GRAPHDEF,
+    PARAMS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    T,
+    dense_logits,
+    make,
+    run,
+    run_across_switch,
+    tiny_loop,
+)
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
@@ -50,7 +63,7 @@ DEAD_END = llguidance.LLMatcher.grammar_from_lark('start: "ab" B\nB: /c/ & /d/')
 
 
 def constraint(grammar: str) -> Constraint:
-    return Constraint(llguidance.LLMatcher(VOCAB, grammar, log_level=0), "test")
+    return Constraint(llguidance.LLMatcher(VOCAB, grammar, log_level=0))
 
 
 def constrained_reference(
@@ -178,9 +191,6 @@ def test_constrained_ids_survive_preemption() -> None:
 def test_constrained_streams_keep_their_ids_across_a_live_switch() -> None:
     """2x1 -> 1x1 with constrained streams in flight: every sequence is recomputed over the new
     pools with its grammar state kept, and each stream's ids stay the constrained reference's."""
-    import threading
-    import time
-
     import jax
 
     from sharding.layouts import Layout
@@ -193,24 +203,7 @@ def test_constrained_streams_keep_their_ids_across_a_live_switch() -> None:
         assert loop.ready.wait(600)
         cases = [(PROMPT_A, DIGITS), (PROMPT_C, JSON), (PROMPT_B, DIGITS)]
         requests = [make(p, 24, eos=frozenset({EOS}), constraint=constraint(g)) for p, g in cases]
-        started = threading.Event()
-        ids: list[list[int]] = [[] for _ in requests]
-        done = [threading.Event() for _ in requests]
-        for i, r in enumerate(requests):
-
-            def emit(chunk, i=i):  # type: ignore[no-untyped-def]
-                ids[i].extend(chunk.token_ids)
-                time.sleep(0.02)  # on the loop thread: the switch lands mid-stream
-                if len(ids[i]) >= 2:
-                    started.set()
-                if chunk.finish_reason is not None or chunk.error is not None:
-                    done[i].set()
-
-            r.emit = emit
-            loop.submit(r)
-        assert started.wait(120)
-        loop.switch_runner(new)
-        assert all(d.wait(300) for d in done)
+        ids = run_across_switch(loop, new, requests)
         assert sum(r.preemptions for r in requests) >= 1  # recomputed at the switch
         assert ids == [constrained_reference(p, 24, g)[0] for p, g in cases]
     finally:

@@ -9,13 +9,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Iterator
 
 import jax
 import numpy as np
 import pytest
-from reference import CFG, CHUNK, GRAPHDEF, PARAMS, PROMPT_A, PROMPT_B, PROMPT_C, N, make, reference, run, tiny_loop
+from reference import (
+    CFG,
+    CHUNK,
+    GRAPHDEF,
+    PARAMS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    N,
+    make,
+    reference,
+    run,
+    run_across_switch,
+    tiny_loop,
+)  # fmt: skip
 
 from model.attention import cpu as cpu_attention
 from model.native import cpu_matmul
@@ -386,26 +399,8 @@ def test_a_switch_to_another_number_of_replicas_mid_stream_keeps_the_ids() -> No
         assert loop.ready.wait(600)
         prompts, lengths = [PROMPT_A, PROMPT_C, PROMPT_B], [40, 24, 40]
         requests = [make(p, n) for p, n in zip(prompts, lengths, strict=True)]
-        started = threading.Event()
-        ids: list[list[int]] = [[] for _ in requests]
-        done = [threading.Event() for _ in requests]
-        for i, r in enumerate(requests):
-
-            def emit(chunk, i=i):  # type: ignore[no-untyped-def]
-                ids[i].extend(chunk.token_ids)
-                time.sleep(0.02)  # on the loop thread: 40 ids take a second or more
-                if len(ids[i]) >= 2:
-                    started.set()
-                if chunk.finish_reason is not None or chunk.error is not None:
-                    done[i].set()
-
-            r.emit = emit
-            loop.submit(r)
-        assert started.wait(120)
-        loop.switch_runner(new)
-        assert loop.runner is new and len(loop.scheduler.pools) == 1
-        assert not all(d.is_set() for d in done)  # still streaming after the switch
-        assert all(d.wait(300) for d in done)
+        ids = run_across_switch(loop, new, requests)  # 40 ids at 20 ms each: the switch lands mid-stream
+        assert len(loop.scheduler.pools) == 1
         assert sum(r.preemptions for r in requests) >= 2  # recomputed at the switch
         assert ids == [reference(p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
         assert loop.scheduler.page_counts()["used"] == 0

@@ -27,18 +27,16 @@ class Constraint:
 
     Args:
         matcher: an llguidance ``LLMatcher``, advanced in place (``fresh`` gives a copy).
-        kind: what the constraint is, for logs ("json_schema", "regex", ...).
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, kind: str):
+    def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
-        self.kind = kind
         self._taken = 0  # output ids taken so far
         self._last = True  # whether the last one was allowed
 
     def fresh(self) -> Constraint:
         """A copy in this one's state (a compiled grammar's start state, for a new sequence)."""
-        return Constraint(self.matcher.deep_copy(), self.kind)
+        return Constraint(self.matcher.deep_copy())
 
     def accept(self, token_id: int, index: int) -> bool:
         """Advance over output id number ``index`` (0-based); False when the grammar does not
@@ -68,10 +66,10 @@ class Constraint:
         return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     @property
-    def dead_end(self) -> str | None:
-        """Why the grammar cannot continue (llguidance's error: no id leads on), or None. Its mask
-        then allows the EOS ids alone."""
-        return (self.matcher.get_error() or "the grammar cannot continue") if self.matcher.is_error() else None
+    def at_dead_end(self) -> bool:
+        """The grammar cannot continue (llguidance's error state: no id leads on); its mask then
+        allows the EOS ids alone."""
+        return bool(self.matcher.is_error())
 
 
 class TokenMasks:

@@ -22,7 +22,7 @@ class FinishReason(enum.Enum):
     EOS = 2  # an EOS id, or a constraint's grammar complete (EOS the only id it allows next)
     STOP_STRING = 3
     CANCELLED = 4
-    GRAMMAR_DEAD_END = 5  # the constraint's grammar allows no next id (``Constraint.dead_end``)
+    GRAMMAR_DEAD_END = 5  # the constraint's grammar allows no next id (``Constraint.at_dead_end``)
 
 
 class RequestState(enum.Enum):
@@ -177,7 +177,7 @@ class Request:
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
         c = self.constraint
-        if c is not None and c.taken == len(self.output_ids) and c.dead_end is not None:
+        if c is not None and c.taken == len(self.output_ids) and c.at_dead_end:
             # Sampled after the grammar's dead end, under a mask of EOS ids alone: this is one.
             self.finish(FinishReason.GRAMMAR_DEAD_END)
             return
@@ -195,7 +195,7 @@ class Request:
             self.finish(FinishReason.STOP_STRING, last_text=delta, last_ids=[token_id], logprobs=lps)
         elif ended:
             assert self.constraint is not None
-            reason = FinishReason.EOS if self.constraint.dead_end is None else FinishReason.GRAMMAR_DEAD_END
+            reason = FinishReason.GRAMMAR_DEAD_END if self.constraint.at_dead_end else FinishReason.EOS
             self.finish(reason, last_text=delta, last_ids=[token_id], logprobs=lps)
         elif len(self.output_ids) >= self.max_tokens:
             self.finish(FinishReason.LENGTH, last_text=delta, last_ids=[token_id], logprobs=lps)
@@ -208,7 +208,7 @@ class Request:
         does the rest of this step's bookkeeping. EOS ids (unless ``ignore_eos``) and a grammar at
         a dead end take nothing, as in ``accept_token``."""
         c = self.constraint
-        if c is None or c.dead_end is not None or (token_id in self.eos_ids and not self.ignore_eos):
+        if c is None or c.at_dead_end or (token_id in self.eos_ids and not self.ignore_eos):
             return
         c.accept(token_id, len(self.output_ids))
 

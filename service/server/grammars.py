@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy
-import numpy as np
 
-from model.sampling import mask_words
 from model.text.tokenizer import Tokenizer
 from service.engine.constraint import Constraint
 from service.server.validation import CONSTRAINT_KINDS, GrammarSpec, InvalidRequest
@@ -107,10 +105,12 @@ class Grammars:
             raise InvalidRequest(f"{spec.field}: does not compile: {first_line(error)}")
         matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
         if not matcher.is_error():  # computing the first mask finds a language with no text at all
-            llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, mask_words(self._vocab_size)), np.int32))
+            llguidance.numpy.fill_next_token_bitmask(
+                matcher, llguidance.numpy.allocate_token_bitmask(1, self._vocab_size)
+            )
         if matcher.is_error():
             raise InvalidRequest(f"{spec.field}: allows no output at all: {first_line(matcher.get_error())}")
-        return Constraint(matcher, spec.kind)
+        return Constraint(matcher)
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:

@@ -561,8 +561,8 @@ class Responses:
         self.tokenizer = tokenizer
         self.choices = [_Choice() for _ in range(n)]
         self.with_tools = tools is not None
-        for i, choice in enumerate(self.choices):
-            if tools is not None:
+        if tools is not None:
+            for i, choice in enumerate(self.choices):
                 choice.tools = ToolCallStream(tools, f"{request_id}_{i}")
         self._event_prefix: str | None = None  # event_bytes' text up to a choice's index
 
@@ -648,8 +648,7 @@ class Responses:
                 lps = self._chat_logprobs(c.logprobs) if self.want_logprobs else None
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if c.tools is not None and c.tools.calls:
-                    message = {"role": "assistant", "content": text or None}
-                    message["tool_calls"] = [call.openai() for call in c.tools.calls]
+                    message.update(content=text or None, tool_calls=[call.openai() for call in c.tools.calls])
                 choices.append(
                     {
                         "index": i,

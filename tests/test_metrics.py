@@ -137,12 +137,13 @@ def test_the_docstring_lists_every_metric_with_its_labels_and_every_finish_reaso
     m.set_weights("stored", {"wqkv": "q4_1", "embed": "q8_0"})
     m.track_pages("default", lambda: {"used": 0, "cached": 0, "free": 8})
     m.track_compiles("default", CompileCounts)
+    m.track_speculation("default", "ngram")
     m.rejected.labels(pool="", code="unavailable").inc()
     exported: dict[str, list[str]] = {}
     for family in m.registry.collect():
         suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
         exported[family.name + suffix] = sorted({k for s in family.samples for k in s.labels if k != "le"})
-    assert len(exported) == 24
+    assert len(exported) == 28
     assert documented == exported
     assert exported["meshserve_requests_rejected_total"] == ["code", "pool"]
     assert exported["meshserve_serving"] == []

@@ -67,6 +67,10 @@ class RaggedBatch:
             where the step runs in a larger compiled program (``Geometry.widen``).
         token_mask: [S, W] int32, each row's packed token mask (``model.sampling.apply_token_mask``;
             ``service.engine.constraint.TokenMasks`` fills it), or None: no row is constrained.
+        drafted: [N] bool, the token is followed in its row by a draft id (speculative decoding:
+            a decode token or a draft id before the row's last token), so it samples too, to
+            verify that draft; or None: no row speculates. A speculating row's tokens are
+            consecutive in the decode region, its ``last_index`` the last of them.
     """
 
     tokens: np.ndarray
@@ -83,6 +87,7 @@ class RaggedBatch:
     installs: tuple[RowInstall, ...] = ()
     window_pages: int = 0
     token_mask: np.ndarray | None = None
+    drafted: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +97,7 @@ class Geometry:
     the attention window (the backend's: ``AttentionBackend.window_buckets``).
 
     Programs = decode x prefill x window buckets; the decode region is a power of two up to the
-    rows of a replica, from 1 in a decode-only step and from ``MIN_DECODE`` beside prefill
+    rows of a replica and its ``draft_tokens`` (speculative decoding's draft ids), from 1 in a decode-only step and from ``MIN_DECODE`` beside prefill
     chunks (``decode_bucket``: every padding row costs a decode step about what a real one
     does, so a single stream of a 64-row server paid for 8); the prefill region 0 tokens or a power of two
     times ``seq_block`` up to ``max_num_batched_tokens`` (rounded up to a block), or up to one
@@ -107,6 +112,7 @@ class Geometry:
     decode_buckets: tuple[int, ...]
     prefill_buckets: tuple[int, ...]
     window_buckets: tuple[int, ...]
+    draft_tokens: int = 0
 
     @classmethod
     def make(
@@ -118,9 +124,11 @@ class Geometry:
         chunk_size: int,
         max_num_batched_tokens: int,
         window_buckets: list[int],
+        draft_tokens: int = 0,
     ) -> Geometry:
         """The geometry of an engine of these sizes; ``window_buckets``: the attention backend's
-        (``AttentionBackend.window_buckets``)."""
+        (``AttentionBackend.window_buckets``); ``draft_tokens``: the draft ids a replica's decode
+        region holds beyond one token per row (``EngineConfig.draft_tokens``)."""
         max_pages = -(-max_seq_len // page_size)
         seq_block = min(SEQ_BLOCK, chunk_size)  # a chunk pads to a whole block: no bigger than a chunk
 
@@ -137,14 +145,21 @@ class Geometry:
             page_size=page_size,
             max_pages=max_pages,
             seq_block=seq_block,
-            decode_buckets=tuple(power_of_two_buckets(1, rows)),
+            decode_buckets=tuple(power_of_two_buckets(1, rows + draft_tokens)),
             prefill_buckets=(0, *power_of_two_buckets(seq_block, region)),
             window_buckets=tuple(window_buckets),
+            draft_tokens=draft_tokens,
         )
 
     @property
     def rows_per_replica(self) -> int:
         return self.num_slots // self.replicas
+
+    @property
+    def decode_capacity(self) -> int:
+        """The most tokens of one replica's decode region, and the most ids it samples in a step:
+        one per row and ``draft_tokens`` more."""
+        return self.rows_per_replica + self.draft_tokens
 
     def replica_of(self, row: int) -> int:
         """The data replica serving ``row`` (rows [r S/d, (r + 1) S/d) are replica r's)."""
@@ -157,7 +172,7 @@ class Geometry:
         return tuple(b for b in self.decode_buckets if b >= min(MIN_DECODE, self.rows_per_replica))
 
     def decode_bucket(self, num_tokens: int, mixed: bool = False) -> int:
-        """The decode region's length for ``num_tokens`` decode tokens (<= a replica's rows), in
+        """The decode region's length for ``num_tokens`` decode tokens (<= ``decode_capacity``), in
         a step with a prefill region when ``mixed``."""
         return pick_bucket(num_tokens, self.mixed_decode_buckets if mixed else self.decode_buckets)
 
@@ -166,34 +181,40 @@ class Geometry:
         return pick_bucket(num_tokens, self.prefill_buckets)
 
     def sample_slots(self, decode_tokens: int, prefill_tokens: int) -> int:
-        """R: the most rows of one replica that sample in a step of these regions (one per
-        decode token, one per chunk, each chunk at least a block), and no more than its rows.
-        The step computes logits for R slots per replica, not for every row: a single stream
-        on a server of 64 rows made the LM head and the sampler run 64 rows each step."""
-        return min(self.rows_per_replica, decode_tokens + prefill_tokens // self.seq_block)
+        """R: the most ids one replica samples in a step of these regions (one per decode
+        token, one per chunk, each chunk at least a block), and no more than its
+        ``decode_capacity``. The step computes logits for R slots per replica, not for every
+        row: a single stream on a server of 64 rows made the LM head and the sampler run 64
+        rows each step."""
+        return min(self.decode_capacity, decode_tokens + prefill_tokens // self.seq_block)
 
     def samplers(self, batch: RaggedBatch) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's sampling rows in ``sample_slots`` slots per replica: (rows [d R] int32,
+        """The batch's sampling tokens in ``sample_slots`` slots per replica: (rows [d R] int32,
         -1 for an empty slot; the index in [0, N) of each slot's token, an empty slot its
         region's first). Row s samples when the token at ``last_index[s]`` is its own (a row
         that samples nothing points at its region's first token, a decode slot no prefilling
-        row holds).
+        row holds), and so does every ``drafted`` token. A replica's slots are in the order of
+        their tokens, so a speculating row's are consecutive, in position order.
 
         Raises:
-            ValueError: more rows sample in a replica than its slots.
+            ValueError: more tokens sample in a replica than its slots.
         """
-        d, S_r = self.replicas, self.rows_per_replica
+        d = self.replicas
         n = len(batch.tokens) // d
         R = self.sample_slots(batch.decode_tokens, n - batch.decode_tokens)
         rows = np.full(d * R, -1, np.int32)
         index = np.repeat(np.arange(d, dtype=np.int32) * n, R)
         sampling = np.flatnonzero(batch.rows[batch.last_index] == np.arange(self.num_slots))
+        tokens = batch.last_index[sampling]
+        if batch.drafted is not None:
+            tokens = np.union1d(tokens, np.flatnonzero(batch.drafted))
+        tokens = np.sort(tokens)
         for r in range(d):
-            mine = sampling[sampling // S_r == r]
+            mine = tokens[tokens // n == r]
             if len(mine) > R:
-                raise ValueError(f"{len(mine)} rows of replica {r} sample, in a step of {R} sampling slots")
-            rows[r * R : r * R + len(mine)] = mine
-            index[r * R : r * R + len(mine)] = batch.last_index[mine]
+                raise ValueError(f"{len(mine)} tokens of replica {r} sample, in a step of {R} sampling slots")
+            rows[r * R : r * R + len(mine)] = batch.rows[mine]
+            index[r * R : r * R + len(mine)] = mine
         return rows, index
 
     def window(self, max_position: int) -> int:
@@ -230,6 +251,10 @@ class Geometry:
         new = region * n2 + np.where(offset < D, offset, offset - D + D2)
         for name in ("tokens", "positions", "rows", "source", "generated"):
             getattr(wide, name)[new] = getattr(batch, name)
+        drafted = None
+        if batch.drafted is not None:
+            drafted = np.zeros(len(wide.tokens), bool)
+            drafted[new] = batch.drafted
         last = batch.last_index.astype(np.int64)
         last_index = (last // n * n2 + np.where(last % n < D, last % n, last % n - D + D2)).astype(np.int32)
         return dataclasses.replace(
@@ -239,6 +264,7 @@ class Geometry:
             rows=wide.rows,
             source=wide.source,
             generated=wide.generated,
+            drafted=drafted,
             last_index=last_index,
             decode_tokens=D2,
             window_pages=window_pages,
@@ -294,7 +320,7 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
     d, S_r = geometry.replicas, geometry.rows_per_replica
     decode_of, padded_of = [0] * d, [0] * d  # each replica's region holds its own rows' tokens
     for t in plan.decode:
-        decode_of[t.slot // S_r] += 1
+        decode_of[t.slot // S_r] += 1 + len(t.draft)
     for c in plan.prefills:
         padded_of[c.slot // S_r] += geometry.padded(c.length)
     D = geometry.decode_bucket(max(decode_of), mixed=any(padded_of))
@@ -302,16 +328,23 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
     n = len(batch.tokens) // d
     tokens, positions, rows, source = batch.tokens, batch.positions, batch.rows, batch.source
     last_index, ban = batch.last_index, batch.ban_eos
+    drafted = np.zeros(len(tokens), bool) if any(t.draft for t in plan.decode) else None
     at = [replica * n for replica in range(d)]  # the next free decode position of each region
     for t in plan.decode:
-        j = t.slot // S_r
-        i, at[j] = at[j], at[j] + 1
+        j, k = t.slot // S_r, len(t.draft)
+        i, at[j] = at[j], at[j] + 1 + k
         positions[i], rows[i], batch.generated[i] = t.position, t.slot, True
         if in_flight is not None and t.fed_by == in_flight:
             source[i] = 1
         else:
             tokens[i] = t.request.output_ids[-1]
-        last_index[t.slot], ban[t.slot] = i, t.ban_eos
+        if k:  # the draft ids follow at the next positions; each token before the last verifies one
+            assert drafted is not None
+            tokens[i + 1 : i + 1 + k] = t.draft
+            positions[i + 1 : i + 1 + k] = np.arange(t.position + 1, t.position + 1 + k, dtype=np.int32)
+            rows[i + 1 : i + 1 + k], batch.generated[i + 1 : i + 1 + k] = t.slot, True
+            drafted[i : i + k] = True
+        last_index[t.slot], ban[t.slot] = i + k, t.ban_eos
     at = [replica * n + D for replica in range(d)]  # each region's next chunk start
     for c in plan.prefills:
         j = c.slot // S_r
@@ -327,7 +360,7 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
             sampling=r.sampling,
             logprobs=r.logprobs is not None,
             eos_ids=tuple(sorted(r.eos_ids)),
-            history=(tuple(r.prompt_ids), tuple(r.output_ids)) if uses_history(r.sampling) else None,
+            history=(tuple(r.prompt_ids), tuple(r.output_ids)) if r.sampling.penalized else None,
         )
         for r in sorted(plan.admitted, key=lambda r: r.slot or 0)
         if r.slot is not None
@@ -335,12 +368,8 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
     return dataclasses.replace(
         batch,
         page_tables=page_tables.copy(),
+        drafted=drafted,
         num_real=plan.num_tokens,
         max_position=int(positions.max()),
         installs=installs,
     )
-
-
-def uses_history(options: SamplingOptions) -> bool:
-    """Whether a request's sampling reads its token history (any penalty set)."""
-    return bool(options.presence_penalty or options.frequency_penalty or options.repetition_penalty != 1)

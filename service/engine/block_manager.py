@@ -319,13 +319,43 @@ class BlockManager:
         seq.num_tokens += num_tokens
         return added
 
+    def shrink(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Give back ``seq_id``'s positions from ``num_tokens`` on (the rejected draft ids of
+        speculative decoding): pages past the one holding position ``num_tokens - 1`` go as
+        ``free`` returns them. Pages already registered in the prefix cache are never past it
+        (only known ids are committed). O(pages returned).
+
+        Returns:
+            The pages given back.
+
+        Raises:
+            KeyError: unknown sequence.
+            ValueError: ``num_tokens`` outside [committed pages' tokens, reserved positions].
+        """
+        seq = self._seq(seq_id)
+        if not seq.committed * self.page_size <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"cannot shrink a sequence of {seq.num_tokens} positions ({seq.committed} pages committed) "
+                f"to {num_tokens}"
+            )
+        keep = self.pages_needed(num_tokens)
+        dropped = seq.pages[keep:]
+        del seq.pages[keep:]
+        seq.num_tokens = num_tokens
+        self._unref(dropped)
+        return dropped
+
     def free(self, seq_id: Hashable) -> None:
         """Return a finished or cancelled sequence's pages at once: reference count - 1 on each;
         a page no longer referenced becomes cached if registered (most recently used), else
         free. The last page goes first, so a sequence's deepest pages are evicted before the
         prefixes they extend. O(pages). Raises KeyError for an unknown sequence."""
-        seq = self._seqs.pop(seq_id)
-        for page in reversed(seq.pages):
+        self._unref(self._seqs.pop(seq_id).pages)
+
+    def _unref(self, pages: list[int]) -> None:
+        """Reference count - 1 on each of ``pages``, the last first; one no longer referenced
+        becomes cached if registered (most recently used), else free."""
+        for page in reversed(pages):
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if self._entries[page] is not None:

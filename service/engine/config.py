@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
 ATTENTION_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
@@ -66,6 +67,11 @@ class EngineConfig:
             prompts is prefilled in half the steps of 512, each step's fixed cost paid half as
             often (docs/performance.md, "The served path against vLLM for CPU"); one prompt
             still takes ``chunk_size`` tokens a step.
+        speculative: "off" or "ngram": decoding sequences propose draft ids by n-gram prompt
+            lookup (``service.engine.ngram``) and each step verifies them (docs/speculative.md).
+        speculative_tokens: most draft ids one sequence proposes per step (k), >= 1; a data
+            replica's decode region holds its rows' tokens and k more.
+        ngram_max, ngram_min: the longest and shortest suffix the n-gram proposer matches.
     """
 
     num_slots: int = 4
@@ -81,6 +87,10 @@ class EngineConfig:
     kv_cache_tokens: int = 0
     kv_cache_memory: int = 0
     max_num_batched_tokens: int = 1024
+    speculative: str = "off"
+    speculative_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 2
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -109,6 +119,18 @@ class EngineConfig:
             raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft ids a data replica's decode region holds beyond one token per row: k when
+        speculating, else 0."""
+        return self.speculative_tokens if self.speculative != "off" else 0
 
     @property
     def num_pages(self) -> int:

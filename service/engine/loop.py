@@ -10,7 +10,9 @@ host's bookkeeping; a decode token fed by step N reads its id on the device. A s
 for a constrained request (``Request.constraint``) is the exception: its token mask needs the
 ids step N sampled, so step N's ids are landed, the grammars advanced over them and the masks
 filled (``service.engine.constraint.TokenMasks``) before step N + 1 is dispatched; the rest of
-step N's postprocessing still runs while step N + 1 does.
+step N's postprocessing still runs while step N + 1 does. Speculative decoding is the other:
+a sequence proposes draft ids from its newest id, so while one will propose
+(``Scheduler.wants_landed``) step N is postprocessed before step N + 1 is scheduled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from service.engine.batch import build
 from service.engine.block_manager import BlockManager
 from service.engine.constraint import TokenMasks
+from service.engine.ngram import NgramProposer
 from service.engine.output import HostStep, StepOutput
 from service.engine.request import Request, RequestState
 from service.engine.runner import Runner
@@ -218,6 +221,8 @@ class EngineLoop:
                 self._apply_switch()
                 t0, self._waited, self._sampled = time.perf_counter(), 0.0, 0
                 self._drain_inbox()
+                if self._inflight is not None and self.scheduler.wants_landed():
+                    self._finish_inflight()  # drafts start from the ids in flight
                 plan = self.scheduler.schedule()
                 if not plan.empty:
                     self.step(plan)
@@ -280,8 +285,9 @@ class EngineLoop:
             return
         step, self._inflight = self._inflight, None
         host = self._land(step)
-        self._sampled += len(step.plan.samplers)
+        accepted = self.scheduler.drafts_accepted
         self.scheduler.postprocess(step.plan, host)
+        self._sampled += len(step.plan.samplers) + self.scheduler.drafts_accepted - accepted
         self.steps += 1
         self.heartbeat = time.monotonic()
         if self.on_step is not None:
@@ -307,8 +313,11 @@ def make_loop(runner: Runner, max_queue: int, on_step: Callable[[StepPlan, float
     """The loop that drives ``runner``, over a ``Scheduler`` of its rows with a ``BlockManager``
     for each of its data replicas."""
     ecfg = runner.ecfg
+    proposer = None
+    if ecfg.speculative == "ngram":
+        proposer = NgramProposer(ecfg.speculative_tokens, ecfg.ngram_max, ecfg.ngram_min)
     scheduler = Scheduler(
         ecfg.num_slots, max_queue, ecfg.chunk_size, ecfg.max_num_batched_tokens, block_managers(runner),
-        ecfg.max_seq_len, chunk_align=runner.geometry.seq_block,
+        ecfg.max_seq_len, chunk_align=runner.geometry.seq_block, proposer=proposer,
     )  # fmt: skip
     return EngineLoop(runner, scheduler, on_step=on_step)

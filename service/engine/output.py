@@ -52,27 +52,38 @@ def pack_step(
 
 @dataclasses.dataclass(frozen=True)
 class HostStep:
-    """A step's results on the host, one row per slot (or one row for a prefill).
+    """A step's results on the host: entries [0, S) one per row (the id sampled at the row's
+    ``last_index``), then, in a step that verified draft ids, one per sampling slot
+    (``slot_rows`` names their rows: a speculating row's slots are consecutive, in position
+    order).
 
-    Attributes: ids [R] int32; logprob [R] float32 (of each sampled id); top_logprobs
-    [R, TOP_LOGPROBS] float32, descending; top_ids [R, TOP_LOGPROBS] int32.
+    Attributes: ids [E] int32; logprob [E] float32 (of each sampled id); top_logprobs
+    [E, TOP_LOGPROBS] float32, descending; top_ids [E, TOP_LOGPROBS] int32; slot_rows [R]
+    int32 (-1 an empty slot), empty without draft ids.
     """
 
     ids: np.ndarray
     logprob: np.ndarray
     top_logprobs: np.ndarray
     top_ids: np.ndarray
+    slot_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def slots_of(self, row: int) -> np.ndarray:
+        """The entries of row ``row``'s sampling slots, in position order (none without drafts)."""
+        return len(self.ids) - len(self.slot_rows) + np.flatnonzero(self.slot_rows == row)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Device results of one compiled step: ``packed`` [S, ...] (see ``pack_step``), one row
     per row, and the logits [R, V] of its sampling slots, whose rows ``sample_rows`` [R] (host,
-    -1 for an empty slot) names."""
+    -1 for an empty slot) names; ``slots`` [R, ...] packed per slot, in a step that verified
+    draft ids (else None: not copied)."""
 
     packed: jax.Array
     logits: jax.Array
     sample_rows: np.ndarray | None = None
+    slots: jax.Array | None = None
 
     def row_logits(self, row: int) -> np.ndarray:
         """Row ``row``'s logits [V] float32 (on the host).
@@ -86,12 +97,21 @@ class StepOutput:
         return np.asarray(self.logits[int(slots[0])])
 
     def host(self) -> HostStep:
-        """The one device-to-host copy of the step (blocks until the step is done)."""
-        a = np.asarray(self.packed)
+        """The step's results on the host, in one device-to-host copy (blocks until the step is
+        done)."""
+        slot_rows = np.zeros(0, np.int32)
+        if self.slots is None:
+            a = np.asarray(self.packed)
+        else:
+            by_row, slots = jax.device_get((self.packed, self.slots))
+            a = np.concatenate([by_row, slots])
+            assert self.sample_rows is not None
+            slot_rows = self.sample_rows
         n = TOP_LOGPROBS
         return HostStep(
             ids=a[:, 0].astype(np.int32),
             logprob=a[:, 1],
             top_logprobs=a[:, 2 : 2 + n],
             top_ids=a[:, 2 + n :].astype(np.int32),
+            slot_rows=slot_rows,
         )

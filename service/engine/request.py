@@ -53,6 +53,11 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the token history (any penalty set)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
@@ -70,7 +75,9 @@ class Chunk:
     """One streamed event: the text delta and the ids generated since the last chunk.
 
     ``finish_reason`` and the usage counts (``cached_tokens``: the prompt's tokens the prefix
-    cache served at the request's first admission) are set on the last chunk only. ``error`` is set
+    cache served at the request's first admission; ``accepted_draft_tokens`` and
+    ``rejected_draft_tokens``: the draft ids speculative decoding verified for it, kept and not)
+    are set on the last chunk only. ``error`` is set
     when the engine failed and the request cannot complete (the server maps it to UNAVAILABLE).
     """
 
@@ -80,6 +87,8 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
@@ -114,6 +123,8 @@ class Request:
         constraint: the grammar its output follows (its own state, advanced by each accepted
             id), or None. Each step samples it under its grammar's token mask; the grammar's end
             ends it as EOS, a dead end as GRAMMAR_DEAD_END.
+        speculative: it may propose and verify draft ids where the engine speculates
+            (``EngineConfig.speculative``); False opts out.
     """
 
     request_id: str
@@ -129,6 +140,7 @@ class Request:
     prefix_cache: bool = True
     group: str | None = None
     constraint: Constraint | None = None
+    speculative: bool = True
     output_ids: list[int] = dataclasses.field(default_factory=list)
     state: RequestState = RequestState.WAITING
     slot: int | None = None  # its row of the step's per-row arrays while it runs
@@ -137,6 +149,10 @@ class Request:
     sampled_by: int | None = None  # the number of the step that sampled the newest id (None: none yet)
     preemptions: int = 0  # times the scheduler preempted it (it was recomputed as often)
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
+    draft_proposed: int = 0  # draft ids it proposed and a step verified
+    draft_accepted: int = 0  # of those, the ids the verifier accepted
+    draft_misses: int = 0  # proposals in a row that found no match or had none accepted
+    draft_wait: int = 0  # decode steps left before it proposes again (after misses)
     finish_reason: FinishReason | None = None
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
     first_token_s: float | None = None
@@ -237,6 +253,8 @@ class Request:
                 prompt_tokens=self.prompt_len,
                 completion_tokens=len(self.output_ids),
                 cached_tokens=self.cached_tokens,
+                accepted_draft_tokens=self.draft_accepted,
+                rejected_draft_tokens=self.draft_proposed - self.draft_accepted,
                 logprobs=list(logprobs or []),
             )
         )

@@ -2,10 +2,11 @@
 device state (sampling parameters, token history) and the compiled step (``Runner.step``).
 
 Each step runs a flat batch of tokens (``service.engine.batch.RaggedBatch``; the model's
-``ragged_step``): one token for every decoding sequence and prefill chunks of any number of
-prompts, and samples one id for every row whose token is a decode token or the last of its
-prefill. Its jit arguments are the weights, the two cache arrays, the token history, the
-sampling parameters, nine small metadata arrays and the token mask: their number is the same
+``ragged_step``): one token for every decoding sequence (and, for a speculating one, its draft
+ids after it) and prefill chunks of any number of prompts, and samples one id for every row
+whose token is a decode token or the last of its prefill, and one for every token followed by
+a draft id (``RaggedBatch.drafted``: the id the verifier compares with that draft). Its jit arguments are the weights, the two cache arrays, the token history, the
+sampling parameters, ten small metadata arrays and the token mask: their number is the same
 whatever the pool size, the longest sequence or the number of rows, so the call's dispatch does
 not grow with them.
 
@@ -205,7 +206,7 @@ class Runner:
         max_pages = -(-self.ecfg.max_seq_len // ps)
         self.geometry = Geometry.make(
             S, d, ps, self.ecfg.max_seq_len, self.ecfg.chunk_size, self.ecfg.max_num_batched_tokens,
-            self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)),
+            self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)), self.ecfg.draft_tokens,
         )  # fmt: skip
         # Compiled programs, and those compiling on a background thread (``compile_ahead``). Read
         # on the loop thread while a background compile inserts: copied (``list``) to iterate.
@@ -276,6 +277,7 @@ class Runner:
             page_tables,
             sample_index,
             sample_rows,
+            sample_main,
             ban,
             mask,
         ):  # type: ignore[no-untyped-def]
@@ -305,20 +307,22 @@ class Runner:
             slot_mask = mask[own]
             next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, slot_mask)
             packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), slot_mask)
-            # One row per row (what the host and the next step's ``prev`` read); empty slots dropped.
+            # One row per row, its ``last_index`` token's (what the host and the next step's ``prev``
+            # read); empty slots and the slots that verify draft ids dropped.
             by_row = (
                 jnp.zeros((S, packed.shape[1]), packed.dtype)
-                .at[jnp.where(real, sample_rows, S)]
+                .at[jnp.where(real & sample_main, sample_rows, S)]
                 .set(packed, mode="drop")
             )
-            return by_row, logits, cache, history
+            return by_row, packed, logits, cache, history
 
         r, by = self.repl, self.by_replica
         return jax.jit(
             run,
-            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, r, r),
-            # Logits stay with their replica's devices (read by tests, not by the loop).
-            out_shardings=(r, by, self._cache_sh, r),
+            in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, by, r, r),
+            # Logits and the per-slot results stay with their replica's devices (read by tests, and
+            # by the loop only in a step that verified draft ids).
+            out_shardings=(r, by, by, self._cache_sh, r),
             donate_argnums=(1, 2),
         )
 
@@ -435,17 +439,19 @@ class Runner:
         """The step's arguments for ``batch`` (the jitted ``run``'s, in order); ``samplers``:
         ``Geometry.samplers(batch)`` when the caller has it."""
         sample_rows, sample_index = samplers if samplers is not None else self.geometry.samplers(batch)
-        ban = batch.ban_eos[np.maximum(sample_rows, 0)] & (sample_rows >= 0)
+        own = np.maximum(sample_rows, 0)
+        ban = batch.ban_eos[own] & (sample_rows >= 0)
+        main = (sample_rows >= 0) & (batch.last_index[own] == sample_index)  # not a draft's verifier
         host = (batch.tokens, batch.source, batch.positions, batch.rows, batch.generated, batch.page_tables)
-        split: tuple[np.ndarray | jax.Array, ...] = (*host, sample_index, sample_rows)
+        split: tuple[np.ndarray | jax.Array, ...] = (*host, sample_index, sample_rows, main)
         if not self.by_replica.is_fully_addressable:  # over several processes: jit takes no numpy there
             split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
-        tokens, source, positions, rows, generated, page_tables, slot_index, slot_rows = split
+        tokens, source, positions, rows, generated, page_tables, slot_index, slot_rows, slot_main = split
         previous = prev.packed if prev is not None else self._no_prev
         mask = self._all_allowed if batch.token_mask is None else global_array(batch.token_mask, self.repl)
         return (
             self.params, self.cache, self.history, self._sampling(), tokens, source, previous, positions, rows,
-            generated, page_tables, slot_index, slot_rows, ban, mask,
+            generated, page_tables, slot_index, slot_rows, slot_main, ban, mask,
         )  # fmt: skip
 
     def dispatch(self, batch: RaggedBatch, prev: StepOutput | None) -> StepOutput:
@@ -457,8 +463,8 @@ class Runner:
             self._install(install)
         samplers = self.geometry.samplers(batch)
         args = self._arguments(batch, prev, samplers)
-        packed, logits, self.cache, self.history = self._program(key, args)(*args)
-        return StepOutput(packed, logits, samplers[0])
+        packed, slots, logits, self.cache, self.history = self._program(key, args)(*args)
+        return StepOutput(packed, logits, samplers[0], slots if batch.drafted is not None else None)
 
     # ---- per-row state ---------------------------------------------------------------------
     def _install(self, install: RowInstall) -> None:

@@ -35,6 +35,21 @@ Rows: a running sequence holds one of ``num_slots`` rows of the step's per-seque
 preempted. ``page_tables`` [num_slots, max_pages] is kept here, row by row, as pages are
 allocated and added.
 
+Speculative decoding (a ``proposer``, ``service.engine.ngram``): after the step's tokens are
+chosen, each decoding sequence whose ids are all on the host proposes up to k draft ids, while
+its replica's decode region has room (``decode_capacity``: one token per row and k more) and
+pages are free (drafts never preempt); they ride after its decode token, each position sampling
+the id that follows it (``DecodeToken.draft``). ``postprocess`` keeps the longest run of drafts
+equal to the ids the target sampled, plus the target's id after it (``accepted_run``), and gives
+back the rejected positions and their pages. A draft is deterministic, so sampling the target
+at every position and keeping the drafts it reproduces is Leviathan et al.'s (2023, §2.3)
+rejection rule with q a point mass: the id kept at each position is distributed as the target's
+(seeded draws depend only on seed and position, so a seeded request's ids are those it samples
+without speculation). Rows with penalties or a constraint do not speculate. A sequence whose
+proposal finds nothing or has nothing accepted waits 1, 3, 7, ... (at most ``MAX_DRAFT_WAIT``)
+decode steps before it proposes again, so a stream that never matches keeps the pipelined loop
+(``wants_landed``).
+
 Data replicas (a layout's ``data`` axis, ``Runner.replicas``): each replica serves rows
 [r S/d, (r + 1) S/d) from its own pool, one ``BlockManager`` each (page numbers are the
 replica's own; prefixes are shared within a replica). Each replica has the whole token budget
@@ -54,6 +69,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from service.engine.block_manager import BlockManager, OutOfPages
+from service.engine.ngram import NgramProposer
 from service.engine.output import MASKED_LOGPROB, HostStep
 from service.engine.request import FinishReason, Request, RequestState, TokenLogprob
 
@@ -84,13 +100,15 @@ class DecodeToken:
     """One token of a decoding ``request`` at ``position`` (its newest id, whose key and value
     this step writes), from row ``slot``. ``fed_by``: the step that sampled that id (the batch
     reads it on the device when that step's ids are not on the host yet); ``ban_eos``: the id
-    it samples may not be an EOS id."""
+    it samples may not be an EOS id; ``draft``: the draft ids proposed to follow it, at
+    positions ``position`` + 1 .., each verified by the id sampled before it."""
 
     request: Request
     slot: int
     position: int
     fed_by: int | None
     ban_eos: bool = False
+    draft: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +128,13 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        """Real tokens: decode tokens plus chunk tokens."""
-        return len(self.decode) + sum(c.length for c in self.prefills)
+        """Real tokens: decode tokens, their draft ids and chunk tokens."""
+        return len(self.decode) + sum(len(d.draft) for d in self.decode) + sum(c.length for c in self.prefills)
+
+    @property
+    def drafted(self) -> int:
+        """Draft ids the step verifies."""
+        return sum(len(d.draft) for d in self.decode)
 
     @property
     def samplers(self) -> tuple[tuple[Request, int], ...]:
@@ -119,6 +142,23 @@ class StepPlan:
         return tuple((d.request, d.slot) for d in self.decode) + tuple(
             (c.request, c.slot) for c in self.prefills if c.is_last
         )
+
+
+MAX_DRAFT_WAIT = 15  # decode steps a sequence waits at most between proposals after misses
+
+
+def accepted_run(draft: tuple[int, ...], sampled: list[int]) -> list[int]:
+    """The ids a verified draft yields: ``sampled[j]`` is the target's id at the position after
+    the decode token's + j (j = 0 .. len(draft)), so draft[j] stands while it equals
+    ``sampled[j]``; the first id that differs (or, all standing, the last) is the target's own.
+    Returns the kept drafts and that id: 1 .. len(draft) + 1 ids."""
+    out = []
+    for j, proposed in enumerate(draft):
+        out.append(sampled[j])
+        if sampled[j] != proposed:
+            return out
+    out.append(sampled[len(draft)])
+    return out
 
 
 def bans_eos(request: Request) -> bool:
@@ -156,6 +196,9 @@ class Scheduler:
         max_seq_len: the longest sequence; the page tables have room for it.
         chunk_align: each chunk is charged to the budget rounded up to a multiple of this (the
             engine pads every chunk to whole blocks of its prefill region), >= 1.
+        proposer: proposes draft ids for speculative decoding (None: none are), at most
+            ``proposer.k`` per sequence and step, and no more per replica than its decode region
+            holds beyond one token per row.
 
     Raises:
         ValueError: sizes out of range.
@@ -170,6 +213,7 @@ class Scheduler:
         blocks: BlockManager | list[BlockManager],
         max_seq_len: int,
         chunk_align: int = 1,
+        proposer: NgramProposer | None = None,
     ):
         if num_slots < 1 or chunk_size < 1 or max_queue < 0:
             raise ValueError(f"bad sizes: num_slots {num_slots}, chunk_size {chunk_size}, max_queue {max_queue}")
@@ -193,6 +237,12 @@ class Scheduler:
         self._retired_prefix_tokens = (0, 0)  # prefix_tokens() of pools replaced by repartition
         self._preempted_in: set[int] = set()  # replicas that preempted in this step
         self._steps = 0  # steps scheduled so far: the next plan's number
+        self.proposer = proposer
+        self.max_draft_wait = MAX_DRAFT_WAIT  # 0: a sequence proposes at every step whatever it missed
+        # Speculative decoding's totals (metrics): draft ids verified and accepted, steps that
+        # verified any, and how many proposals kept 0, 1, .. k drafts.
+        self.drafts_proposed = self.drafts_accepted = self.draft_steps = 0
+        self.accepted_lengths = [0] * (proposer.k + 1 if proposer else 1)
 
     def _set_pools(self, pools: list[BlockManager]) -> None:
         if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
@@ -201,6 +251,11 @@ class Scheduler:
         self.rows_per_replica = self.num_slots // len(pools)
         self.page_size = pools[0].page_size
         self.max_pages = -(-self.max_seq_len // self.page_size)
+
+    @property
+    def decode_capacity(self) -> int:
+        """Tokens one replica's decode region holds (``Geometry.decode_capacity``)."""
+        return self.rows_per_replica + (self.proposer.k if self.proposer else 0)
 
     def replica_of(self, r: Request) -> int:
         """The data replica of a running request's row."""
@@ -254,7 +309,67 @@ class Scheduler:
             admitted.append(new)
             chunks.append(self._chunk(new, budgets[replica], step))
             budgets[replica] -= -(-chunks[-1].length // align) * align
+        if self.proposer is not None:
+            decode = self._with_drafts(decode, chunks)
         return StepPlan(step=step, prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted))
+
+    def _speculates(self, r: Request) -> bool:
+        """Whether ``r`` may propose draft ids (the engine speculates, ``r`` opts in, and it has
+        no penalties or constraint: its verifier would need the drafts in its history or
+        grammar)."""
+        return (
+            self.proposer is not None
+            and r.speculative
+            and r.constraint is None
+            and not r.sampling.penalized
+            and r.state is RequestState.DECODING
+        )
+
+    def wants_landed(self) -> bool:
+        """Whether the next ``schedule`` should see every dispatched id on the host first: a
+        decoding sequence will propose draft ids, which start from its newest id."""
+        return any(self._speculates(r) and r.draft_wait == 0 for r in self.running)
+
+    def _with_drafts(self, decode: list[DecodeToken], chunks: list[PrefillChunk]) -> list[DecodeToken]:
+        """``decode`` with draft ids proposed for the sequences that speculate, oldest first,
+        while their replica's decode region has room; each draft's positions are reserved (a
+        sequence without free pages for them proposes nothing) and counted as sampled."""
+        assert self.proposer is not None
+        room = [self.decode_capacity] * len(self.pools)  # sampling slots left in each replica
+        for t in decode:
+            room[t.slot // self.rows_per_replica] -= 1
+        for c in chunks:
+            room[c.slot // self.rows_per_replica] -= c.is_last
+        out = []
+        for t in decode:
+            r, replica = t.request, t.slot // self.rows_per_replica
+            landed = r.sampled == len(r.output_ids) + 1  # every id but this token's own is on the host
+            if not self._speculates(r) or r.draft_wait > 0 or not landed or t.ban_eos or room[replica] <= 0:
+                r.draft_wait = max(0, r.draft_wait - 1)
+                out.append(t)
+                continue
+            k = min(self.proposer.k, room[replica], r.max_tokens - r.sampled)
+            draft = tuple(self.proposer.propose(r.prompt_ids + r.output_ids, k)) if k > 0 else ()
+            if not draft:
+                self._missed(r)
+                out.append(t)
+                continue
+            try:
+                added = self._blocks(r).grow(r, len(draft))
+            except OutOfPages:
+                out.append(t)
+                continue
+            self._set_pages(r, added)
+            r.num_cached += len(draft)
+            r.sampled += len(draft)
+            room[replica] -= len(draft)
+            out.append(dataclasses.replace(t, draft=draft))
+        return out
+
+    def _missed(self, r: Request) -> None:
+        """``r``'s proposal found nothing or had nothing accepted: it waits longer each time."""
+        r.draft_misses += 1
+        r.draft_wait = min(self.max_draft_wait, 2**r.draft_misses - 1)
 
     def _decode_token(self, r: Request, step: int) -> DecodeToken:
         assert r.slot is not None
@@ -405,11 +520,44 @@ class Scheduler:
         requests that finished. A request preempted after the step was dispatched still takes
         its id (it is part of its output, and its recomputation starts from it); requests that
         ended meanwhile are skipped."""
+        drafted = {d.request: d.draft for d in plan.decode if d.draft}
         for r, row in plan.samplers:
-            if r.state is not RequestState.FINISHED:
+            if r in drafted:
+                self._verify(r, row, drafted[r], host)
+            elif r.state is not RequestState.FINISHED:
                 r.accept_token(int(host.ids[row]), token_logprob(host, row, r.logprobs))
+        if drafted:
+            self.draft_steps += 1
         self._commit(r for r in (*(c.request for c in plan.prefills), *(d.request for d in plan.decode)))
         self.release_finished()
+
+    def _verify(self, r: Request, row: int, draft: tuple[int, ...], host: HostStep) -> None:
+        """Hand ``r`` the ids its verified ``draft`` yields (``accepted_run``), until one ends it,
+        and give back the positions of the rejected drafts: their pages, and their count in
+        ``num_cached`` and ``sampled`` (their keys and values, past ``num_cached``, are written
+        over before any step reads them)."""
+        slots = host.slots_of(row)
+        assert len(slots) == len(draft) + 1, (len(slots), draft)
+        kept = accepted_run(draft, [int(host.ids[i]) for i in slots])
+        for i, token in zip(slots, kept, strict=False):
+            if r.state is RequestState.FINISHED:
+                break
+            r.accept_token(token, token_logprob(host, int(i), r.logprobs))
+        accepted = len(kept) - 1
+        rejected = len(draft) - accepted
+        r.draft_proposed += len(draft)
+        r.draft_accepted += accepted
+        self.drafts_proposed += len(draft)
+        self.drafts_accepted += accepted
+        self.accepted_lengths[accepted] += 1
+        if accepted:
+            r.draft_misses = 0
+        else:
+            self._missed(r)
+        r.num_cached -= rejected
+        r.sampled -= rejected
+        if r.slot is not None and r.state is not RequestState.FINISHED:
+            self._blocks(r).shrink(r, r.num_cached)
 
     def advance_grammars(self, plan: StepPlan, host: HostStep) -> None:
         """Advance the constrained requests' grammars over step ``plan``'s ids (``host``) ahead of

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.engine.config import WEIGHT_MODES
+from service.engine.config import SPECULATIVE_MODES, WEIGHT_MODES
 from service.server.arg_types import (
     byte_size,
     int_in,
@@ -91,7 +91,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
     flags: dict[str, Any] = {}
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
                 "max_queue", "default_max_tokens", "dtype", "kv_dtype", "matmul", "weights", "page_size",
-                "kv_cache_tokens", "kv_cache_memory", "max_num_batched_tokens", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
+                "kv_cache_tokens", "kv_cache_memory", "max_num_batched_tokens", "speculative", "speculative_tokens",
+                "ngram_max", "ngram_min", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port", "process_timeout_s"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -675,6 +676,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="most prefill tokens per step, over several prompts' chunks (default 1024; decode tokens are not counted)",
     )
+    s.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        help="speculative decoding: ngram proposes draft ids by prompt lookup and each step verifies them, exactly "
+        "(default off; docs/speculative.md)",
+    )
+    s.add_argument("--speculative-tokens", type=int, help="most draft ids a sequence proposes per step (default 4)")
+    s.add_argument("--ngram-max", type=int, help="the longest suffix the n-gram proposer matches (default 3)")
+    s.add_argument("--ngram-min", type=int, help="the shortest suffix the n-gram proposer matches (default 2)")
     s.add_argument(
         "--matmul",
         type=matmul_mode,

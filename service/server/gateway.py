@@ -116,6 +116,8 @@ class Gateway:
             queue_depth=lambda: scheduler.queue_depth,
             kv_usage=lambda: scheduler.page_counts()["used"] / scheduler.num_pages,
         )
+        if scheduler.proposer is not None:
+            self.metrics.track_speculation(pool.name, scheduler.proposer.name)
         self.pools.append(pool)
         self.publish_layout(pool)
 
@@ -182,7 +184,9 @@ class Gateway:
     def _step_observer(self, pool_name: str, sched: Scheduler) -> Callable[[StepPlan, float], None]:
         """The engine loop's ``on_step`` hook for one pool (runs on the loop thread, never raises)."""
         m = self.metrics
-        seen = {"queried": 0, "hits": 0, "preemptions": 0}  # the scheduler's totals, last step
+        seen = {"queried": 0, "hits": 0, "preemptions": 0, "drafts": 0, "accepted": 0, "verify": 0}
+        lengths = [0] * len(sched.accepted_lengths)  # the scheduler's totals, last step
+        proposer = getattr(sched.proposer, "name", "")
 
         def on_step(plan: StepPlan, seconds: float) -> None:
             try:
@@ -197,6 +201,15 @@ class Gateway:
                 m.prefix_queried.labels(pool=pool_name).inc(now["queried"] - seen["queried"])
                 m.prefix_hits.labels(pool=pool_name).inc(now["hits"] - seen["hits"])
                 m.preemptions.labels(pool=pool_name).inc(now["preemptions"] - seen["preemptions"])
+                if proposer:
+                    now.update(drafts=sched.drafts_proposed, accepted=sched.drafts_accepted, verify=sched.draft_steps)
+                    m.draft_tokens.labels(pool=pool_name, proposer=proposer).inc(now["drafts"] - seen["drafts"])
+                    m.accepted_tokens.labels(pool=pool_name, proposer=proposer).inc(now["accepted"] - seen["accepted"])
+                    m.verify_steps.labels(pool=pool_name).inc(now["verify"] - seen["verify"])
+                    for kept, total in enumerate(sched.accepted_lengths):
+                        for _ in range(total - lengths[kept]):
+                            m.acceptance_length.labels(pool=pool_name).observe(kept)
+                        lengths[kept] = total
                 seen.update(now)
             except Exception:
                 log.exception("metrics: on_step failed")
@@ -349,6 +362,7 @@ class Gateway:
                     min_tokens=v.min_tokens,
                     ignore_eos=v.ignore_eos,
                     prefix_cache=v.prefix_cache,
+                    speculative=v.speculative,
                     group=rid if v.n > 1 else None,
                     constraint=constraint.fresh() if constraint is not None else None,
                 )

@@ -135,6 +135,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     resp.usage.prompt_tokens = chunk.prompt_tokens
                     resp.usage.completion_tokens = chunk.completion_tokens
                     resp.usage.cached_tokens = chunk.cached_tokens
+                    resp.usage.accepted_draft_tokens = chunk.accepted_draft_tokens
+                    resp.usage.rejected_draft_tokens = chunk.rejected_draft_tokens
                     log.info(
                         "request %s: sequence %d finished %s, %d tokens",
                         rid, index, chunk.finish_reason.name, chunk.completion_tokens,

@@ -52,6 +52,12 @@ Per pool, read when scraped (the step histograms when each step ends):
     meshserve_prefix_cache_queried_tokens_total{pool}  counter: prompt tokens looked up in the prefix cache
     meshserve_prefix_cache_hit_tokens_total{pool}    counter: of those, tokens found cached (not prefilled)
     meshserve_preemptions_total{pool}                counter: sequences preempted for pages (recomputed later)
+    meshserve_spec_decode_draft_tokens_total{pool,proposer}     counter: draft ids speculative
+                                                     decoding verified (proposer: ngram)
+    meshserve_spec_decode_accepted_tokens_total{pool,proposer}  counter: of those, the ids kept
+    meshserve_spec_decode_verify_steps_total{pool}   counter: steps that verified draft ids (their
+                                                     share: over engine_step_seconds' count)
+    meshserve_spec_decode_acceptance_length{pool}    histogram: draft ids kept per verified proposal
     meshserve_engine_step_seconds{pool}              histogram: one engine step
     meshserve_engine_step_tokens{pool}               histogram: tokens one step ran (decode tokens plus
                                                      prefill chunk tokens)
@@ -95,6 +101,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 HOST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 POOL = ("pool",)
 
 
@@ -180,6 +187,16 @@ class Metrics:
             Counter, "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not prefilled)."
         )
         self.preemptions = make(Counter, "preemptions", "Sequences preempted for pages.")
+        self.draft_tokens = make(
+            Counter, "spec_decode_draft_tokens", "Draft ids speculative decoding verified.", ("pool", "proposer")
+        )
+        self.accepted_tokens = make(
+            Counter, "spec_decode_accepted_tokens", "Draft ids verified and kept.", ("pool", "proposer")
+        )
+        self.verify_steps = make(Counter, "spec_decode_verify_steps", "Engine steps that verified draft ids.")
+        self.acceptance_length = hist(
+            "spec_decode_acceptance_length", "Draft ids kept per verified proposal.", ACCEPTED_BUCKETS
+        )
         self.prompt_tokens = make(
             Counter,
             "prompt_tokens",
@@ -243,6 +260,13 @@ class Metrics:
             self.kv_pages.labels(pool=pool, state=state).set_function(count(state))
         for metric in (self.prefix_queried, self.prefix_hits, self.preemptions):
             metric.labels(pool=pool)  # export zeros from the start
+
+    def track_speculation(self, pool: str, proposer: str) -> None:
+        """Export a speculating pool's counters from zero (``proposer``: its label)."""
+        self.draft_tokens.labels(pool=pool, proposer=proposer)
+        self.accepted_tokens.labels(pool=pool, proposer=proposer)
+        self.verify_steps.labels(pool=pool)
+        self.acceptance_length.labels(pool=pool)
 
     def set_weights(self, weights: str, formats: dict[str, str]) -> None:
         """Publish how the weights are held ("stored" or a float dtype; stored parameters' formats)."""

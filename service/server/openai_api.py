@@ -9,8 +9,11 @@ What is served and what is refused (docs/api.md has the table):
   ``top_logprobs`` (chat) or ``logprobs`` as a count (completions), ``presence_penalty`` and
   ``frequency_penalty`` (0), ``user`` (accepted, not used), ``stream``,
   ``stream_options.include_usage``; vLLM's extras ``top_k`` (-1 or 0: off), ``min_p``,
-  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ours, ``prefix_cache`` (gRPC's field:
-  false opts out of the prefix cache); a completions ``prompt`` as token ids.
+  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``; ours, ``prefix_cache`` and
+  ``speculative`` (gRPC's fields: false opts out of the prefix cache, of speculative decoding);
+  a completions ``prompt`` as token ids. ``usage.completion_tokens_details``
+  ``accepted_prediction_tokens`` and ``rejected_prediction_tokens`` count the draft ids
+  speculative decoding verified (OpenAI's names for its predicted outputs).
 * Structured outputs (``constraint``): ``response_format`` ``{"type": "json_object"}`` and
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (``strict`` or not,
   the schema is enforced), and vLLM's ``structured_outputs`` with one of ``json`` (a schema),
@@ -124,6 +127,7 @@ class _Common(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     prefix_cache: bool | None = None  # ours: false opts out of the prefix cache
+    speculative: bool | None = None  # ours: false opts out of speculative decoding
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
     guided_json: Any = None  # vLLM's older names, refused (``GUIDED``)
@@ -286,6 +290,7 @@ def _params(body: _Common, max_tokens: int | None, logprobs: int | None, names: 
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
         prefix_cache=body.prefix_cache,
+        speculative=body.speculative,
         constraint=constraint(body),
         names=names,
     )
@@ -490,15 +495,19 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="backslashreplace"), raw
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted: int = 0, rejected: int = 0
+) -> dict[str, Any]:
     """OpenAI's usage: the prompt counted once, the completion summed over the n sequences;
     ``prompt_tokens_details.cached_tokens``: the prompt's tokens the prefix cache served (not
-    prefilled) for the first sequence."""
+    prefilled) for the first sequence; ``completion_tokens_details``: the draft ids speculative
+    decoding verified, kept (``accepted``) and not (``rejected``), summed over the sequences."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected},
     }
 
 
@@ -510,6 +519,7 @@ class _Choice:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.drafts = (0, 0)  # draft ids verified for it: (accepted, rejected)
         self.started = False  # a streamed chat choice's first delta carries the role
         self.offsets: list[int] = []  # completions' text_offset of each token in logprobs (non-streamed)
         self.chars = 0  # characters of text so far (completions logprobs only): the next chunk's offset
@@ -610,6 +620,7 @@ class Responses:
             if ended and choice.tools is not None and choice.tools.calls:
                 choice.finish_reason = "tool_calls"
             choice.completion_tokens = chunk.completion_tokens
+            choice.drafts = (chunk.accepted_draft_tokens, chunk.rejected_draft_tokens)
             if index == 0:
                 self.cached_tokens = chunk.cached_tokens
         return choice
@@ -637,7 +648,9 @@ class Responses:
         return sum(c.completion_tokens for c in self.choices)
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        accepted = sum(c.drafts[0] for c in self.choices)
+        rejected = sum(c.drafts[1] for c in self.choices)
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, accepted, rejected)
 
     def completion(self) -> dict[str, Any]:
         """The non-streamed response body, once every sequence has finished."""

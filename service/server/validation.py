@@ -95,6 +95,8 @@ class ValidatedRequest:
         ignore_eos: generate past EOS ids.
         prefix_cache: a paged KV cache may reuse cached pages of the prompt's prefix and keep
             this prompt's full pages for later requests (``Request.prefix_cache``).
+        speculative: its sequences may propose draft ids where the server speculates
+            (``Request.speculative``).
         constraint: the grammar every sequence's output follows, or None.
     """
 
@@ -107,6 +109,7 @@ class ValidatedRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     prefix_cache: bool = True
+    speculative: bool = True
     constraint: GrammarSpec | None = None
 
 
@@ -134,6 +137,7 @@ class Params:
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     prefix_cache: bool | None = None
+    speculative: bool | None = None
     constraint: GrammarSpec | None = None
     names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -270,6 +274,7 @@ def params_of(req: pb.GenerateRequest) -> Params:
         min_tokens=get("min_tokens"),
         ignore_eos=get("ignore_eos"),
         prefix_cache=get("prefix_cache"),
+        speculative=get("speculative"),
         constraint=constraint_of(req),
         names={"prompt": input_field(req)},
     )
@@ -438,5 +443,6 @@ def validate_params(
         min_tokens=min_tokens,
         ignore_eos=bool(p.ignore_eos),
         prefix_cache=p.prefix_cache is not False,
+        speculative=p.speculative is not False,
         constraint=p.constraint,
     )

@@ -1,0 +1,61 @@
+"""N-gram prompt lookup: draft tokens for speculative decoding without a draft model.
+
+The proposal for a sequence (its prompt followed by its output) is what followed the latest
+earlier occurrence of its last n ids, for the longest n in [n_min, n_max] that occurs earlier
+(Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram_proposer``, llama.cpp's ``ngram``
+speculative types). It is deterministic, so the verifier's rule is the simple one
+(``service.engine.scheduler``'s ``accepted_run``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    """Proposes up to ``k`` ids by matching the sequence's last n ids earlier in it.
+
+    Args:
+        k: most ids proposed, >= 1.
+        n_max: the longest suffix matched, >= n_min.
+        n_min: the shortest suffix matched, >= 1.
+
+    Raises:
+        ValueError: sizes out of range.
+    """
+
+    name = "ngram"  # the proposer's label in the metrics
+
+    def __init__(self, k: int, n_max: int = 3, n_min: int = 2):
+        if k < 1 or n_min < 1 or n_max < n_min:
+            raise ValueError(f"bad n-gram sizes: k {k}, n_max {n_max}, n_min {n_min}")
+        self.k, self.n_max, self.n_min = k, n_max, n_min
+
+    def propose(self, ids: Sequence[int], k: int | None = None) -> list[int]:
+        """``k`` (default ``self.k``) ids to follow ``ids``: those after the latest earlier
+        occurrence of its last n ids, longest n first, continued periodically where they run
+        into the end; [] when no suffix recurs.
+
+        Cost: O(len(ids) x n) in numpy per n tried."""
+        k = self.k if k is None else k
+        if k < 1 or len(ids) <= self.n_min:
+            return []
+        a = np.asarray(ids, np.int64)
+        L = len(a)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            # Windows starting at 0 .. L - n - 1: every earlier occurrence (the suffix's own excluded).
+            windows = sliding_window_view(a[: L - 1], n)
+            hits = np.flatnonzero((windows == a[L - n :]).all(axis=1))
+            if len(hits):
+                # The match says the sequence repeats itself with period ``shift``: continue it so
+                # (past the end, over the ids proposed), so a loop proposes k ids, not the one id
+                # between its latest occurrence and the end.
+                shift = L - n - int(hits[-1])
+                out = np.concatenate([a, np.zeros(k, np.int64)])
+                for i in range(L, L + k):
+                    out[i] = out[i - shift]
+                return out[L:].tolist()
+        return []

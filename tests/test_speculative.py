@@ -1,0 +1,312 @@
+"""Speculative decoding (n-gram prompt lookup, ``service.engine.ngram``; verification in the ragged
+step, ``service.engine.scheduler``) on the tiny random model: greedy ids are the dense reference's
+with and without speculation, alone and in mixed batches, across page sizes, preemption, a
+prefix hit, data replicas and a live switch; drafts that are always wrong change nothing and
+leave the pages holding exactly the accepted tokens' keys and values; seeded sampling draws the
+ids it draws without speculation; ``max_tokens``, EOS and stop strings cut inside an accepted
+run. The rule's distribution is checked by a chi-square test that a deliberately biased rule
+fails."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from reference import (
+    CFG,
+    GRAPHDEF,
+    PARAMS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    Pieces,
+    dense_kv,
+    make,
+    reference,
+    run,
+    run_across_switch,
+    tiny_loop,
+)
+from test_scheduler import ids
+
+from service.engine.batch import build
+from service.engine.block_manager import BlockManager
+from service.engine.loop import EngineLoop
+from service.engine.ngram import NgramProposer
+from service.engine.request import Chunk, FinishReason
+from service.engine.scheduler import DecodeToken, Scheduler, accepted_run
+from service.engine.text_stream import TextStream
+
+K = 3
+# Its greedy ids are five 248s, then 144 for ever: the drafts of 248s made from the first run
+# are rejected where 144 begins.
+TURNING = np.random.default_rng(32).integers(0, CFG.vocab_size, 12).tolist()
+
+
+class WrongProposer(NgramProposer):
+    """Proposes ids the tiny model never picks greedily (random, avoiding the reference's), so
+    every verification rejects its first draft."""
+
+    def __init__(self, k: int, avoid: set[int]):
+        super().__init__(k)
+        self._rng = np.random.default_rng(1)
+        self._avoid = avoid
+
+    def propose(self, ids, k=None):  # type: ignore[no-untyped-def]
+        allowed = [i for i in range(CFG.vocab_size) if i not in self._avoid]
+        return [int(i) for i in self._rng.choice(allowed, self.k if k is None else k)]
+
+
+def started(loop: EngineLoop) -> EngineLoop:
+    loop.start()
+    assert loop.ready.wait(600)
+    return loop
+
+
+@pytest.fixture(scope="module")
+def spec() -> Iterator[EngineLoop]:
+    loop = started(tiny_loop(speculative="ngram", speculative_tokens=K))
+    yield loop
+    loop.stop()
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[EngineLoop]:
+    loop = started(tiny_loop())
+    yield loop
+    loop.stop()
+
+
+# ---- the proposer and the rule --------------------------------------------------------------
+def test_the_ngram_proposer_matches_the_longest_recurring_suffix() -> None:
+    p = NgramProposer(4, n_max=3, n_min=2)
+    assert p.propose([1, 2, 3, 9, 8, 1, 2, 3]) == [9, 8, 1, 2]  # the 3-gram 1 2 3
+    assert p.propose([1, 2, 7, 4, 2, 7, 5, 6, 1, 2, 7]) == [4, 2, 7, 5]  # 3-gram beats the later 2-gram
+    assert p.propose([5, 6, 7, 5, 6, 8, 5, 6]) == [8, 5, 6, 8]  # the latest occurrence, continued
+    assert p.propose([4, 4, 4]) == [4, 4, 4, 4]  # a loop proposes k ids, not the one left
+    assert p.propose([1, 2, 3, 4]) == [] and p.propose([1, 2]) == []
+    assert p.propose([1, 2, 3, 1, 2], k=1) == [3]
+    with pytest.raises(ValueError):
+        NgramProposer(0)
+    with pytest.raises(ValueError):
+        NgramProposer(2, n_max=1, n_min=2)
+
+
+def test_the_accepted_run_is_the_drafts_the_target_reproduced_then_its_own_id() -> None:
+    assert accepted_run((5, 6, 7), [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted_run((5, 6, 7), [5, 9, 7, 8]) == [5, 9]
+    assert accepted_run((5, 6, 7), [1, 6, 7, 8]) == [1]
+    assert accepted_run((), [4]) == [4]
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(chisquare(counts[keep], expected[keep]).pvalue)
+
+
+def test_sample_and_compare_is_exact_and_a_biased_rule_is_caught() -> None:
+    """Leviathan et al.'s rule with a deterministic draft d: keep d with probability p(d), else draw
+    from p without d. Sampling the target and keeping d where they agree is that rule, so over
+    20,000 draws the first kept id is distributed as p (chi-square p-value > 0.001); accepting the
+    draft whenever the target gives it at least half the top id's probability is not, and the same
+    test rejects it (p-value < 1e-6)."""
+    rng = np.random.default_rng(0)
+    probs = np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04])
+    draft, n = 1, 20_000
+    exact = np.zeros(len(probs))
+    biased = np.zeros(len(probs))
+    for _ in range(n):
+        target = int(rng.choice(len(probs), p=probs))
+        exact[accepted_run((draft,), [target, 0])[0]] += 1
+        biased[draft if probs[draft] >= probs.max() / 2 else target] += 1
+    assert chi_square_p(exact, probs) > 1e-3
+    assert chi_square_p(biased, probs) < 1e-6
+
+
+# ---- scheduling ------------------------------------------------------------------------------
+def test_drafts_fill_the_decode_region_oldest_first_and_respect_max_tokens() -> None:
+    """4 rows and k = 3: a replica's decode region holds 4 + 3 tokens, so with four sequences
+    decoding only the oldest proposes, k ids; ``max_tokens`` caps a draft so no id past it is
+    sampled; a sequence whose EOS is banned (``min_tokens``) proposes nothing."""
+    sched = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
+    loop_prompt = [7, 8, 7, 8, 7, 8]
+    requests = [make(loop_prompt, 20), make(loop_prompt, 20), make(loop_prompt, 2), make(loop_prompt, 20)]
+    requests[3].min_tokens = 5
+    for r in requests:
+        sched.add(r)
+    plan = sched.schedule()  # the prompts
+    assert len(plan.prefills) == 4
+
+    sched.postprocess(plan, ids(sched, 7))
+    plan = sched.schedule()
+    drafts = {d.request: d.draft for d in plan.decode}
+    assert drafts[requests[0]] == (8, 7, 8) and all(not drafts[r] for r in requests[1:])
+    assert plan.num_tokens == 4 + 3 and plan.drafted == 3
+    assert requests[0].num_cached == len(loop_prompt) + 1 + 3
+    # max_tokens 2: one id sampled, one left for this token, none for a draft.
+    alone = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
+    r = make(loop_prompt, 2)
+    alone.add(r)
+    alone.postprocess(alone.schedule(), ids(alone, 7))
+    (token,) = alone.schedule().decode
+    assert isinstance(token, DecodeToken) and token.draft == ()
+
+
+def test_shrink_returns_the_pages_past_the_kept_positions() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("s", list(range(6)))
+    assert len(bm.grow("s", 7)) == 2  # 13 positions: 4 pages
+    last = bm.page_table("s")[-1]
+    assert bm.shrink("s", 9) == [last]
+    assert bm.num_tokens("s") == 9 and len(bm.page_table("s")) == 3 and bm.num_free == 5
+    bm.commit_full_pages("s", list(range(9)))  # two full pages registered
+    with pytest.raises(ValueError):
+        bm.shrink("s", 7)  # below the committed pages
+    with pytest.raises(ValueError):
+        bm.shrink("s", 10)  # past the reserved positions
+
+
+# ---- the engine ------------------------------------------------------------------------------
+def test_greedy_ids_are_the_reference_alone_and_in_a_mixed_batch(spec: EngineLoop) -> None:
+    refs = [reference(p, 24) for p in (PROMPT_A, PROMPT_B, PROMPT_C, TURNING)]
+    assert run(spec, [make(PROMPT_C, 24)]) == [refs[2]]
+    turning = make(TURNING, 24)
+    assert run(spec, [turning]) == [refs[3]]
+    # Its run of 248s was drafted and kept, and the drafts of 248s rejected where 144 begins.
+    assert turning.draft_accepted > 12 and turning.draft_proposed > turning.draft_accepted
+    # Four sequences in 4 + 3 decode positions: the oldest drafts, the others decode one token.
+    batch = [make(p, 24) for p in (PROMPT_A, PROMPT_B, PROMPT_C, TURNING)]
+    assert run(spec, batch) == refs
+    assert batch[0].draft_accepted > 0
+    s = spec.scheduler
+    assert sum(s.accepted_lengths) > 0 and s.draft_steps > 0
+
+
+def test_every_id_count_up_to_max_tokens_is_exact(spec: EngineLoop, plain: EngineLoop) -> None:
+    for n in (1, 2, 3, 4, 5, 7, 11):
+        want = reference(TURNING, n)
+        assert run(spec, [make(TURNING, n)]) == [want] == run(plain, [make(TURNING, n)])
+        assert len(want[0]) == n
+
+
+def test_eos_and_stop_strings_cut_inside_an_accepted_run(spec: EngineLoop, plain: EngineLoop) -> None:
+    # TURNING's ids: 248 x 5, then 144: EOS 144 ends it where a draft of 248s is rejected.
+    want = reference(TURNING, 24, eos=frozenset({144}))
+    assert want[1] is FinishReason.EOS and len(want[0]) == 5
+    assert run(spec, [make(TURNING, 24, eos=frozenset({144}))]) == [want]
+    # A stop string inside a run of kept drafts: the third 144 ends it.
+    stop = [make(TURNING, 24), make(TURNING, 24)]
+    for r in stop:
+        r.text = TextStream(Pieces(), stop=["<144><144><144>"])
+    got_spec, got_plain = run(spec, [stop[0]])[0], run(plain, [stop[1]])[0]
+    assert got_spec == got_plain == (reference(TURNING, 8)[0], FinishReason.STOP_STRING)
+
+
+def test_wrong_drafts_change_nothing_and_leave_only_accepted_keys_and_values() -> None:
+    """Every draft rejected: the ids stay the reference's, each step still yields one id, and after
+    10 ids the row's pages hold the dense forward's keys and values at every kept position (the
+    rejected drafts' positions past them are given back or written over)."""
+    loop = tiny_loop(speculative="ngram", speculative_tokens=K)
+    want = reference(PROMPT_A, 24)[0]
+    sched, runner = loop.scheduler, loop.runner
+    sched.proposer = WrongProposer(K, set(want))
+    sched.max_draft_wait = 0  # propose at every step, however often rejected
+    r = make(PROMPT_A, 24)
+    sched.add(r)
+    while len(r.output_ids) < 10:
+        plan = sched.schedule()
+        sched.postprocess(plan, runner.step(build(plan, runner.geometry, sched.page_tables)).host())
+    assert r.output_ids == want[:10]
+    assert sched.drafts_proposed >= 9 * K and sched.drafts_accepted == 0
+    kept = r.prompt_ids + r.output_ids[:-1]  # the newest id's key is written by the next step
+    assert r.num_cached == len(kept)
+    ps = runner.ecfg.page_size
+    pages = sched.page_tables[r.slot, : -(-len(kept) // ps)]
+    assert len(sched.pools[0].page_table(r)) == len(pages)  # no page past the kept positions
+    for a, want_kv in zip((runner.cache.k, runner.cache.v), dense_kv(GRAPHDEF, PARAMS, kept), strict=True):
+        pool = np.asarray(a)  # [L, P, K, page_size, H]
+        held = pool[:, pages].transpose(0, 1, 3, 2, 4).reshape(CFG.num_layers, -1, CFG.num_kv_heads, CFG.head_dim)
+        np.testing.assert_allclose(held[:, : len(kept)], want_kv, rtol=1e-4, atol=1e-5)
+
+
+def test_seeded_sampling_draws_the_ids_it_draws_without_speculation(spec: EngineLoop, plain: EngineLoop) -> None:
+    """A draw depends on the seed and the position only, and each kept id is the target's own
+    draw at its position: a seeded request's ids are identical with and without speculation."""
+    accepted = spec.scheduler.drafts_accepted
+    for seed in range(6):
+        c = dict(temperature=0.15, seed=seed, top_k=40)
+        reqs = [make(p, 20, **c) for p in (PROMPT_A, TURNING)]
+        assert run(spec, reqs) == run(plain, [make(p, 20, **c) for p in (PROMPT_A, TURNING)])
+    assert spec.scheduler.drafts_accepted > accepted
+
+
+def test_logprobs_of_kept_ids_are_the_plain_ones(spec: EngineLoop, plain: EngineLoop) -> None:
+    records = []
+    for loop in (spec, plain):
+        r = make(TURNING, 12)
+        r.logprobs = 3
+        seen: list = []
+        done = threading.Event()
+
+        def emit(chunk: Chunk, seen: list = seen, done: threading.Event = done) -> None:
+            seen.extend(chunk.logprobs)
+            if chunk.finish_reason is not None:
+                done.set()
+
+        r.emit = emit
+        loop.submit(r)
+        assert done.wait(120)
+        records.append(seen)
+    a, b = records
+    assert [x.token_id for x in a] == [x.token_id for x in b] == reference(TURNING, 12)[0]
+    for x, y in zip(a, b, strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [i for i, _ in x.top] == [i for i, _ in y.top]
+
+
+def test_penalized_and_opted_out_requests_do_not_speculate(spec: EngineLoop) -> None:
+    proposed = spec.scheduler.drafts_proposed
+    r = make(TURNING, 16, repetition_penalty=1.5)
+    assert run(spec, [r]) == [reference(TURNING, 16, repetition=1.5)]
+    off = make(TURNING, 16)
+    off.speculative = False
+    assert run(spec, [off]) == [reference(TURNING, 16)]
+    assert r.draft_proposed == off.draft_proposed == 0 and spec.scheduler.drafts_proposed == proposed
+
+
+def test_a_prefix_hit_and_preemption_keep_the_reference() -> None:
+    # 3 sequences of up to 33 + 16 tokens in 72 positions: they cannot all hold their pages.
+    loop = started(tiny_loop(num_slots=3, kv_cache_tokens=72, page_size=16, speculative="ngram", speculative_tokens=K))
+    try:
+        refs = [reference(p, 16) for p in (PROMPT_A, PROMPT_C, TURNING)]
+        assert run(loop, [make(p, 16) for p in (PROMPT_A, PROMPT_C, TURNING)]) == refs
+        assert loop.scheduler.preemptions >= 1 and loop.scheduler.drafts_accepted > 0
+        again = make(PROMPT_C, 16)
+        assert run(loop, [again]) == [refs[1]] and again.cached_tokens > 0
+        assert loop.scheduler.page_counts()["used"] == 0
+    finally:
+        loop.stop()
+
+
+def test_data_replicas_and_a_live_switch_keep_the_reference() -> None:
+    import jax
+
+    from sharding.layouts import Layout
+
+    loop = tiny_loop("2x1", jax.devices()[:2], speculative="ngram", speculative_tokens=K)
+    new = loop.runner.relayout(Layout("1x1"), jax.devices()[:1])
+    new.warmup_to_replace(loop.runner)
+    started(loop)
+    try:
+        prompts = (PROMPT_A, TURNING, PROMPT_B, PROMPT_C)
+        requests = [make(p, 24) for p in prompts]
+        ids = run_across_switch(loop, new, requests)
+        assert ids == [reference(p, 24)[0] for p in prompts]
+        assert loop.scheduler.drafts_accepted > 0
+    finally:
+        loop.stop()

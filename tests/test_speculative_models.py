@@ -1,0 +1,69 @@
+"""Speculative decoding on the real default model (SmolLM2-135M, stored Q8_0 weights): greedy
+ids identical with and without n-gram speculation on input-grounded prompts (rewrite a given
+code snippet) and a free one, alone and in a batch, with drafts kept. Each run steps a fresh
+scheduler over one runner as the engine loop does (``test_golden.served``'s order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.engine.batch import build
+from service.engine.config import EngineConfig
+from service.engine.loop import make_loop
+from service.engine.request import RequestState
+from service.engine.runner import Runner
+from service.engine.scheduler import Scheduler
+from sharding.layouts import Layout
+
+pytestmark = pytest.mark.slow
+
+SNIPPET = """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+"""
+ASKS = (
+    "Add type hints to this Python function and return the whole function:\n\n" + SNIPPET,
+    "Rename the variable `total` to `running_sum` in this code and show the result:\n\n" + SNIPPET,
+    "Write a haiku about the sea.",
+)
+
+
+def greedy(scheduler: Scheduler, runner: Runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], Any]:
+    from test_golden import greedy_request
+
+    requests = [greedy_request(f"spec-{i}", p, n) for i, p in enumerate(prompts)]
+    for r in requests:
+        scheduler.add(r)
+    while any(r.state is not RequestState.FINISHED for r in requests):
+        plan = scheduler.schedule()
+        assert not plan.empty, "the scheduler stalled"
+        scheduler.postprocess(plan, runner.step(build(plan, runner.geometry, scheduler.page_tables)).host())
+    return [r.output_ids for r in requests], requests
+
+
+def test_greedy_ids_are_identical_with_ngram_speculation(smollm2_model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    cfg, graphdef, params = smollm2_model
+    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, speculative="ngram", speculative_tokens=4)
+    runner = Runner(cfg, graphdef, params, Layout("single"), ecfg)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": a}])) for a in ASKS]
+    n = 96
+    for batch in ([prompts[0]], prompts):
+        plain, _ = greedy(make_loop(runner, 4).scheduler, runner, batch, n)
+        speculating = make_loop(runner, 4).scheduler
+        assert speculating.proposer is not None
+        spec, requests = greedy(speculating, runner, batch, n)
+        assert spec == plain
+        # The rewrite copies the snippet: most of its ids come from kept drafts.
+        assert requests[0].draft_accepted > n // 3, (requests[0].draft_accepted, requests[0].draft_proposed)
+        assert speculating.draft_steps > 0

@@ -130,9 +130,9 @@ def test_sample_and_compare_is_exact_and_a_biased_rule_is_caught() -> None:
 
 # ---- scheduling ------------------------------------------------------------------------------
 def test_drafts_fill_the_decode_region_oldest_first_and_respect_max_tokens() -> None:
-    """4 rows and k = 3: a replica's decode region holds 4 + 3 tokens, so with four sequences
-    decoding only the oldest proposes, k ids; ``max_tokens`` caps a draft so no id past it is
-    sampled; a sequence whose EOS is banned (``min_tokens``) proposes nothing."""
+    """k = 3: drafts fill a replica's step up to 8 sampled positions, so with four sequences
+    decoding the oldest proposes k ids and the next the one left; ``max_tokens`` caps a draft so
+    no id past it is sampled; a sequence whose EOS is banned (``min_tokens``) proposes nothing."""
     sched = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
     loop_prompt = [7, 8, 7, 8, 7, 8]
     requests = [make(loop_prompt, 20), make(loop_prompt, 20), make(loop_prompt, 2), make(loop_prompt, 20)]
@@ -145,16 +145,19 @@ def test_drafts_fill_the_decode_region_oldest_first_and_respect_max_tokens() -> 
     sched.postprocess(plan, ids(sched, 7))
     plan = sched.schedule()
     drafts = {d.request: d.draft for d in plan.decode}
-    assert drafts[requests[0]] == (8, 7, 8) and all(not drafts[r] for r in requests[1:])
-    assert plan.num_tokens == 4 + 3 and plan.drafted == 3
+    assert drafts[requests[0]] == (8, 7, 8) and drafts[requests[1]] == (8,)
+    assert not drafts[requests[2]] and not drafts[requests[3]]
+    assert plan.num_tokens == 8 and plan.drafted == 4
     assert requests[0].num_cached == len(loop_prompt) + 1 + 3
-    # max_tokens 2: one id sampled, one left for this token, none for a draft.
-    alone = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
-    r = make(loop_prompt, 2)
-    alone.add(r)
-    alone.postprocess(alone.schedule(), ids(alone, 7))
-    (token,) = alone.schedule().decode
-    assert isinstance(token, DecodeToken) and token.draft == ()
+    # Alone: max_tokens 2 leaves no id for a draft after this token's; a banned EOS proposes nothing.
+    for kw in ({"max_tokens": 2}, {"min_tokens": 5}):
+        alone = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
+        r = make(loop_prompt, kw.get("max_tokens", 20))
+        r.min_tokens = kw.get("min_tokens", 0)
+        alone.add(r)
+        alone.postprocess(alone.schedule(), ids(alone, 7))
+        (token,) = alone.schedule().decode
+        assert isinstance(token, DecodeToken) and token.draft == () and r.draft_misses == 0
 
 
 def test_shrink_returns_the_pages_past_the_kept_positions() -> None:
@@ -179,7 +182,7 @@ def test_greedy_ids_are_the_reference_alone_and_in_a_mixed_batch(spec: EngineLoo
     assert run(spec, [turning]) == [refs[3]]
     # Its run of 248s was drafted and kept, and the drafts of 248s rejected where 144 begins.
     assert turning.draft_accepted > 12 and turning.draft_proposed > turning.draft_accepted
-    # Four sequences in 4 + 3 decode positions: the oldest drafts, the others decode one token.
+    # Four sequences in 8 sampled positions: the oldest drafts k ids, the next one.
     batch = [make(p, 24) for p in (PROMPT_A, PROMPT_B, PROMPT_C, TURNING)]
     assert run(spec, batch) == refs
     assert batch[0].draft_accepted > 0
@@ -310,3 +313,18 @@ def test_data_replicas_and_a_live_switch_keep_the_reference() -> None:
         assert loop.scheduler.drafts_accepted > 0
     finally:
         loop.stop()
+
+
+def test_the_sequences_of_one_request_speculate_each_on_its_own(spec: EngineLoop, plain: EngineLoop) -> None:
+    """n = 2 (one ``group``: the second starts on the first's cached prompt pages), greedy and
+    seeded: each sequence's ids are those it has without speculation."""
+    for kw in ({}, {"temperature": 0.15, "top_k": 40}):
+        got = []
+        for loop in (spec, plain):
+            pair = [make(TURNING, 16, **kw, seed=s) for s in (1, 2)]
+            for r in pair:
+                r.group = "n2"
+            got.append(run(loop, pair))
+        assert got[0] == got[1]
+        if not kw:
+            assert got[0] == [reference(TURNING, 16)] * 2

@@ -1,4 +1,4 @@
-"""Speculative decoding on the real default model (SmolLM2-135M, stored Q8_0 weights): greedy
+"""Speculative decoding on the real default model (SmolLM2-135M, its Q4_1 blocks as stored): greedy
 ids identical with and without n-gram speculation on input-grounded prompts (rewrite a given
 code snippet) and a free one, alone and in a batch, with drafts kept. Each run steps a fresh
 scheduler over one runner as the engine loop does (``test_golden.served``'s order)."""

@@ -88,7 +88,7 @@ def test_the_flags_reach_the_engine() -> None:
     )
     engine = _serve_config(args).engine
     assert (engine.speculative, engine.speculative_tokens, engine.ngram_max, engine.ngram_min) == ("ngram", 5, 4, 1)
-    assert engine.draft_tokens == 5
+    assert engine.verify_tokens == 8
     assert build_parser().parse_args(["serve"]).speculative is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative", "eagle"])

@@ -97,7 +97,7 @@ class Geometry:
     the attention window (the backend's: ``AttentionBackend.window_buckets``).
 
     Programs = decode x prefill x window buckets; the decode region is a power of two up to the
-    rows of a replica and its ``draft_tokens`` (speculative decoding's draft ids), from 1 in a decode-only step and from ``MIN_DECODE`` beside prefill
+    rows of a replica or its ``verify_tokens`` (speculative decoding's), from 1 in a decode-only step and from ``MIN_DECODE`` beside prefill
     chunks (``decode_bucket``: every padding row costs a decode step about what a real one
     does, so a single stream of a 64-row server paid for 8); the prefill region 0 tokens or a power of two
     times ``seq_block`` up to ``max_num_batched_tokens`` (rounded up to a block), or up to one
@@ -112,7 +112,7 @@ class Geometry:
     decode_buckets: tuple[int, ...]
     prefill_buckets: tuple[int, ...]
     window_buckets: tuple[int, ...]
-    draft_tokens: int = 0
+    verify_tokens: int = 0
 
     @classmethod
     def make(
@@ -124,11 +124,11 @@ class Geometry:
         chunk_size: int,
         max_num_batched_tokens: int,
         window_buckets: list[int],
-        draft_tokens: int = 0,
+        verify_tokens: int = 0,
     ) -> Geometry:
         """The geometry of an engine of these sizes; ``window_buckets``: the attention backend's
-        (``AttentionBackend.window_buckets``); ``draft_tokens``: the draft ids a replica's decode
-        region holds beyond one token per row (``EngineConfig.draft_tokens``)."""
+        (``AttentionBackend.window_buckets``); ``verify_tokens``: the tokens a replica's decode
+        region holds while sequences speculate (``EngineConfig.verify_tokens``; 0: none)."""
         max_pages = -(-max_seq_len // page_size)
         seq_block = min(SEQ_BLOCK, chunk_size)  # a chunk pads to a whole block: no bigger than a chunk
 
@@ -145,10 +145,10 @@ class Geometry:
             page_size=page_size,
             max_pages=max_pages,
             seq_block=seq_block,
-            decode_buckets=tuple(power_of_two_buckets(1, rows + draft_tokens)),
+            decode_buckets=tuple(power_of_two_buckets(1, max(rows, verify_tokens))),
             prefill_buckets=(0, *power_of_two_buckets(seq_block, region)),
             window_buckets=tuple(window_buckets),
-            draft_tokens=draft_tokens,
+            verify_tokens=verify_tokens,
         )
 
     @property
@@ -158,8 +158,8 @@ class Geometry:
     @property
     def decode_capacity(self) -> int:
         """The most tokens of one replica's decode region, and the most ids it samples in a step:
-        one per row and ``draft_tokens`` more."""
-        return self.rows_per_replica + self.draft_tokens
+        one per row, or ``verify_tokens`` while sequences speculate."""
+        return max(self.rows_per_replica, self.verify_tokens)
 
     def replica_of(self, row: int) -> int:
         """The data replica serving ``row`` (rows [r S/d, (r + 1) S/d) are replica r's)."""

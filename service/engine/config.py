@@ -15,6 +15,18 @@ ATTENTION_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 SPECULATIVE_MODES = ("off", "ngram")
+# Tokens a replica's decode region may fill with speculating sequences' tokens (each its newest id
+# and its drafts), at least: 8 held one stream's k = 4 drafts for 0.47x the plain TPOT, while a
+# batch of 4 each verifying 4 drafts (20 tokens) ran at 0.86x the plain tokens/s on 2 cores
+# (docs/speculative.md, "When a sequence speculates").
+MIN_VERIFY_TOKENS = 8
+
+
+def verify_tokens(k: int) -> int:
+    """The sampling positions a data replica's decode region fills with decode tokens and draft ids
+    when sequences propose up to ``k`` drafts: 1 + k, and at least ``MIN_VERIFY_TOKENS``; drafts
+    are proposed only while a step's samplers leave room below it."""
+    return max(MIN_VERIFY_TOKENS, 1 + k)
 
 
 def resolve_kv_dtype(kv_dtype: str, dtype: str) -> str:
@@ -69,8 +81,8 @@ class EngineConfig:
             still takes ``chunk_size`` tokens a step.
         speculative: "off" or "ngram": decoding sequences propose draft ids by n-gram prompt
             lookup (``service.engine.ngram``) and each step verifies them (docs/speculative.md).
-        speculative_tokens: most draft ids one sequence proposes per step (k), >= 1; a data
-            replica's decode region holds its rows' tokens and k more.
+        speculative_tokens: most draft ids one sequence proposes per step (k), >= 1; drafts fill
+            a data replica's decode region up to ``verify_tokens(k)`` sampled positions.
         ngram_max, ngram_min: the longest and shortest suffix the n-gram proposer matches.
     """
 
@@ -88,7 +100,7 @@ class EngineConfig:
     kv_cache_memory: int = 0
     max_num_batched_tokens: int = 1024
     speculative: str = "off"
-    speculative_tokens: int = 4
+    speculative_tokens: int = 7
     ngram_max: int = 3
     ngram_min: int = 2
 
@@ -127,10 +139,10 @@ class EngineConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 
     @property
-    def draft_tokens(self) -> int:
-        """Draft ids a data replica's decode region holds beyond one token per row: k when
-        speculating, else 0."""
-        return self.speculative_tokens if self.speculative != "off" else 0
+    def verify_tokens(self) -> int:
+        """The decode tokens and draft ids of one replica's step while sequences speculate
+        (``verify_tokens``), or 0: no speculation."""
+        return verify_tokens(self.speculative_tokens) if self.speculative != "off" else 0
 
     @property
     def num_pages(self) -> int:

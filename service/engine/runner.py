@@ -206,7 +206,7 @@ class Runner:
         max_pages = -(-self.ecfg.max_seq_len // ps)
         self.geometry = Geometry.make(
             S, d, ps, self.ecfg.max_seq_len, self.ecfg.chunk_size, self.ecfg.max_num_batched_tokens,
-            self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)), self.ecfg.draft_tokens,
+            self.kernels.attention.window_buckets(max_pages, -(-MIN_WINDOW // ps)), self.ecfg.verify_tokens,
         )  # fmt: skip
         # Compiled programs, and those compiling on a background thread (``compile_ahead``). Read
         # on the loop thread while a background compile inserts: copied (``list``) to iterate.

@@ -36,8 +36,10 @@ preempted. ``page_tables`` [num_slots, max_pages] is kept here, row by row, as p
 allocated and added.
 
 Speculative decoding (a ``proposer``, ``service.engine.ngram``): after the step's tokens are
-chosen, each decoding sequence whose ids are all on the host proposes up to k draft ids, while
-its replica's decode region has room (``decode_capacity``: one token per row and k more) and
+chosen, each decoding sequence whose ids are all on the host proposes up to k draft ids, oldest
+first, while its replica's step samples fewer than ``verify_tokens`` positions
+(``service.engine.config.verify_tokens``: 1 + k, at least 8; so from 8 sequences decoding in a
+replica on, none speculates: verifying would cost the batch more compute than it saves) and
 pages are free (drafts never preempt); they ride after its decode token, each position sampling
 the id that follows it (``DecodeToken.draft``). ``postprocess`` keeps the longest run of drafts
 equal to the ids the target sampled, plus the target's id after it (``accepted_run``), and gives
@@ -69,6 +71,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from service.engine.block_manager import BlockManager, OutOfPages
+from service.engine.config import verify_tokens
 from service.engine.ngram import NgramProposer
 from service.engine.output import MASKED_LOGPROB, HostStep
 from service.engine.request import FinishReason, Request, RequestState, TokenLogprob
@@ -197,8 +200,8 @@ class Scheduler:
         chunk_align: each chunk is charged to the budget rounded up to a multiple of this (the
             engine pads every chunk to whole blocks of its prefill region), >= 1.
         proposer: proposes draft ids for speculative decoding (None: none are), at most
-            ``proposer.k`` per sequence and step, and no more per replica than its decode region
-            holds beyond one token per row.
+            ``proposer.k`` per sequence and step, and none past a replica's ``verify_tokens``
+            sampled positions.
 
     Raises:
         ValueError: sizes out of range.
@@ -253,9 +256,10 @@ class Scheduler:
         self.max_pages = -(-self.max_seq_len // self.page_size)
 
     @property
-    def decode_capacity(self) -> int:
-        """Tokens one replica's decode region holds (``Geometry.decode_capacity``)."""
-        return self.rows_per_replica + (self.proposer.k if self.proposer else 0)
+    def verify_tokens(self) -> int:
+        """The sampled positions speculating sequences' drafts fill a replica's step up to (0: no
+        proposer); ``Geometry.decode_capacity`` holds them."""
+        return verify_tokens(self.proposer.k) if self.proposer else 0
 
     def replica_of(self, r: Request) -> int:
         """The data replica of a running request's row."""
@@ -327,15 +331,22 @@ class Scheduler:
 
     def wants_landed(self) -> bool:
         """Whether the next ``schedule`` should see every dispatched id on the host first: a
-        decoding sequence will propose draft ids, which start from its newest id."""
-        return any(self._speculates(r) and r.draft_wait == 0 for r in self.running)
+        decoding sequence will propose draft ids (which start from its newest id), in a replica
+        with room for them."""
+        decoding = [0] * len(self.pools)
+        for r in self.running:
+            decoding[self.replica_of(r)] += r.state is RequestState.DECODING
+        return any(
+            self._speculates(r) and r.draft_wait == 0 and decoding[self.replica_of(r)] < self.verify_tokens - 1
+            for r in self.running
+        )
 
     def _with_drafts(self, decode: list[DecodeToken], chunks: list[PrefillChunk]) -> list[DecodeToken]:
         """``decode`` with draft ids proposed for the sequences that speculate, oldest first,
         while their replica's decode region has room; each draft's positions are reserved (a
         sequence without free pages for them proposes nothing) and counted as sampled."""
         assert self.proposer is not None
-        room = [self.decode_capacity] * len(self.pools)  # sampling slots left in each replica
+        room = [self.verify_tokens] * len(self.pools)  # sampled positions left for drafts in each replica
         for t in decode:
             room[t.slot // self.rows_per_replica] -= 1
         for c in chunks:
@@ -349,7 +360,10 @@ class Scheduler:
                 out.append(t)
                 continue
             k = min(self.proposer.k, room[replica], r.max_tokens - r.sampled)
-            draft = tuple(self.proposer.propose(r.prompt_ids + r.output_ids, k)) if k > 0 else ()
+            if k <= 0:  # its last id: nothing may follow it
+                out.append(t)
+                continue
+            draft = tuple(self.proposer.propose(r.prompt_ids + r.output_ids, k))
             if not draft:
                 self._missed(r)
                 out.append(t)

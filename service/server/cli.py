@@ -682,7 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding: ngram proposes draft ids by prompt lookup and each step verifies them, exactly "
         "(default off; docs/speculative.md)",
     )
-    s.add_argument("--speculative-tokens", type=int, help="most draft ids a sequence proposes per step (default 4)")
+    s.add_argument(
+        "--speculative-tokens",
+        type=int,
+        help="most draft ids a sequence proposes per step (default 7: with its token, the 8 a step verifies)",
+    )
     s.add_argument("--ngram-max", type=int, help="the longest suffix the n-gram proposer matches (default 3)")
     s.add_argument("--ngram-min", type=int, help="the shortest suffix the n-gram proposer matches (default 2)")
     s.add_argument(

@@ -131,6 +131,36 @@ class TokenHistory:
         counts = self.counts.at[jnp.where(generated & (rows >= 0), rows, S), tokens].add(1, mode="drop")
         return TokenHistory(counts=counts, in_prompt=self.in_prompt)
 
+    def at_slots(
+        self,
+        slot_rows: jax.Array,
+        slot_positions: jax.Array,
+        rows: jax.Array,
+        positions: jax.Array,
+        tokens: jax.Array,
+        generated: jax.Array,
+    ) -> TokenHistory:
+        """What each sampling slot has seen: its row's history (``counted`` over the step's
+        tokens) less the generated tokens of its row at later positions than its own. A row
+        that verifies draft ids has them all counted, and the slot at position p samples after
+        those up to p only (speculative decoding).
+
+        Args:
+            slot_rows: [R] int32, each slot's row (in range). slot_positions: [R] int32, the
+                position of the token it samples from.
+            rows, positions, tokens: [N] int32, the step's tokens. generated: [N] bool, as
+                ``counted`` took them.
+
+        Returns:
+            [R, V] counts and prompt masks, one row per slot.
+        """
+        later = (
+            (rows[None, :] == slot_rows[:, None]) & (positions[None, :] > slot_positions[:, None]) & generated[None, :]
+        )
+        slots = jnp.arange(slot_rows.shape[0])[:, None]
+        counts = self.counts[slot_rows].at[slots, tokens[None, :]].add(-later.astype(jnp.int32))
+        return TokenHistory(counts=counts, in_prompt=self.in_prompt[slot_rows])
+
 
 def uses_penalties(sp: SamplingParams) -> jax.Array:
     """[S] bool: the slot's logits are changed by its penalties."""

@@ -272,14 +272,46 @@ def test_logprobs_of_kept_ids_are_the_plain_ones(spec: EngineLoop, plain: Engine
         assert [i for i, _ in x.top] == [i for i, _ in y.top]
 
 
-def test_penalized_and_opted_out_requests_do_not_speculate(spec: EngineLoop) -> None:
+def test_an_opted_out_request_does_not_speculate(spec: EngineLoop) -> None:
     proposed = spec.scheduler.drafts_proposed
-    r = make(TURNING, 16, repetition_penalty=1.5)
-    assert run(spec, [r]) == [reference(TURNING, 16, repetition=1.5)]
     off = make(TURNING, 16)
     off.speculative = False
     assert run(spec, [off]) == [reference(TURNING, 16)]
-    assert r.draft_proposed == off.draft_proposed == 0 and spec.scheduler.drafts_proposed == proposed
+    assert off.draft_proposed == 0 and spec.scheduler.drafts_proposed == proposed
+
+
+class HalfRightProposer(NgramProposer):
+    """Proposes the reference's next ids with the second one wrong: each verification keeps one
+    draft and rejects the rest."""
+
+    def __init__(self, k: int, prompt: list[int], want: list[int]):
+        super().__init__(k)
+        self.prompt, self.want = prompt, want
+
+    def propose(self, ids, k=None):  # type: ignore[no-untyped-def]
+        done = len(ids) - len(self.prompt)
+        out = list(self.want[done : done + (self.k if k is None else k)])
+        if len(out) > 1:
+            out[1] = (out[1] + 1) % CFG.vocab_size
+        return out
+
+
+def test_penalized_requests_speculate_and_keep_the_reference() -> None:
+    """With penalties, each verifying position samples under the history up to its own position
+    (``TokenHistory.at_slots``), and a row whose drafts were rejected has its history written
+    whole again: the ids stay the penalized reference's, through kept and rejected drafts."""
+    kw = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
+    want = reference(TURNING, 20, repetition=1.5, frequency=0.5, presence=0.3)
+    loop = tiny_loop(speculative="ngram", speculative_tokens=K)
+    loop.scheduler.proposer = HalfRightProposer(K, TURNING, want[0])
+    loop.scheduler.max_draft_wait = 0
+    started(loop)
+    try:
+        r = make(TURNING, 20, **kw)
+        assert run(loop, [r]) == [want]
+        assert r.draft_accepted >= 5 and r.draft_proposed > r.draft_accepted
+    finally:
+        loop.stop()
 
 
 def test_a_prefix_hit_and_preemption_keep_the_reference() -> None:
@@ -328,3 +360,43 @@ def test_the_sequences_of_one_request_speculate_each_on_its_own(spec: EngineLoop
         assert got[0] == got[1]
         if not kw:
             assert got[0] == [reference(TURNING, 16)] * 2
+
+
+def sampled_prefixes(seed_base: int, n: int, **engine: object) -> np.ndarray:
+    """[n, 6] the first 6 ids of ``TURNING`` sampled at temperature 0.05 (the tiny model's top two
+    ids then carry about 0.56 and 0.27, so its ids repeat and n-gram drafts are proposed), seeds
+    ``seed_base`` .. ``seed_base + n - 1``."""
+    loop = started(tiny_loop(max_queue=n + 8, **engine))  # type: ignore[arg-type]
+    try:
+        out = run(loop, [make(TURNING, 6, temperature=0.05, seed=seed_base + s) for s in range(n)])
+        if "speculative" in engine:
+            assert loop.scheduler.drafts_accepted > n // 4
+    finally:
+        loop.stop()
+    return np.array([ids for ids, _ in out])
+
+
+def same_distribution_p(a: np.ndarray, b: np.ndarray) -> float:
+    """The chi-square test of homogeneity's p-value for two samples of ids (ids seen fewer than 10
+    times in both together left out)."""
+    from scipy.stats import chi2_contingency
+
+    ids = np.union1d(a, b)
+    table = np.array([[np.sum(x == i) for i in ids] for x in (a, b)])
+    return float(chi2_contingency(table[:, table.sum(0) >= 10])[1])
+
+
+def test_speculative_and_plain_sampling_draw_ids_from_the_same_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """10,000 seeded draws of the first 6 ids with n-gram speculation and 10,000 without, on other
+    seeds: at every position the ids' distributions agree (chi-square p > 1e-4). The same test
+    rejects (p < 1e-12) a rule that keeps every draft without comparing it with the target's
+    draw, from its 4th id on, where drafts begin."""
+    plain = sampled_prefixes(1_000_000, 10_000, num_slots=32)
+    spec = sampled_prefixes(0, 10_000, num_slots=4, speculative="ngram", speculative_tokens=K)
+    for j in range(6):
+        assert same_distribution_p(plain[:, j], spec[:, j]) > 1e-4, j
+    import service.engine.scheduler
+
+    monkeypatch.setattr(service.engine.scheduler, "accepted_run", lambda draft, sampled: [*draft, sampled[len(draft)]])
+    biased = sampled_prefixes(2_000_000, 2_000, num_slots=4, speculative="ngram", speculative_tokens=K)
+    assert min(same_distribution_p(plain[:, j], biased[:, j]) for j in (3, 4, 5)) < 1e-12

@@ -1,6 +1,6 @@
-"""Speculative decoding on the real default model (SmolLM2-135M, its Q4_1 blocks as stored): greedy
-ids identical with and without n-gram speculation on input-grounded prompts (rewrite a given
-code snippet) and a free one, alone and in a batch, with drafts kept. Each run steps a fresh
+"""Speculative decoding on real models, their blocks as stored (SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B
+Q4_K_M): greedy ids identical with and without n-gram speculation on input-grounded prompts
+(rewrite a given code snippet) and a free one, alone and in a batch, with drafts kept. Each run steps a fresh
 scheduler over one runner as the engine loop does (``test_golden.served``'s order)."""
 
 from __future__ import annotations
@@ -54,8 +54,22 @@ def greedy(scheduler: Scheduler, runner: Runner, prompts: list[list[int]], n: in
 
 def test_greedy_ids_are_identical_with_ngram_speculation(smollm2_model, tokenizer) -> None:  # type: ignore[no-untyped-def]
     cfg, graphdef, params = smollm2_model
-    ecfg = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, speculative="ngram", speculative_tokens=4)
-    runner = Runner(cfg, graphdef, params, Layout("single"), ecfg)
+    same_ids_with_and_without(Runner(cfg, graphdef, params, Layout("single"), ECFG), tokenizer)
+
+
+def test_qwen_greedy_ids_are_identical_with_ngram_speculation() -> None:
+    from model.weights.fetch import fetch_model
+    from model.weights.loader import load_model
+
+    loaded = load_model(fetch_model("qwen2.5-coder-0.5b-instruct"), tokenizer=True, stored=True)
+    runner = Runner(loaded.cfg, loaded.graphdef, loaded.state, Layout("single"), ECFG)
+    same_ids_with_and_without(runner, loaded.tokenizer)
+
+
+ECFG = EngineConfig(num_slots=4, max_seq_len=1024, chunk_size=512, speculative="ngram", speculative_tokens=4)
+
+
+def same_ids_with_and_without(runner: Runner, tokenizer: Any) -> None:
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": a}])) for a in ASKS]
     n = 96
     for batch in ([prompts[0]], prompts):

@@ -360,9 +360,12 @@ def build(plan: StepPlan, geometry: Geometry, page_tables: np.ndarray, in_flight
             sampling=r.sampling,
             logprobs=r.logprobs is not None,
             eos_ids=tuple(sorted(r.eos_ids)),
-            history=(tuple(r.prompt_ids), tuple(r.output_ids)) if r.sampling.penalized else None,
+            # A decoding row's newest id is this step's decode token, which the step counts.
+            history=(tuple(r.prompt_ids), tuple(r.output_ids[: -1 if r in plan.reinstalled else None]))
+            if r.sampling.penalized
+            else None,
         )
-        for r in sorted(plan.admitted, key=lambda r: r.slot or 0)
+        for r in sorted(plan.admitted | plan.reinstalled, key=lambda r: r.slot or 0)
         if r.slot is not None
     )
     return dataclasses.replace(

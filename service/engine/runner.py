@@ -33,7 +33,8 @@ compiles on a background thread (``compile_ahead``), which later steps of its sh
 The token history (``model.sampling.TokenHistory``, for the penalties): a row is written whole
 when its request is admitted (``RowInstall.history``: the prompt's ids and the ids it already
 generated, which a preempted request brings back), and each step counts its decode tokens,
-whose inputs are generated ids.
+whose inputs are generated ids, draft ids among them; a row whose drafts were rejected is
+written whole again with the next step (``StepPlan.reinstalled``).
 """
 
 from __future__ import annotations
@@ -284,8 +285,9 @@ class Runner:
             S = page_tables.shape[0]
             from_prev = prev[jnp.clip(rows, 0, S - 1), 0].astype(jnp.int32)
             tokens = jnp.where(source == 1, from_prev, host_tokens)
-            # A decode token's id is one its row generated: count it.
-            history = history.counted(rows, tokens, generated & (rows >= 0) & (positions >= 0))
+            # A decode token's id is one its row generated (a draft id is, once kept): count it.
+            counted = generated & (rows >= 0) & (positions >= 0)
+            history = history.counted(rows, tokens, counted)
             model = nnx.merge(graphdef, params)
 
             def step(cache, tokens, positions, rows, tables, last):  # type: ignore[no-untyped-def]
@@ -303,7 +305,8 @@ class Runner:
             real = sample_rows >= 0
             own = jnp.where(real, sample_rows, 0)
             slot_sp = dataclasses.replace(jax.tree.map(lambda a: a[own], sp), ban_eos=ban)
-            slot_history = TokenHistory(counts=history.counts[own], in_prompt=history.in_prompt[own])
+            # A slot that verifies a draft sees the drafts before its own position only.
+            slot_history = history.at_slots(own, positions[sample_index], rows, positions, tokens, counted)
             slot_mask = mask[own]
             next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, slot_mask)
             packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), slot_mask)

@@ -118,12 +118,15 @@ class DecodeToken:
 class StepPlan:
     """What step number ``step`` runs: one token for each of ``decode``, then ``prefills``'
     chunks. ``admitted``: the requests whose first chunk since admission is in ``prefills``
-    (their row's sampling parameters and token history are installed with the step)."""
+    (their row's sampling parameters and token history are installed with the step);
+    ``reinstalled``: decoding requests with penalties whose drafts were rejected, their token
+    history written whole again (the step before counted those drafts)."""
 
     step: int
     prefills: tuple[PrefillChunk, ...] = ()
     decode: tuple[DecodeToken, ...] = ()
     admitted: frozenset[Request] = frozenset()
+    reinstalled: frozenset[Request] = frozenset()
 
     @property
     def empty(self) -> bool:
@@ -246,6 +249,7 @@ class Scheduler:
         # verified any, and how many proposals kept 0, 1, .. k drafts.
         self.drafts_proposed = self.drafts_accepted = self.draft_steps = 0
         self.accepted_lengths = [0] * (proposer.k + 1 if proposer else 1)
+        self._reinstall: set[Request] = set()  # penalized rows whose rejected drafts were counted
 
     def _set_pools(self, pools: list[BlockManager]) -> None:
         if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
@@ -313,26 +317,26 @@ class Scheduler:
             admitted.append(new)
             chunks.append(self._chunk(new, budgets[replica], step))
             budgets[replica] -= -(-chunks[-1].length // align) * align
+        reinstalled = frozenset(r for r in self._reinstall if r.slot is not None and r not in admitted)
+        self._reinstall.clear()
         if self.proposer is not None:
             decode = self._with_drafts(decode, chunks)
-        return StepPlan(step=step, prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted))
+        return StepPlan(
+            step=step, prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted),
+            reinstalled=reinstalled,
+        )  # fmt: skip
 
     def _speculates(self, r: Request) -> bool:
         """Whether ``r`` may propose draft ids (the engine speculates, ``r`` opts in, and it has
-        no penalties or constraint: its verifier would need the drafts in its history or
-        grammar)."""
-        return (
-            self.proposer is not None
-            and r.speculative
-            and r.constraint is None
-            and not r.sampling.penalized
-            and r.state is RequestState.DECODING
-        )
+        no constraint: its grammar would have to take the drafts before they are verified)."""
+        return self.proposer is not None and r.speculative and r.constraint is None and r.state is RequestState.DECODING
 
     def wants_landed(self) -> bool:
         """Whether the next ``schedule`` should see every dispatched id on the host first: a
         decoding sequence will propose draft ids (which start from its newest id), in a replica
         with room for them."""
+        if self.proposer is None:
+            return False
         decoding = [0] * len(self.pools)
         for r in self.running:
             decoding[self.replica_of(r)] += r.state is RequestState.DECODING
@@ -572,6 +576,8 @@ class Scheduler:
         r.sampled -= rejected
         if r.slot is not None and r.state is not RequestState.FINISHED:
             self._blocks(r).shrink(r, r.num_cached)
+            if rejected and r.sampling.penalized:
+                self._reinstall.add(r)
 
     def advance_grammars(self, plan: StepPlan, host: HostStep) -> None:
         """Advance the constrained requests' grammars over step ``plan``'s ids (``host``) ahead of

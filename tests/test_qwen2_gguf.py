@@ -11,6 +11,8 @@ time. Needs ``torch``, ``transformers`` and ``accelerate`` (the ``hf`` extra).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,9 @@ def qwen_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours(qwen_file: Path) -> LoadedModel:
+def ours(qwen_file: Path, hf: HfReference) -> LoadedModel:
+    """Loaded once transformers' reference is computed and its model freed (``hf``): the two
+    float32 models at once, with a runner's copy, took a test worker to 13.8 GB."""
     return load_model(qwen_file, tokenizer=True)
 
 
@@ -55,9 +59,28 @@ def ours_stored(qwen_file: Path) -> LoadedModel:
     return load_model(qwen_file, stored=True)
 
 
+LENGTHS = (20, 640)
+
+
+@dataclasses.dataclass(frozen=True)
+class HfReference:
+    """transformers' tokenizer, and for each of ``LENGTHS`` the ids of ``CORPUS`` cut to it and
+    its model's logits [length, V] over them (the model itself freed)."""
+
+    tok: Any
+    ids: dict[int, list[int]]
+    logits: dict[int, np.ndarray]
+
+
 @pytest.fixture(scope="module")
-def hf(qwen_file: Path) -> tuple[Any, Any]:
-    return hf_from_gguf(qwen_file)
+def hf(qwen_file: Path) -> HfReference:
+    tok, model = hf_from_gguf(qwen_file)
+    text = " ".join(CORPUS) * 8
+    ids = {n: tok.encode(text, add_special_tokens=False)[:n] for n in LENGTHS}
+    logits = {n: hf_logits(model, ids[n]) for n in LENGTHS}
+    del model
+    gc.collect()
+    return HfReference(tok, ids, logits)
 
 
 def hf_from_gguf(path: Path) -> tuple[Any, Any]:
@@ -80,8 +103,8 @@ def test_the_config_is_qwen2s(ours: LoadedModel) -> None:
     assert cfg.vocab_size == 151936 and cfg.rope_theta == 1e6
 
 
-def test_token_ids_and_chat_template_equal_transformers(ours: LoadedModel, hf: tuple[Any, Any]) -> None:
-    tok, _ = hf
+def test_token_ids_and_chat_template_equal_transformers(ours: LoadedModel, hf: HfReference) -> None:
+    tok = hf.tok
     assert ours.tokenizer is not None
     for text in CORPUS:
         assert ours.tokenizer.encode(text) == tok.encode(text, add_special_tokens=False), text
@@ -116,17 +139,15 @@ def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("stored", [False, True], ids=["dequantized", "stored"])
-@pytest.mark.parametrize("length", [20, 640])
+@pytest.mark.parametrize("length", LENGTHS)
 def test_logits_and_greedy_ids_equal_transformers(
-    length: int, stored: bool, request: pytest.FixtureRequest, hf: tuple[Any, Any]
+    length: int, stored: bool, request: pytest.FixtureRequest, hf: HfReference
 ) -> None:
     ours: LoadedModel = request.getfixturevalue("ours_stored" if stored else "ours")
-    tok, model = hf
-    text = " ".join(CORPUS) * 8
-    ids = tok.encode(text, add_special_tokens=False)[:length]
+    ids = hf.ids[length]
     assert len(ids) == length
     prompt, then = ids[: length - 8], ids[length - 8 :]
-    want = hf_logits(model, ids)[len(prompt) - 1 :]  # the prompt's last position, then each of ``then``
+    want = hf.logits[length][len(prompt) - 1 :]  # the prompt's last position, then each of ``then``
     got = step_logits(ours, prompt, then, chunk=256)
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
     assert (got.argmax(-1) == want.argmax(-1)).all()

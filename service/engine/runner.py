@@ -63,7 +63,7 @@ from model.attention.base import StepMeta
 from model.attention.pages import PagedKVCache
 from model.config import LlamaConfig
 from model.llama import ragged_step
-from model.sampling import SamplingParams, TokenHistory, mask_words, sample, seed_to_key
+from model.sampling import SamplingParams, TokenHistory, mask_words, sample, seed_to_key, uses_penalties
 from model.weights.build import abstract_llama
 from model.weights.quant_panels import QuantPanels
 from service.engine import kv_pool
@@ -305,8 +305,13 @@ class Runner:
             real = sample_rows >= 0
             own = jnp.where(real, sample_rows, 0)
             slot_sp = dataclasses.replace(jax.tree.map(lambda a: a[own], sp), ban_eos=ban)
-            # A slot that verifies a draft sees the drafts before its own position only.
-            slot_history = history.at_slots(own, positions[sample_index], rows, positions, tokens, counted)
+            # A slot that verifies a draft sees the drafts before its own position only (read only
+            # by the penalties: a step without them gathers the rows' histories as they are).
+            slot_history = jax.lax.cond(
+                jnp.any(uses_penalties(slot_sp) & real),
+                lambda: history.at_slots(own, positions[sample_index], rows, positions, tokens, counted),
+                lambda: TokenHistory(counts=history.counts[own], in_prompt=history.in_prompt[own]),
+            )
             slot_mask = mask[own]
             next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, slot_mask)
             packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), slot_mask)

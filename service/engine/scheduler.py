@@ -47,7 +47,9 @@ back the rejected positions and their pages. A draft is deterministic, so sampli
 at every position and keeping the drafts it reproduces is Leviathan et al.'s (2023, §2.3)
 rejection rule with q a point mass: the id kept at each position is distributed as the target's
 (seeded draws depend only on seed and position, so a seeded request's ids are those it samples
-without speculation). Rows with penalties or a constraint do not speculate. A sequence whose
+without speculation). A row with penalties samples each position under its history up to it
+(``Runner``; a row whose drafts were rejected has its history written again,
+``StepPlan.reinstalled``); a row with a constraint does not speculate. A sequence whose
 proposal finds nothing or has nothing accepted waits 1, 3, 7, ... (at most ``MAX_DRAFT_WAIT``)
 decode steps before it proposes again, so a stream that never matches keeps the pipelined loop
 (``wants_landed``).
@@ -135,7 +137,7 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         """Real tokens: decode tokens, their draft ids and chunk tokens."""
-        return len(self.decode) + sum(len(d.draft) for d in self.decode) + sum(c.length for c in self.prefills)
+        return len(self.decode) + self.drafted + sum(c.length for c in self.prefills)
 
     @property
     def drafted(self) -> int:

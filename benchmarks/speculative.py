@@ -1,16 +1,21 @@
-"""Speculative decoding's gain: n-gram prompt lookup against plain decoding on the same server, the
-same requests and ids, in one run (issue 42's targets: batch-1 TPOT <= 0.5x plain on an
-input-grounded workload; batch 32 output tokens/s >= 0.95x plain).
+"""Speculative decoding's gain: n-gram prompt lookup or a draft model against plain decoding on
+the same server, the same requests and ids, in one run (issue 42's targets: n-gram batch-1 TPOT
+<= 0.5x plain on an input-grounded workload; a draft model's <= 0.6x on code completion; batch
+32 output tokens/s >= 0.95x plain).
 
-    python -m benchmarks.speculative                             # the default model
+    python -m benchmarks.speculative                             # the default model, n-gram
     python -m benchmarks.speculative --model qwen2.5-coder-1.5b-instruct --rounds 2 --json s.json
+    python -m benchmarks.speculative --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --workload completion --k 4 --batches 1
 
-Starts one server in this process (``--speculative ngram``, k = ``--k``; 32 rows) and talks to
-it over gRPC; the plain requests opt out per request (``speculative: false``), so both runs
+Starts one server in this process (``--speculative ngram``, or ``draft:MODEL`` with
+``--draft``; k = ``--k``; as many rows as the largest batch) and talks to it over gRPC; the plain requests opt out per request (``speculative: false``), so both runs
 share the weights, the compiled programs and the pool. The workload is input-grounded, as
 n-gram lookup is meant for: rewrite a given 300-token Python function (add type hints, rename a
 variable, a parameter, a function) and summarise a given paragraph quoting it, greedy, up to
-``--tokens`` ids each (both runs produce the same ids: greedy speculation is exact). A batch of
+``--tokens`` ids each (both runs produce the same ids: greedy speculation is exact). The
+``completion`` workload asks for new code instead (four small Python functions from their
+descriptions), what a draft model is for. A batch of
 b requests takes the prompts in turn; a round sends 4 / b batches one after another (each
 prompt once at batch 1), or one batch of b. TPOT is each request's (last id's arrival - first
 id's) / (ids - 1), the median over the requests and the rounds; tokens/s is the output ids per
@@ -70,6 +75,16 @@ PROMPTS = (
     "Rename the function `total_covered` to `covered_length` in this code and show the full result:\n\n" + SNIPPET,
     "Summarise this paragraph, quoting its key sentences word for word:\n\n" + PARAGRAPH,
 )
+COMPLETIONS = (
+    "Write a Python function `parse_duration(text)` that turns strings like '1h30m' or '45s' into seconds. "
+    "Only the code.",
+    "Write a Python class `LRUCache` with `get` and `put` methods and a fixed capacity. Only the code.",
+    "Write a Python function `word_counts(path)` that reads a text file and returns the ten most common words "
+    "with their counts. Only the code.",
+    "Write a Python function `binary_search(items, target)` over a sorted list, returning the index or -1. "
+    "Only the code.",
+)
+WORKLOADS = {"grounded": PROMPTS, "completion": COMPLETIONS}
 
 
 def timed_batch(client: Any, requests: list[Any]) -> tuple[list[tuple[int, float, int]], float]:
@@ -101,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a model name or GGUF path (default: the default model)")
     ap.add_argument("--tokens", type=positive_int, default=160, help="most ids per request (%(default)s)")
     ap.add_argument("--k", type=positive_int, default=7, help="draft ids per proposal (%(default)s)")
+    ap.add_argument("--draft", help="a draft model (name or GGUF path) instead of n-gram lookup")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="grounded", help="the prompts (%(default)s)")
     ap.add_argument("--rounds", type=positive_int, default=2, help="alternations of the two runs (%(default)s)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32], help="batch sizes (%(default)s)")
     ap.add_argument("--json", help="write the figures to this file")
@@ -114,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     from service.server.client import Client, make_request
     from service.server.config import ServerConfig
 
+    prompts = WORKLOADS[args.workload]
+    proposer = f"draft:{resolve_model(args.draft)}" if args.draft else "ngram"
     cfg = ServerConfig(
         model=str(resolve_model(args.model)), port=0, metrics_port=0, max_queue=64,
         engine=EngineConfig(
-            num_slots=max(args.batches), max_seq_len=1024, speculative="ngram", speculative_tokens=args.k
+            num_slots=max(args.batches), max_seq_len=1024, speculative=proposer, speculative_tokens=args.k
         ),
     )  # fmt: skip
     srv = ServerThread(cfg).start()
@@ -129,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         assert gateway.facts is not None
 
         def requests(batch: int, speculative: bool, offset: int = 0) -> list[Any]:
-            chats = [[("user", PROMPTS[(offset + i) % len(PROMPTS)])] for i in range(batch)]
+            chats = [[("user", prompts[(offset + i) % len(prompts)])] for i in range(batch)]
             return [
                 make_request(chat=c, temperature=0.0, max_tokens=args.tokens, speculative=speculative) for c in chats
             ]
 
-        timed_batch(client, requests(len(PROMPTS), False) + requests(len(PROMPTS), True))  # compiles, caches prompts
+        timed_batch(client, requests(len(prompts), False) + requests(len(prompts), True))  # compiles, caches prompts
         rows = []
         for batch in args.batches:
             tpot: dict[bool, list[float]] = {False: [], True: []}
@@ -144,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for speculative in (False, True):
                     made, seconds = 0, 0.0
-                    for offset in range(0, max(1, len(PROMPTS) // batch) * batch, batch):
+                    for offset in range(0, max(1, len(prompts) // batch) * batch, batch):
                         results, wall = timed_batch(client, requests(batch, speculative, offset))
                         tpot[speculative] += [t for _, t, _ in results]
                         made, seconds = made + sum(n for n, _, _ in results), seconds + wall
@@ -160,10 +179,16 @@ def main(argv: list[str] | None = None) -> int:
                     "ids": ids[False], "spec_ids": ids[True], "accepted_share": accepted / max(1, ids[True]),
                 }
             )  # fmt: skip
-        report = {"model": gateway.facts.name, "k": args.k, "tokens": args.tokens, "rows": rows}
+        report = {
+            "model": gateway.facts.name, "proposer": args.draft or "ngram", "workload": args.workload, "k": args.k,
+            "tokens": args.tokens, "rows": rows,
+        }  # fmt: skip
     finally:
         srv.stop()
-    print(f"model {report['model']}: n-gram speculation, k = {args.k}, up to {args.tokens} ids per request")
+    print(
+        f"model {report['model']}: {report['proposer']} speculation on the {args.workload} workload, k = {args.k}, "
+        f"up to {args.tokens} ids per request"
+    )
     print(
         f"{'batch':>5} {'TPOT ms':>9} {'spec TPOT ms':>13} {'ratio':>6} {'tok/s':>8} {'spec tok/s':>11} "
         f"{'ratio':>6} {'kept drafts/ids':>16}"

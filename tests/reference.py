@@ -22,6 +22,7 @@ from model.config import LlamaConfig
 from model.llama import Llama, out_and_mlp, project_qkv, rope_tables
 from model.weights.build import random_llama
 from service.engine.config import EngineConfig
+from service.engine.draft_model import DraftModelProposer, draft_engine_config
 from service.engine.loop import EngineLoop, make_loop
 from service.engine.request import Chunk, FinishReason, Request, SamplingOptions
 from service.engine.runner import Runner
@@ -140,15 +141,27 @@ def make(prompt: list[int], max_tokens: int = N, eos: frozenset[int] = frozenset
     )
 
 
-def tiny_loop(layout: str = "1x1", devices: list | None = None, max_queue: int = 16, **engine: Any) -> EngineLoop:
+def tiny_loop(
+    layout: str = "1x1", devices: list | None = None, max_queue: int = 16, draft: tuple[Any, Any] | None = None,
+    **engine: Any,
+) -> EngineLoop:  # fmt: skip
     """An engine loop (not started) over the tiny model on ``layout`` ("DxM"); ``engine``:
     ``EngineConfig`` fields over the tests' defaults (4 rows, ``T`` tokens, chunks of ``CHUNK``,
-    pages of 4, a budget of 32 prefill tokens)."""
+    pages of 4, a budget of 32 prefill tokens); ``draft``: a draft model's (graphdef, params)
+    of ``CFG``'s shapes, which proposes draft ids on the same layout (``speculative``
+    "draft:tiny")."""
     fields: dict[str, Any] = dict(num_slots=4, max_seq_len=T, chunk_size=CHUNK, page_size=4, max_num_batched_tokens=32)
+    if draft is not None:
+        fields["speculative"] = "draft:tiny"
     fields.update(engine)
     data, model = (int(n) for n in layout.split("x"))
-    runner = Runner(CFG, GRAPHDEF, PARAMS, Layout(layout, data=data, model=model), EngineConfig(**fields), devices)
-    return make_loop(runner, max_queue)
+    lay = Layout(layout, data=data, model=model)
+    runner = Runner(CFG, GRAPHDEF, PARAMS, lay, EngineConfig(**fields), devices)
+    proposer = None
+    if draft is not None:
+        draft_runner = Runner(CFG, *draft, lay, draft_engine_config(runner.ecfg), devices)
+        proposer = DraftModelProposer(draft_runner, runner.ecfg.speculative_tokens)
+    return make_loop(runner, max_queue, proposer=proposer)
 
 
 def run(loop: EngineLoop, requests: list[Request]) -> list[tuple[list[int], FinishReason | None]]:

@@ -583,6 +583,19 @@ class Tokenizer:
         its vocabulary plus added tokens)."""
         return self._vocab_size
 
+    def vocabulary_difference(self, other: Tokenizer) -> str | None:
+        """Why ``other`` does not map the same ids to the same tokens as this tokenizer (the
+        number of ids, or the first id whose token differs), or None when they agree: the check a
+        draft model's tokenizer must pass against its target's (its drafts are target ids)."""
+        if self.vocab_size != other.vocab_size:
+            return f"{other.vocab_size} token ids, not {self.vocab_size}"
+        mine, theirs = self._backend.get_vocab(with_added_tokens=True), other.backend.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            by_id, other_by_id = {i: t for t, i in mine.items()}, {i: t for t, i in theirs.items()}
+            first = min(i for i in by_id.keys() | other_by_id.keys() if by_id.get(i) != other_by_id.get(i))
+            return f"id {first} is {other_by_id.get(first)!r}, not {by_id.get(first)!r}"
+        return None
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; control-token strings in it become their single ids.
 

@@ -14,7 +14,8 @@ DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
 ATTENTION_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft:MODEL")  # EngineConfig.speculative's forms
+DRAFT_PREFIX = "draft:"
 # Tokens a replica's decode region may fill with speculating sequences' tokens (each its newest id
 # and its drafts), at least: 8 held one stream's k = 4 drafts for 0.47x the plain TPOT, while a
 # batch of 4 each verifying 4 drafts (20 tokens) ran at 0.86x the plain tokens/s on 2 cores
@@ -79,8 +80,10 @@ class EngineConfig:
             prompts is prefilled in half the steps of 512, each step's fixed cost paid half as
             often (docs/performance.md, "The served path against vLLM for CPU"); one prompt
             still takes ``chunk_size`` tokens a step.
-        speculative: "off" or "ngram": decoding sequences propose draft ids by n-gram prompt
-            lookup (``service.engine.ngram``) and each step verifies them (docs/speculative.md).
+        speculative: "off"; "ngram": decoding sequences propose draft ids by n-gram prompt
+            lookup (``service.engine.ngram``); or "draft:MODEL": a draft model (a name, GGUF file
+            or directory as ``--model`` takes) proposes them greedily
+            (``service.engine.draft_model``). Each step verifies them (docs/speculative.md).
         speculative_tokens: most draft ids one sequence proposes per step (k), >= 1; drafts fill
             a data replica's decode region up to ``verify_tokens(k)`` sampled positions.
         ngram_max, ngram_min: the longest and shortest suffix the n-gram proposer matches.
@@ -131,12 +134,19 @@ class EngineConfig:
             raise ValueError("give kv_cache_tokens or kv_cache_memory, not both")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.speculative not in SPECULATIVE_MODES:
+        if self.speculative not in ("off", "ngram") and not self.draft_model:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if self.speculative_tokens < 1:
             raise ValueError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model of ``speculative`` "draft:MODEL" (None for another mode)."""
+        if self.speculative.startswith(DRAFT_PREFIX) and self.speculative[len(DRAFT_PREFIX) :].strip():
+            return self.speculative[len(DRAFT_PREFIX) :].strip()
+        return None
 
     @property
     def verify_tokens(self) -> int:

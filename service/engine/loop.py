@@ -27,7 +27,7 @@ from collections.abc import Callable
 from service.engine.batch import build
 from service.engine.block_manager import BlockManager
 from service.engine.constraint import TokenMasks
-from service.engine.ngram import NgramProposer
+from service.engine.ngram import NgramProposer, Proposer
 from service.engine.output import HostStep, StepOutput
 from service.engine.request import Request, RequestState
 from service.engine.runner import Runner
@@ -215,6 +215,8 @@ class EngineLoop:
         """schedule -> dispatch step N -> postprocess step N-1 (while step N runs) -> repeat."""
         try:
             self.runner.warmup(full=warmup_full)
+            if self.scheduler.proposer is not None:
+                self.scheduler.proposer.warmup(full=warmup_full)
             self.heartbeat = time.monotonic()
             self.ready.set()
             while not self._stop.is_set():
@@ -240,6 +242,8 @@ class EngineLoop:
             self.error = exc
         finally:
             self.runner.abandon_compiles()
+            if self.scheduler.proposer is not None:
+                self.scheduler.proposer.close()
             message = f"engine stopped: {self.error!r}" if self.error else "server shutting down"
             self._drain_inbox()
             for r in self.scheduler.all_requests():
@@ -309,13 +313,25 @@ def block_managers(runner: Runner) -> list[BlockManager]:
     return [BlockManager(runner.pages_per_replica, runner.ecfg.page_size) for _ in range(runner.replicas)]
 
 
-def make_loop(runner: Runner, max_queue: int, on_step: Callable[[StepPlan, float], None] | None = None) -> EngineLoop:
+def make_loop(
+    runner: Runner,
+    max_queue: int,
+    on_step: Callable[[StepPlan, float], None] | None = None,
+    proposer: Proposer | None = None,
+) -> EngineLoop:
     """The loop that drives ``runner``, over a ``Scheduler`` of its rows with a ``BlockManager``
-    for each of its data replicas."""
+    for each of its data replicas; speculating with ``proposer``, or by default as
+    ``runner.ecfg.speculative`` says.
+
+    Raises:
+        ValueError: ``speculative`` names a draft model and no ``proposer`` is given (its runner
+            is built by the caller: ``service.server.draft.draft_proposer``).
+    """
     ecfg = runner.ecfg
-    proposer = None
-    if ecfg.speculative == "ngram":
+    if proposer is None and ecfg.speculative == "ngram":
         proposer = NgramProposer(ecfg.speculative_tokens, ecfg.ngram_max, ecfg.ngram_min)
+    if proposer is None and ecfg.draft_model:
+        raise ValueError(f"speculative {ecfg.speculative!r}: pass its DraftModelProposer")
     scheduler = Scheduler(
         ecfg.num_slots, max_queue, ecfg.chunk_size, ecfg.max_num_batched_tokens, block_managers(runner),
         ecfg.max_seq_len, chunk_align=runner.geometry.seq_block, proposer=proposer,

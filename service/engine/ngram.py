@@ -10,9 +10,38 @@ speculative types). It is deterministic, so the verifier's rule is the simple on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from service.engine.request import Request
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a speculative decoding proposer (``NgramProposer``,
+    ``service.engine.draft_model.DraftModelProposer``)."""
+
+    name: str  # its label in the metrics
+    k: int  # most ids it proposes per sequence and step
+
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to k draft ids for each (running request, k) of ``wants``, whose ids are all on
+        the host; [] where it has none."""
+        ...
+
+    def forget(self, request: Request) -> None:
+        """``request`` left its row: drop what is kept for it."""
+        ...
+
+    def warmup(self, full: bool = False) -> float:
+        """Compile what proposing runs, before serving. Returns the seconds spent."""
+        ...
+
+    def close(self) -> None:
+        """The engine stops: start no more work."""
+        ...
 
 
 class NgramProposer:
@@ -33,6 +62,20 @@ class NgramProposer:
         if k < 1 or n_min < 1 or n_max < n_min:
             raise ValueError(f"bad n-gram sizes: k {k}, n_max {n_max}, n_min {n_min}")
         self.k, self.n_max, self.n_min = k, n_max, n_min
+
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """``propose`` for each (request, k) of ``wants``, over its prompt and output ids."""
+        return [self.propose(r.prompt_ids + r.output_ids, k) for r, k in wants]
+
+    def forget(self, request: Request) -> None:
+        """Nothing is kept per request."""
+
+    def warmup(self, full: bool = False) -> float:
+        """Nothing to compile."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
     def propose(self, ids: Sequence[int], k: int | None = None) -> list[int]:
         """``k`` (default ``self.k``) ids to follow ``ids``: those after the latest earlier

@@ -74,7 +74,7 @@ import numpy as np
 
 from service.engine.block_manager import BlockManager, OutOfPages
 from service.engine.config import verify_tokens
-from service.engine.ngram import NgramProposer
+from service.engine.ngram import Proposer
 from service.engine.output import MASKED_LOGPROB, HostStep
 from service.engine.request import FinishReason, Request, RequestState, TokenLogprob
 
@@ -221,7 +221,7 @@ class Scheduler:
         blocks: BlockManager | list[BlockManager],
         max_seq_len: int,
         chunk_align: int = 1,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ):
         if num_slots < 1 or chunk_size < 1 or max_queue < 0:
             raise ValueError(f"bad sizes: num_slots {num_slots}, chunk_size {chunk_size}, max_queue {max_queue}")
@@ -349,41 +349,44 @@ class Scheduler:
 
     def _with_drafts(self, decode: list[DecodeToken], chunks: list[PrefillChunk]) -> list[DecodeToken]:
         """``decode`` with draft ids proposed for the sequences that speculate, oldest first,
-        while their replica's decode region has room; each draft's positions are reserved (a
-        sequence without free pages for them proposes nothing) and counted as sampled."""
+        while their replica's decode region has room (one proposal round for all of them:
+        ``Proposer.propose_batch``); each draft's positions are reserved (a sequence without
+        free pages for them keeps none) and counted as sampled."""
         assert self.proposer is not None
         room = [self.verify_tokens] * len(self.pools)  # sampled positions left for drafts in each replica
         for t in decode:
             room[t.slot // self.rows_per_replica] -= 1
         for c in chunks:
             room[c.slot // self.rows_per_replica] -= c.is_last
-        out = []
-        for t in decode:
+        wants: dict[int, int] = {}  # index in ``decode`` -> most ids its sequence may propose
+        for i, t in enumerate(decode):
             r, replica = t.request, t.slot // self.rows_per_replica
             landed = r.sampled == len(r.output_ids) + 1  # every id but this token's own is on the host
             if not self._speculates(r) or r.draft_wait > 0 or not landed or t.ban_eos or room[replica] <= 0:
                 r.draft_wait = max(0, r.draft_wait - 1)
-                out.append(t)
                 continue
             k = min(self.proposer.k, room[replica], r.max_tokens - r.sampled)
-            if k <= 0:  # its last id: nothing may follow it
-                out.append(t)
-                continue
-            draft = tuple(self.proposer.propose(r.prompt_ids + r.output_ids, k))
+            if k > 0:  # else its last id: nothing may follow it
+                wants[i] = k
+                room[replica] -= k
+        if not wants:
+            return decode
+        proposals = self.proposer.propose_batch([(decode[i].request, k) for i, k in wants.items()])
+        out = list(decode)
+        for (i, k), proposal in zip(wants.items(), proposals, strict=True):
+            t = decode[i]
+            r, draft = t.request, tuple(proposal[:k])
             if not draft:
                 self._missed(r)
-                out.append(t)
                 continue
             try:
                 added = self._blocks(r).grow(r, len(draft))
             except OutOfPages:
-                out.append(t)
                 continue
             self._set_pages(r, added)
             r.num_cached += len(draft)
             r.sampled += len(draft)
-            room[replica] -= len(draft)
-            out.append(dataclasses.replace(t, draft=draft))
+            out[i] = dataclasses.replace(t, draft=draft)
         return out
 
     def _missed(self, r: Request) -> None:
@@ -516,6 +519,8 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         self._blocks(r).free(r)
+        if self.proposer is not None:
+            self.proposer.forget(r)
         self._committed.pop(r, None)
         assert r.slot is not None
         self.slots[r.slot] = None

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.engine.config import SPECULATIVE_MODES, WEIGHT_MODES
+from service.engine.config import WEIGHT_MODES
 from service.server.arg_types import (
     byte_size,
     int_in,
@@ -65,6 +65,17 @@ def matmul_mode(text: str) -> str:
         )
     if text not in ("auto", "xla"):
         raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from auto, xla)")
+    return text
+
+
+def speculative_mode(text: str) -> str:
+    """``--speculative``'s value: off, ngram or draft:MODEL (``EngineConfig.speculative``)."""
+    from service.engine.config import EngineConfig
+
+    try:
+        EngineConfig(speculative=text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -678,8 +689,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--speculative",
-        choices=SPECULATIVE_MODES,
-        help="speculative decoding: ngram proposes draft ids by prompt lookup and each step verifies them, exactly "
+        type=speculative_mode,
+        metavar="{off,ngram,draft:MODEL}",
+        help="speculative decoding: ngram proposes draft ids by prompt lookup, draft:MODEL by a smaller model with "
+        "the same tokenizer (e.g. draft:qwen2.5-coder-0.5b-instruct), and each step verifies them, exactly "
         "(default off; docs/speculative.md)",
     )
     s.add_argument(

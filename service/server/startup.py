@@ -24,10 +24,12 @@ from flax import nnx
 
 from model import kernels
 from model.config import LlamaConfig
+from model.text.tokenizer import Tokenizer
 from model.weights.block_params import block_formats
 from model.weights.fetch import cache_dir, resolve_model
 from model.weights.loader import ShardingsFn, load_model, model_format, restores_as_saved
 from service.engine.distributed import CONFIG, Heartbeat, StepChannel, coordinator_host, follow, job_layout_problem
+from service.engine.draft_model import DraftModelProposer, draft_engine_config
 from service.engine.loop import make_loop
 from service.engine.runner import Runner
 from service.server.config import ConfigError, ServerConfig
@@ -98,6 +100,42 @@ def keeps_blocks(weights: str, kind: str, layouts: list[Layout], platform: str) 
     if weights in ("stored", "int8"):
         return True
     return kernels.keeps_blocks(platform, [lay.num_devices for lay in layouts])
+
+
+def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[Runner]) -> list[DraftModelProposer]:
+    """A draft-model proposer for each pool's runner (``--speculative draft:MODEL``): the draft
+    model read once (``name``: what ``--model`` takes; its blocks kept as the target's would be)
+    and given a runner of its own on each pool's layout and devices, with its own pool
+    (``draft_engine_config``).
+
+    Raises:
+        ValueError: the draft model's tokenizer maps ids to other tokens than the target's
+            ``tokenizer`` (its drafts would be other tokens' ids).
+        LayoutError: a pool's layout does not divide the draft model's axes.
+        FileNotFoundError, WeightError, GGUFMetadataError, HFConfigError: the draft model is unreadable.
+    """
+    ecfg = runners[0].ecfg
+    path = resolve_model(name, root)
+    kind = model_format(path)
+    stored = keeps_blocks(ecfg.weights, kind, [r.layout for r in runners], runners[0].mesh.devices.flat[0].platform)
+    draft = load_model(path, tokenizer=True, stored=stored, quantize="int8" if ecfg.weights == "int8" else None)
+    assert draft.tokenizer is not None  # asked for
+    differs = tokenizer.vocabulary_difference(draft.tokenizer)
+    if differs is not None:
+        raise ValueError(
+            f"draft model {path.name}'s tokenizer is not the target's ({differs}): a draft model must share the "
+            "target's tokenizer"
+        )
+    proposers = []
+    for runner in runners:
+        devices = list(runner.mesh.devices.flat)
+        draft_runner = Runner(
+            draft.cfg, draft.graphdef, draft.state, runner.layout, draft_engine_config(runner.ecfg), devices
+        )
+        proposers.append(DraftModelProposer(draft_runner, ecfg.speculative_tokens))
+    log.info("draft model %s (%s weights) proposes up to %d ids per step", path.name, "stored" if stored else ecfg.dtype,
+             ecfg.speculative_tokens)  # fmt: skip
+    return proposers
 
 
 def stored_formats(state: nnx.State) -> dict[str, str]:
@@ -177,11 +215,16 @@ def check_job(cfg: ServerConfig) -> None:
     """Process 0, before a job over several processes opens its step channel: can it serve ``cfg``?
 
     Raises:
-        ConfigError: several pools, or a layout without every process's devices
-            (``job_layout_problem``).
+        ConfigError: several pools, a draft model, or a layout without every process's
+            devices (``job_layout_problem``).
     """
     if len(cfg.pools) > 1:
         raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
+    if cfg.engine.draft_model:
+        raise ConfigError(
+            "serving over several processes does not run a draft model (its steps are not mirrored to the "
+            "followers); use --speculative ngram or off"
+        )
     layout = parse_pool(cfg.pools[0]).layout if cfg.pools else load_layout(cfg.layout)
     problem = job_layout_problem(layout)
     if problem is not None:
@@ -297,10 +340,13 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
         t_place = time.perf_counter() - t1
         c_place = clock.seconds() - c_load
 
+        proposers = draft_proposers(ecfg.draft_model, root, tokenizer, runners) if ecfg.draft_model else None
+
         t2 = time.perf_counter()
         pools = []
         for i, (spec, ds, runner) in enumerate(zip(specs, device_sets, runners, strict=True)):
-            pool = Pool(name=spec.name, devices=ds, loop=make_loop(runner, cfg.max_queue), is_default=i == 0)
+            loop = make_loop(runner, cfg.max_queue, proposer=proposers[i] if proposers else None)
+            pool = Pool(name=spec.name, devices=ds, loop=loop, is_default=i == 0)
             gateway.add_pool(pool)
             pool.loop.start(warmup_full=cfg.warmup_full)
             pools.append(pool)

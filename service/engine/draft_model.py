@@ -1,0 +1,265 @@
+"""A draft model: draft ids for speculative decoding from a smaller model with the target's
+tokenizer (Leviathan et al. 2023; Chen et al. 2023; llama.cpp's ``-md``, vLLM's draft-model
+proposer).
+
+The draft model has a ``Runner`` of its own on the target's devices, with its own page pool: one
+``BlockManager`` per data replica of it, and a page table per row. A speculating sequence uses
+the draft runner's row of its own number (``Request.slot``). Each round of proposals
+(``propose_batch``), for all the sequences that speculate in the step at once:
+
+1. **Roll back and catch up.** The pool holds a sequence's ids up to where they still equal the
+   target's (the ids it wrote there are kept beside it, so the drafts the target rejected go:
+   ``BlockManager.shrink``). The ids after that, all on the host (the bonus id after an accepted
+   run, or the whole prompt on a sequence's first round), are written; long ones first by
+   chunks of steps that sample nothing.
+2. **Draft.** The step that writes a sequence's last ids samples its first draft id; k - 1 more
+   steps each run its newest draft id, read on the device from the step before (``source`` 1),
+   and sample the next. Every row samples greedily (``SamplingParams.host``'s default, never
+   installed over), so each draft is the draft model's argmax: a point mass, which the target's
+   verifier (``service.engine.scheduler.accepted_run``) keeps exactly where it equals the
+   target's own draw. The output distribution stays the target's whatever the draft model is.
+3. The k drafts of every sequence reach the host in one copy.
+
+Drafts at positions the target later rejects stay in the pool until the next round rolls them
+back; a sequence that leaves its row (finished, preempted) gives its pages back (``forget``).
+No prefix cache: each sequence writes its own prompt once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from service.engine.batch import Geometry, RaggedBatch
+from service.engine.block_manager import BlockManager, OutOfPages
+from service.engine.config import EngineConfig
+from service.engine.output import StepOutput
+from service.engine.request import Request
+from service.engine.runner import Runner
+
+
+@dataclasses.dataclass
+class _Written:
+    """What the draft pool holds for a sequence: the ids at positions 0 .. len(ids) - 1 (the
+    first ``checked`` known to be the sequence's own; the rest drafts not yet verified), from
+    row ``row``."""
+
+    row: int
+    ids: list[int]
+    checked: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """Tokens of one row in a draft step: ``ids`` at positions ``start`` ..; ``from_prev``: one
+    token, the id the step before sampled for the row (on the device); ``samples``: its last
+    token's next id is a draft."""
+
+    row: int
+    start: int
+    ids: tuple[int, ...] = ()
+    from_prev: bool = False
+    samples: bool = True
+
+    @property
+    def length(self) -> int:
+        return 1 if self.from_prev else len(self.ids)
+
+
+def draft_engine_config(target: EngineConfig) -> EngineConfig:
+    """The draft runner's settings from the target runner's (``Runner.ecfg``, its pool size
+    resolved): the same rows, sizes, dtypes, kernels and speculative settings (so its decode
+    buckets hold the catch-up and drafts of the sequences a target step verifies), and a pool of
+    the target's tokens plus k and a page per row, at most every row's longest sequence: a
+    sequence holds its ids and k - 1 drafts there, so the draft pool has room whenever the
+    target's does (both split over the same data replicas)."""
+    ps, k, S = target.page_size, target.speculative_tokens, target.num_slots
+    per_row = -(-(target.max_seq_len + k) // ps) * ps
+    tokens = (
+        min(S * per_row, target.kv_cache_tokens + S * (-(-k // ps) + 1) * ps) if target.kv_cache_tokens else S * per_row
+    )
+    return dataclasses.replace(target, kv_cache_tokens=tokens, kv_cache_memory=0)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+class DraftModelProposer:
+    """Proposes up to ``k`` ids per sequence with a draft model's greedy steps.
+
+    Args:
+        runner: the draft model's runner (its rows as many as the target's, its pool sized for
+            every row's longest sequence plus k: ``draft_engine_config``).
+        k: most ids proposed per sequence and round, >= 1.
+
+    Not thread-safe: the engine loop's thread calls it (through ``Scheduler.schedule``).
+    """
+
+    name = "draft"  # the proposer's label in the metrics
+
+    def __init__(self, runner: Runner, k: int):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.runner, self.k = runner, k
+        g = runner.geometry
+        self.pools = [BlockManager(runner.pages_per_replica, runner.ecfg.page_size) for _ in range(runner.replicas)]
+        self.page_tables = np.zeros((g.num_slots, g.max_pages), np.int32)
+        self._written: dict[Request, _Written] = {}
+        self.steps = 0  # draft-model steps run (catch-up and drafting)
+
+    def warmup(self, full: bool = False) -> float:
+        """Compile the draft runner's programs (``Runner.warmup``). Returns the seconds spent."""
+        return self.runner.warmup(full=full)
+
+    def close(self) -> None:
+        """Compile nothing more in the background (the engine stops)."""
+        self.runner.abandon_compiles()
+
+    def _pool(self, row: int) -> BlockManager:
+        return self.pools[self.runner.geometry.replica_of(row)]
+
+    def forget(self, request: Request) -> None:
+        """``request`` left its row (finished, cancelled, preempted): its pages go back."""
+        written = self._written.pop(request, None)
+        if written is not None:
+            self._pool(written.row).free(request)
+
+    # ---- a round ----------------------------------------------------------------------------
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to ``k`` draft ids for each (request, k) of ``wants``: running requests whose ids
+        are all on the host, each in its own row. A request whose pages do not fit the draft
+        pool gets [] (so does one with k < 1)."""
+        rounds: list[tuple[Request, _Written, list[int], int]] = []  # (request, pool state, ids, k)
+        for r, k in wants:
+            assert r.slot is not None
+            ids = r.prompt_ids + r.output_ids
+            if k >= 1 and self._reserve(r, ids, k):
+                rounds.append((r, self._written[r], ids, k))
+        out: dict[Request, list[int]] = {}
+        if rounds:
+            drafts = self._draft([(w, ids, k) for _, w, ids, k in rounds])
+            for (r, w, ids, k), draft in zip(rounds, drafts, strict=True):
+                w.ids = ids + draft[: k - 1]  # the drafts the pool holds: all but the last
+                w.checked = len(ids)
+                out[r] = draft
+        return [out.get(r, []) for r, _ in wants]
+
+    def _reserve(self, r: Request, ids: list[int], k: int) -> bool:
+        """Roll ``r``'s pool back to the ids it still shares with ``ids`` (at least one id left
+        to run, which samples the first draft) and reserve positions up to its k - 1 drafts'.
+        False: no pages (nothing reserved)."""
+        assert r.slot is not None
+        w = self._written.get(r)
+        if w is not None and w.row != r.slot:  # not expected: ``forget`` runs when a row is left
+            self.forget(r)
+            w = None
+        pool = self._pool(r.slot)
+        need = len(ids) + k - 1
+        try:
+            if w is None:
+                pool.allocate(r, range(need), use_prefix_cache=False)  # type: ignore[arg-type]
+                w = self._written[r] = _Written(row=r.slot, ids=[])
+            else:
+                valid = w.checked + common_prefix(w.ids[w.checked :], ids[w.checked :])
+                valid = min(valid, len(ids) - 1)
+                pool.shrink(r, valid)
+                del w.ids[valid:]
+                w.checked = min(w.checked, valid)
+                pool.grow(r, need - valid)
+        except OutOfPages:
+            return False
+        table = pool.page_table(r)
+        self.page_tables[r.slot, : len(table)] = table
+        return True
+
+    def _draft(self, rounds: list[tuple[_Written, list[int], int]]) -> list[list[int]]:
+        """Run the draft steps of ``rounds`` (pool state, the sequence's ids, k), each reserved:
+        catch-up chunks, then k greedy steps. Returns each round's k draft ids."""
+        g = self.runner.geometry
+        start = {w.row: len(w.ids) for w, _, _ in rounds}  # the first id each row's pool lacks
+        # Long catch-ups (a first round: the whole prompt) go ahead by chunks that sample nothing,
+        # until each row has at most 2 ids left, which the first drafting step runs.
+        while True:
+            budget = [g.prefill_buckets[-1]] * g.replicas
+            chunks = []
+            for w, ids, _ in rounds:
+                left, replica = len(ids) - start[w.row], g.replica_of(w.row)
+                length = min(left - 1, self.runner.ecfg.chunk_size, budget[replica])
+                if left > 2 and length > 0:
+                    chunks.append(
+                        _Segment(w.row, start[w.row], tuple(ids[start[w.row] : start[w.row] + length]), samples=False)
+                    )
+                    start[w.row] += length
+                    budget[replica] -= g.padded(length)
+            if not chunks:
+                break
+            self._step(chunks, None)
+        first = [_Segment(w.row, start[w.row], tuple(ids[start[w.row] :])) for w, ids, _ in rounds]
+        outs = [self._step(first, None)]
+        for j in range(1, max(k for _, _, k in rounds)):
+            chained = [_Segment(w.row, len(ids) + j - 1, from_prev=True) for w, ids, k in rounds if k > j]
+            outs.append(self._step(chained, outs[-1]))
+        ids_by_step = [np.asarray(a)[:, 0].astype(np.int64) for a in jax.device_get([o.packed for o in outs])]
+        return [[int(ids_by_step[j][w.row]) for j in range(k)] for w, _, k in rounds]
+
+    def _step(self, segments: list[_Segment], prev: StepOutput | None) -> StepOutput:
+        self.steps += 1
+        return self.runner.step(draft_batch(self.runner.geometry, self.page_tables, segments), prev)
+
+
+def draft_batch(geometry: Geometry, page_tables: np.ndarray, segments: list[_Segment]) -> RaggedBatch:
+    """The draft runner's flat batch of ``segments`` (``service.engine.batch``'s layout): a
+    segment of at most 2 tokens rides in its replica's decode region while it has room, a longer
+    one (or one that finds no room) is a chunk of the prefill region. Nothing is ``generated``
+    (the draft rows have no penalties) and no row bans EOS.
+
+    Raises:
+        ValueError: a region does not fit the largest bucket.
+    """
+    g = geometry
+    d = g.replicas
+    decode_of, padded_of = [0] * d, [0] * d
+    in_decode = []
+    for s in segments:
+        replica = g.replica_of(s.row)
+        fits = s.from_prev or (s.length <= 2 and decode_of[replica] + s.length <= g.decode_capacity)
+        in_decode.append(fits)
+        if fits:
+            decode_of[replica] += s.length
+        else:
+            padded_of[replica] += g.padded(s.length)
+    D = g.decode_bucket(max(max(decode_of), 1), mixed=any(padded_of))
+    batch = g.empty_batch(D, g.prefill_bucket(max(padded_of)))
+    n = len(batch.tokens) // d
+    decode_at = [replica * n for replica in range(d)]
+    prefill_at = [replica * n + D for replica in range(d)]
+    for s, fits in zip(segments, in_decode, strict=True):
+        replica = g.replica_of(s.row)
+        if fits:
+            i = decode_at[replica]
+            decode_at[replica] += s.length
+        else:
+            i = prefill_at[replica]
+            prefill_at[replica] += g.padded(s.length)
+        if s.from_prev:
+            batch.source[i] = 1
+        else:
+            batch.tokens[i : i + s.length] = s.ids
+        batch.positions[i : i + s.length] = np.arange(s.start, s.start + s.length, dtype=np.int32)
+        batch.rows[i : i + s.length] = s.row
+        if s.samples:
+            batch.last_index[s.row] = i + s.length - 1
+    return dataclasses.replace(
+        batch,
+        page_tables=page_tables.copy(),
+        num_real=sum(s.length for s in segments),
+        max_position=int(batch.positions.max()),
+    )

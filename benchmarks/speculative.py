@@ -111,6 +111,56 @@ def timed_batch(client: Any, requests: list[Any]) -> tuple[list[tuple[int, float
     return out, time.perf_counter() - t0
 
 
+def llama_server_tpot(
+    binary: str, model: str, draft: str | None, prompts: tuple[str, ...], tokens: int, rounds: int
+) -> tuple[float, float]:
+    """``llama-server`` (2 threads, one sequence) on ``model``, with ``-md draft`` when given (its
+    own defaults for the draft's length and confidence), streaming each prompt's chat completion
+    ``rounds`` times, greedy, up to ``tokens`` ids: (the median TPOT in seconds, measured as
+    ``timed_batch`` does, from the client's arrival times over llama-server's own count of
+    predicted ids; the share of them that were kept drafts)."""
+    import http.client
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.served_peers import start_http_peer
+    from benchmarks.server_process import free_port, stop_server
+
+    port = free_port()
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "4096",
+           "-t", "2", "-tb", "2"]  # fmt: skip
+    if draft:
+        cmd += ["-md", draft, "-td", "2", "-tbd", "2"]
+    peer = start_http_peer("llama-server", cmd, port, None, Path(tempfile.mkdtemp()), 600)
+    tpots, kept, predicted = [], 0, 0
+    try:
+        for _ in range(rounds + 1):  # the first round warms its caches, not timed
+            for prompt in prompts:
+                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+                        "temperature": 0, "stream": True, "seed": 0}  # fmt: skip
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+                conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                times: list[float] = []
+                timings: dict[str, Any] = {}
+                for line in resp:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if event["choices"] and event["choices"][0]["delta"].get("content"):
+                        times.append(time.perf_counter())
+                    timings = event.get("timings", timings)
+                conn.close()
+                n = int(timings.get("predicted_n", len(times)))
+                tpots.append((times[-1] - times[0]) / max(1, n - 1))
+                kept += int(timings.get("draft_n_accepted", 0))
+                predicted += n
+        del tpots[: len(prompts)]
+    finally:
+        stop_server(peer["proc"], grace_s=5)
+    return statistics.median(tpots), kept / max(1, predicted)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a model name or GGUF path (default: the default model)")
@@ -120,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="grounded", help="the prompts (%(default)s)")
     ap.add_argument("--rounds", type=positive_int, default=2, help="alternations of the two runs (%(default)s)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32], help="batch sizes (%(default)s)")
+    ap.add_argument(
+        "--llama-server", help="a llama-server binary: also time it on the same model (with -md the --draft) at batch 1"
+    )
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.json:
@@ -132,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     from service.server.config import ServerConfig
 
     prompts = WORKLOADS[args.workload]
-    proposer = f"draft:{resolve_model(args.draft)}" if args.draft else "ngram"
+    mode = f"draft:{resolve_model(args.draft)}" if args.draft else "ngram"
     cfg = ServerConfig(
         model=str(resolve_model(args.model)), port=0, metrics_port=0, max_queue=64,
         engine=EngineConfig(
-            num_slots=max(args.batches), max_seq_len=1024, speculative=proposer, speculative_tokens=args.k
+            num_slots=max(args.batches), max_seq_len=1024, speculative=mode, speculative_tokens=args.k
         ),
     )  # fmt: skip
     srv = ServerThread(cfg).start()
@@ -155,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
 
         timed_batch(client, requests(len(prompts), False) + requests(len(prompts), True))  # compiles, caches prompts
         rows = []
+        proposer = gateway.pools[0].loop.scheduler.proposer
         for batch in args.batches:
+            drafting = (getattr(proposer, "rounds", 0), getattr(proposer, "seconds", 0.0))
             tpot: dict[bool, list[float]] = {False: [], True: []}
             rate: dict[bool, list[float]] = {False: [], True: []}
             ids: dict[bool, int] = {False: 0, True: 0}
@@ -177,14 +232,27 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_s": statistics.median(rate[False]), "spec_tokens_per_s": statistics.median(rate[True]),
                     "throughput_ratio": statistics.median(rate[True]) / statistics.median(rate[False]),
                     "ids": ids[False], "spec_ids": ids[True], "accepted_share": accepted / max(1, ids[True]),
+                    # A draft model's rounds in this batch's speculating runs, and their mean wall time.
+                    "draft_rounds": getattr(proposer, "rounds", 0) - drafting[0],
+                    "draft_round_ms": (getattr(proposer, "seconds", 0.0) - drafting[1]) * 1e3
+                    / max(1, getattr(proposer, "rounds", 0) - drafting[0]),
                 }
             )  # fmt: skip
+        path, draft_path = str(gateway.facts.path), str(resolve_model(args.draft)) if args.draft else None
         report = {
             "model": gateway.facts.name, "proposer": args.draft or "ngram", "workload": args.workload, "k": args.k,
             "tokens": args.tokens, "rows": rows,
         }  # fmt: skip
     finally:
         srv.stop()
+    if args.llama_server:  # after ours stopped: each server has the cores alone
+        plain = llama_server_tpot(args.llama_server, path, None, prompts, args.tokens, args.rounds)[0]
+        spec, share = llama_server_tpot(args.llama_server, path, draft_path, prompts, args.tokens, args.rounds)
+        ours = next(r for r in rows if r["batch"] == 1) if 1 in args.batches else None
+        report["llama_server"] = {
+            "tpot_ms": plain * 1e3, "spec_tpot_ms": spec * 1e3, "tpot_ratio": spec / plain, "accepted_share": share,
+            "ours_over_theirs": ours["spec_tpot_ms"] / (spec * 1e3) if ours else None,
+        }  # fmt: skip
     print(
         f"model {report['model']}: {report['proposer']} speculation on the {args.workload} workload, k = {args.k}, "
         f"up to {args.tokens} ids per request"
@@ -198,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['batch']:>5} {r['tpot_ms']:>9.2f} {r['spec_tpot_ms']:>13.2f} {r['tpot_ratio']:>6.2f} "
             f"{r['tokens_per_s']:>8.1f} {r['spec_tokens_per_s']:>11.1f} {r['throughput_ratio']:>6.2f} "
             f"{r['accepted_share']:>16.2f}"
+            + (f"   draft rounds {r['draft_rounds']}, {r['draft_round_ms']:.1f} ms each" if r["draft_rounds"] else "")
+        )
+    if "llama_server" in report:
+        ls = report["llama_server"]
+        print(
+            f"llama-server{' -md' if args.draft else ''}, batch 1: TPOT {ls['tpot_ms']:.2f} ms plain, "
+            f"{ls['spec_tpot_ms']:.2f} ms speculating ({ls['tpot_ratio']:.2f}x; kept drafts/ids "
+            f"{ls['accepted_share']:.2f})"
+            + (f"; ours / theirs, speculating: {ls['ours_over_theirs']:.2f}x" if ls["ours_over_theirs"] else "")
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,8 @@
 tiny random model, against the dense reference with llguidance's own mask applied on the host
 (``llguidance.numpy.apply_token_bitmask_inplace``): greedy ids identical, alone and inside a
 batch of mixed constrained and unconstrained requests, through preemption and with penalties;
-a grammar's end, a dead end, ``max_tokens`` mid-grammar and ``min_tokens`` end as documented."""
+a grammar's end, a dead end, ``max_tokens`` mid-grammar and ``min_tokens`` end as documented;
+with speculative decoding, every verifying position samples under its own mask."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from model.text.tokenizer import bytes_to_unicode
 from service.engine.constraint import Constraint
 from service.engine.loop import EngineLoop
+from service.engine.ngram import NgramProposer
 from service.engine.request import FinishReason
 
 EOS = CFG.vocab_size - 1  # the byte vocabulary's last id is its EOS token
@@ -206,5 +208,62 @@ def test_constrained_streams_keep_their_ids_across_a_live_switch() -> None:
         ids = run_across_switch(loop, new, requests)
         assert sum(r.preemptions for r in requests) >= 1  # recomputed at the switch
         assert ids == [constrained_reference(p, 24, g)[0] for p, g in cases]
+    finally:
+        loop.stop()
+
+
+# ---- with speculative decoding ----------------------------------------------------------------
+class AllowedProposer(NgramProposer):
+    """Proposes, for a constrained request, k ids its grammar allows in turn (random among the
+    allowed ones, EOS aside): most are not the model's, so every verifying position samples, and
+    only its own mask (the grammar advanced over the drafts before it) keeps it in the grammar."""
+
+    name = "allowed"
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self._rng = np.random.default_rng(4)
+
+    def propose_batch(self, wants):  # type: ignore[no-untyped-def]
+        out = []
+        for r, k in wants:
+            assert r.constraint is not None, "only constrained requests here"
+            matcher, ids = r.constraint.matcher.deep_copy(), []
+            mask = llguidance.numpy.allocate_token_bitmask(1, CFG.vocab_size)
+            for _ in range(k):
+                llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+                bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[: CFG.vocab_size]
+                allowed = [i for i in np.flatnonzero(bits) if i != EOS]
+                if not allowed or matcher.is_error():
+                    break
+                ids.append(int(self._rng.choice(allowed)))
+                assert matcher.consume_token(ids[-1])
+            out.append(ids)
+        return out
+
+
+def test_constrained_rows_speculate_under_a_mask_at_every_position() -> None:
+    """Drafts the grammar allows but the model mostly does not pick: each verifying position
+    samples under the grammar's mask after the drafts before it, so the ids stay the constrained
+    reference's, alone and together; n-gram drafts of a constrained row are kept where right."""
+    cases = [(PROMPT_A, DIGITS), (PROMPT_B, WORDS), (PROMPT_C, JSON)]
+    refs = [constrained_reference(p, 24, g) for p, g in cases]
+    loop = tiny_loop(num_slots=4, speculative="ngram", speculative_tokens=3)
+    ngram = loop.scheduler.proposer
+    loop.scheduler.proposer = AllowedProposer(3)
+    loop.scheduler.max_draft_wait = 0
+    loop.start()
+    try:
+        assert loop.ready.wait(600)
+        for (prompt, grammar), ref in zip(cases, refs, strict=True):
+            assert run(loop, [make(prompt, 24, eos=frozenset({EOS}), constraint=constraint(grammar))]) == [ref]
+        got = run(loop, [make(p, 24, eos=frozenset({EOS}), constraint=constraint(g)) for p, g in cases])
+        assert got == refs
+        s = loop.scheduler
+        assert s.drafts_proposed > 30 and 0 < s.drafts_accepted < s.drafts_proposed
+        s.proposer = ngram  # the digits repeat: prompt lookup drafts them, and they are kept
+        accepted = s.drafts_accepted
+        assert run(loop, [make(PROMPT_A, 24, eos=frozenset({EOS}), constraint=constraint(DIGITS))]) == [refs[0]]
+        assert s.drafts_accepted > accepted
     finally:
         loop.stop()

@@ -35,6 +35,7 @@ from service.engine.batch import build
 from service.engine.block_manager import BlockManager
 from service.engine.loop import EngineLoop
 from service.engine.ngram import NgramProposer
+from service.engine.output import HostStep
 from service.engine.request import Chunk, FinishReason
 from service.engine.scheduler import DecodeToken, Scheduler, accepted_run
 from service.engine.text_stream import TextStream
@@ -158,6 +159,48 @@ def test_drafts_fill_the_decode_region_oldest_first_and_respect_max_tokens() -> 
         alone.postprocess(alone.schedule(), ids(alone, 7))
         (token,) = alone.schedule().decode
         assert isinstance(token, DecodeToken) and token.draft == () and r.draft_misses == 0
+
+
+def test_a_step_that_verifies_drafts_is_landed_before_the_next_is_scheduled() -> None:
+    """Seven sequences decoding with k = 3 leave room for one draft id in the 8 sampled positions;
+    the next step may not run their tokens before that draft is verified (the token after a
+    rejected draft sits one position earlier), though no sequence could propose in it."""
+    sched = Scheduler(8, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(K))
+    requests = [make([7, 8, 7, 8, 7, 8], 20) for _ in range(7)]
+    for r in requests:
+        sched.add(r)
+    sched.postprocess(sched.schedule(), ids(sched, 7))
+    plan = sched.schedule()
+    assert plan.drafted == 1 and sched.wants_landed()
+    (drafting,) = [t for t in plan.decode if t.draft]
+    host = ids(sched, 7)  # every row's id, then the drafting row's two slots: the draft rejected
+    host = HostStep(
+        ids=np.concatenate([host.ids, [9, 9]]).astype(np.int32),
+        logprob=np.zeros(10, np.float32),
+        top_logprobs=np.zeros((10, host.top_logprobs.shape[1]), np.float32),
+        top_ids=np.zeros((10, host.top_ids.shape[1]), np.int32),
+        slot_rows=np.array([drafting.slot] * 2, np.int32),
+    )
+    sched.postprocess(plan, host)
+    assert drafting.request.output_ids[-1] == 9 and drafting.request.num_cached == drafting.position + 1
+    assert not sched.wants_landed()  # seven decoding: no room for a draft, none in flight
+
+
+def test_seven_sequences_with_a_rejected_draft_in_flight_keep_the_reference() -> None:
+    """The engine over the case above: seven sequences decoding, drafts always wrong, every id the
+    reference's (a token run before its row's rejected draft was verified would be at the wrong
+    position, with the wrong id)."""
+    prompts = [np.random.default_rng(40 + i).integers(0, CFG.vocab_size, 9).tolist() for i in range(7)]
+    refs = [reference(p, 10) for p in prompts]
+    loop = tiny_loop(num_slots=8, speculative="ngram", speculative_tokens=K)
+    loop.scheduler.proposer = WrongProposer(K, {i for ids, _ in refs for i in ids})
+    loop.scheduler.max_draft_wait = 0
+    started(loop)
+    try:
+        assert run(loop, [make(p, 10) for p in prompts]) == refs
+        assert loop.scheduler.drafts_proposed > 0 and loop.scheduler.drafts_accepted == 0
+    finally:
+        loop.stop()
 
 
 def test_shrink_returns_the_pages_past_the_kept_positions() -> None:

@@ -65,8 +65,10 @@ class RaggedBatch:
         window_pages: the attention window the step runs with, in pages; 0: the smallest
             window bucket covering ``max_position`` (``Geometry.window``). A wider one is set
             where the step runs in a larger compiled program (``Geometry.widen``).
-        token_mask: [S, W] int32, each row's packed token mask (``model.sampling.apply_token_mask``;
-            ``service.engine.constraint.TokenMasks`` fills it), or None: no row is constrained.
+        token_mask: [d R, W] int32, the packed token mask (``model.sampling.apply_token_mask``;
+            ``service.engine.constraint.TokenMasks`` fills it) of each sampling slot, in
+            ``Geometry.samplers``' order (a speculating row's slots each the mask after the drafts
+            before it), or None: no row is constrained.
         drafted: [N] bool, the token is followed in its row by a draft id (speculative decoding:
             a decode token or a draft id before the row's last token), so it samples too, to
             verify that draft; or None: no row speculates. A speculating row's tokens are
@@ -255,6 +257,12 @@ class Geometry:
         if batch.drafted is not None:
             drafted = np.zeros(len(wide.tokens), bool)
             drafted[new] = batch.drafted
+        token_mask = None
+        if batch.token_mask is not None:  # each replica's slots keep their order, in more slots
+            R, R2 = self.sample_slots(D, n - D), self.sample_slots(D2, prefill_tokens)
+            token_mask = np.full((d * R2, batch.token_mask.shape[1]), -1, np.int32)
+            for r in range(d):
+                token_mask[r * R2 : r * R2 + R] = batch.token_mask[r * R : (r + 1) * R]
         last = batch.last_index.astype(np.int64)
         last_index = (last // n * n2 + np.where(last % n < D, last % n, last % n - D + D2)).astype(np.int32)
         return dataclasses.replace(
@@ -265,6 +273,7 @@ class Geometry:
             source=wide.source,
             generated=wide.generated,
             drafted=drafted,
+            token_mask=token_mask,
             last_index=last_index,
             decode_tokens=D2,
             window_pages=window_pages,

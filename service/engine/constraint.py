@@ -2,12 +2,15 @@
 (``Constraint``, an llguidance ``LLMatcher``) and the packed token masks a step applies
 (``TokenMasks``).
 
-A mask is llguidance's and vLLM's packed bitmask: [S, W] int32 with W = ceil(V / 32), bit j of
-word i allowing id 32 i + j (``model.sampling.apply_token_mask`` applies it in the step). The
-mask for the id a constrained row samples needs every id the row generated before it, its
-matcher advanced over them on the host: the engine loop lands the step in flight first
-(``EngineLoop.step``), then fills the masks (``TokenMasks.fill``). A step with no constrained
-row carries no mask and applies none.
+A mask is llguidance's and vLLM's packed bitmask: W = ceil(V / 32) int32 words, bit j of word i
+allowing id 32 i + j (``model.sampling.apply_token_mask`` applies it in the step), one per
+sampling slot of the step. The mask for the id a constrained row samples needs every id the row
+generated before it, its matcher advanced over them on the host: the engine loop lands the step
+in flight first (``EngineLoop.step``), then fills the masks (``TokenMasks.fill``). A
+speculating row's slots verify its draft ids: the slot after draft j gets the mask of the
+grammar advanced over drafts 1..j (llguidance advances a copy of the state and rolls it back;
+the scheduler proposes only drafts the grammar allows). A step with no constrained row carries no
+mask and applies none.
 
 Grammars are compiled by the server (``service.server.grammars``) off the event loop; the engine
 only advances and reads the matchers, on the loop thread (``Request.accept_token``).
@@ -15,6 +18,7 @@ only advances and reads the matchers, on the loop thread (``Request.accept_token
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import llguidance
@@ -72,42 +76,56 @@ class Constraint:
         return bool(self.matcher.is_error())
 
 
+@dataclasses.dataclass(frozen=True)
+class ConstrainedRow:
+    """A row that samples under ``constraint`` in a step: its first sampling ``slot``, its EOS
+    ids, and the draft ids its next slots verify (speculative decoding), which the grammar
+    allows."""
+
+    row: int
+    slot: int
+    constraint: Constraint
+    eos_ids: frozenset[int]
+    draft: tuple[int, ...] = ()
+
+
 class TokenMasks:
     """The token masks of one engine's steps, and the threads that fill them.
 
     Args:
-        num_slots: S, the engine's rows.
         vocab_size: V, the model's logits' width (ids the tokenizer lacks are never allowed).
     """
 
-    def __init__(self, num_slots: int, vocab_size: int):
-        self.shape = llguidance.numpy.get_bitmask_shape(num_slots, vocab_size)
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor()
         self.fills = 0  # steps that filled masks, and the seconds they took (benchmarks/structured.py)
         self.fill_seconds = 0.0
 
-    def fill(
-        self, rows: list[tuple[int, Constraint, frozenset[int]]], ban_eos: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The masks of a step's constrained rows (``RaggedBatch.token_mask``), and its EOS bans.
+    def fill(self, rows: list[ConstrainedRow], slots: int, ban_eos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The masks of a step's sampling slots (``RaggedBatch.token_mask``), and its EOS bans.
 
         Args:
-            rows: (row, constraint, the row's EOS ids) of each row that samples under a
-                constraint whose matcher has taken every id its sequence generated.
+            rows: each row that samples under a constraint whose matcher has taken every id its
+                sequence generated.
+            slots: the step's sampling slots (``Geometry.samplers``).
             ban_eos: [S] bool, the step's EOS bans (``RaggedBatch.ban_eos``; not changed).
 
         Returns:
-            (mask [S, W] int32: these rows' masks, every other row's allowing every id;
-            the bans, with the ban (``min_tokens``) lifted for a row whose mask allows its EOS ids
-            alone, its grammar complete or at a dead end: the grammar, not ``min_tokens``,
+            (mask [slots, W] int32: these rows' slots' masks, every other slot's allowing every
+            id; the bans, with the ban (``min_tokens``) lifted for a row whose mask allows its EOS
+            ids alone, its grammar complete or at a dead end: the grammar, not ``min_tokens``,
             decides where a constrained output ends, and with both no id would be allowed).
         """
         t0 = time.perf_counter()
-        mask = np.full(self.shape, -1, np.int32)
-        if rows:  # llguidance refuses an empty batch
-            matchers = [(c.matcher, row) for row, c, _ in rows]
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
-        lifted = [row for row, _, eos in rows if ban_eos[row] and not allows_beyond(mask[row], eos)]
+        mask = np.full(llguidance.numpy.get_bitmask_shape(slots, self.vocab_size), -1, np.int32)
+        # llguidance refuses an empty batch, and an empty draft where it takes drafts.
+        with_drafts = [(r.constraint.matcher, r.slot, list(r.draft)) for r in rows if r.draft]
+        if with_drafts:  # the slots after each draft id too
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, mask)
+        if plain := [(r.constraint.matcher, r.slot) for r in rows if not r.draft]:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
+        lifted = [r.row for r in rows if ban_eos[r.row] and not allows_beyond(mask[r.slot], r.eos_ids)]
         if lifted:
             ban_eos = ban_eos.copy()
             ban_eos[lifted] = False

@@ -28,6 +28,7 @@ No prefix cache: each sequence writes its own prompt once.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -114,6 +115,8 @@ class DraftModelProposer:
         self.page_tables = np.zeros((g.num_slots, g.max_pages), np.int32)
         self._written: dict[Request, _Written] = {}
         self.steps = 0  # draft-model steps run (catch-up and drafting)
+        self.rounds = 0  # rounds of proposals that ran the draft model
+        self.seconds = 0.0  # wall time of those rounds, drafts on the host (the engine loop waits for it)
 
     def warmup(self, full: bool = False) -> float:
         """Compile the draft runner's programs (``Runner.warmup``). Returns the seconds spent."""
@@ -145,7 +148,10 @@ class DraftModelProposer:
                 rounds.append((r, self._written[r], ids, k))
         out: dict[Request, list[int]] = {}
         if rounds:
+            t0 = time.perf_counter()
             drafts = self._draft([(w, ids, k) for _, w, ids, k in rounds])
+            self.rounds += 1
+            self.seconds += time.perf_counter() - t0
             for (r, w, ids, k), draft in zip(rounds, drafts, strict=True):
                 w.ids = ids + draft[: k - 1]  # the drafts the pool holds: all but the last
                 w.checked = len(ids)

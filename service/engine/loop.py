@@ -24,9 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from service.engine.batch import build
 from service.engine.block_manager import BlockManager
-from service.engine.constraint import TokenMasks
+from service.engine.constraint import ConstrainedRow, TokenMasks
 from service.engine.ngram import NgramProposer, Proposer
 from service.engine.output import HostStep, StepOutput
 from service.engine.request import Request, RequestState
@@ -263,13 +265,17 @@ class EngineLoop:
             if prev is not None:
                 self.scheduler.advance_grammars(prev.plan, self._land(prev))
             if self.masks is None:
-                self.masks = TokenMasks(self.runner.geometry.num_slots, self.runner.cfg.vocab_size)
+                self.masks = TokenMasks(self.runner.cfg.vocab_size)
+            slot_rows, _ = self.runner.geometry.samplers(batch)
+            drafts = {t.request: t.draft for t in plan.decode}
             rows = [
-                (row, r.constraint, r.eos_ids)
+                ConstrainedRow(
+                    row, int(np.flatnonzero(slot_rows == row)[0]), r.constraint, r.eos_ids, drafts.get(r, ())
+                )
                 for r, row in plan.samplers
                 if r.constraint is not None and r.state is not RequestState.FINISHED
             ]
-            mask, ban = self.masks.fill(rows, batch.ban_eos)
+            mask, ban = self.masks.fill(rows, len(slot_rows), batch.ban_eos)
             batch = dataclasses.replace(batch, token_mask=mask, ban_eos=ban)
         out = self.runner.step(batch, prev.out if prev else None)
         self._finish_inflight()

@@ -223,8 +223,9 @@ class Runner:
         # Step inputs split by replica: token regions, page tables and rows over ``data``.
         self.by_replica = NamedSharding(self.mesh, P("data")) if d > 1 else self.repl
         self._no_prev = global_array(np.zeros((S, 2 + 2 * TOP_LOGPROBS), np.float32), self.repl)
-        # The token mask of a step without constrained rows (``RaggedBatch.token_mask``): all allowed.
-        self._all_allowed = global_array(np.full((S, mask_words(cfg.vocab_size)), -1, np.int32), self.repl)
+        # The token masks of steps without constrained rows (``RaggedBatch.token_mask``), by their
+        # number of sampling slots: all allowed.
+        self._all_allowed: dict[int, jax.Array] = {}
         self._set_row = jax.jit(TokenHistory.with_row, out_shardings=self.repl, donate_argnums=(0,))
         self.channel: Channel | None = None  # process 0 of a job: the followers' (MIRRORED)
 
@@ -312,9 +313,9 @@ class Runner:
                 lambda: history.at_slots(own, positions[sample_index], rows, positions, tokens, counted),
                 lambda: TokenHistory(counts=history.counts[own], in_prompt=history.in_prompt[own]),
             )
-            slot_mask = mask[own]
-            next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, slot_mask)
-            packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), slot_mask)
+            # ``mask``: one per slot (a speculating row's positions each have their own).
+            next_ids = sample(logits, slot_sp, positions[sample_index] + 1, argmax, slot_history, mask)
+            packed = pack_step(logits, next_ids, jnp.any(slot_sp.logprobs & real), mask)
             # One row per row, its ``last_index`` token's (what the host and the next step's ``prev``
             # read); empty slots and the slots that verify draft ids dropped.
             by_row = (
@@ -456,7 +457,14 @@ class Runner:
             split = tuple(global_array(np.asarray(a), self.by_replica) for a in split)
         tokens, source, positions, rows, generated, page_tables, slot_index, slot_rows, slot_main = split
         previous = prev.packed if prev is not None else self._no_prev
-        mask = self._all_allowed if batch.token_mask is None else global_array(batch.token_mask, self.repl)
+        if batch.token_mask is not None:
+            mask = global_array(batch.token_mask, self.repl)
+        else:
+            if len(sample_rows) not in self._all_allowed:
+                words = mask_words(self.cfg.vocab_size)
+                allowed = np.full((len(sample_rows), words), -1, np.int32)
+                self._all_allowed[len(sample_rows)] = global_array(allowed, self.repl)
+            mask = self._all_allowed[len(sample_rows)]
         return (
             self.params, self.cache, self.history, self._sampling(), tokens, source, previous, positions, rows,
             generated, page_tables, slot_index, slot_rows, slot_main, ban, mask,

@@ -49,7 +49,9 @@ rejection rule with q a point mass: the id kept at each position is distributed 
 (seeded draws depend only on seed and position, so a seeded request's ids are those it samples
 without speculation). A row with penalties samples each position under its history up to it
 (``Runner``; a row whose drafts were rejected has its history written again,
-``StepPlan.reinstalled``); a row with a constraint does not speculate. A sequence whose
+``StepPlan.reinstalled``); a row with a constraint proposes only the drafts its grammar allows,
+and each of its positions samples under the grammar's mask after the drafts before it
+(``service.engine.constraint.TokenMasks``). A sequence whose
 proposal finds nothing or has nothing accepted waits 1, 3, 7, ... (at most ``MAX_DRAFT_WAIT``)
 decode steps before it proposes again, so a stream that never matches keeps the pipelined loop
 (``wants_landed``).
@@ -252,6 +254,7 @@ class Scheduler:
         self.drafts_proposed = self.drafts_accepted = self.draft_steps = 0
         self.accepted_lengths = [0] * (proposer.k + 1 if proposer else 1)
         self._reinstall: set[Request] = set()  # penalized rows whose rejected drafts were counted
+        self._verifying: set[int] = set()  # steps with draft ids, dispatched and not yet postprocessed
 
     def _set_pools(self, pools: list[BlockManager]) -> None:
         if not pools or self.num_slots % len(pools) or len({b.page_size for b in pools}) != 1:
@@ -323,22 +326,34 @@ class Scheduler:
         self._reinstall.clear()
         if self.proposer is not None:
             decode = self._with_drafts(decode, chunks)
+            if any(t.draft for t in decode):
+                self._verifying.add(step)
         return StepPlan(
             step=step, prefills=tuple(chunks), decode=tuple(decode), admitted=frozenset(admitted),
             reinstalled=reinstalled,
         )  # fmt: skip
 
     def _speculates(self, r: Request) -> bool:
-        """Whether ``r`` may propose draft ids (the engine speculates, ``r`` opts in, and it has
-        no constraint: its grammar would have to take the drafts before they are verified)."""
-        return self.proposer is not None and r.speculative and r.constraint is None and r.state is RequestState.DECODING
+        """Whether ``r`` may propose draft ids: the engine speculates, ``r`` opts in and decodes,
+        and its constraint, if any, can go on (not complete, not at a dead end)."""
+        c = r.constraint
+        return (
+            self.proposer is not None
+            and r.speculative
+            and r.state is RequestState.DECODING
+            and (c is None or not (c.complete or c.at_dead_end))
+        )
 
     def wants_landed(self) -> bool:
-        """Whether the next ``schedule`` should see every dispatched id on the host first: a
-        decoding sequence will propose draft ids (which start from its newest id), in a replica
-        with room for them."""
+        """Whether the next ``schedule`` should see every dispatched id on the host first: a step
+        that verifies draft ids is in flight, or a decoding sequence will propose draft ids
+        (which start from its newest id), in a replica with room for them."""
         if self.proposer is None:
             return False
+        if self._verifying:
+            # A sequence's next token follows the ids its verification keeps: only then is its
+            # position known (the rejected drafts' are given back).
+            return True
         decoding = [0] * len(self.pools)
         for r in self.running:
             decoding[self.replica_of(r)] += r.state is RequestState.DECODING
@@ -376,6 +391,11 @@ class Scheduler:
         for (i, k), proposal in zip(wants.items(), proposals, strict=True):
             t = decode[i]
             r, draft = t.request, tuple(proposal[:k])
+            if r.constraint is not None and draft:
+                # Only the drafts its grammar allows (each would be rejected under its mask),
+                # checked without advancing it: the masks of their positions are filled with it.
+                assert r.constraint.taken == len(r.output_ids)
+                draft = draft[: r.constraint.matcher.validate_tokens(list(draft))]
             if not draft:
                 self._missed(r)
                 continue
@@ -553,6 +573,7 @@ class Scheduler:
                 r.accept_token(int(host.ids[row]), token_logprob(host, row, r.logprobs))
         if drafted:
             self.draft_steps += 1
+        self._verifying.discard(plan.step)
         self._commit(r for r in (*(c.request for c in plan.prefills), *(d.request for d in plan.decode)))
         self.release_finished()
 

@@ -43,11 +43,14 @@ ASKS = (
 )
 
 
-def greedy(scheduler: Scheduler, runner: Runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], Any]:
+def greedy(
+    scheduler: Scheduler, runner: Runner, prompts: list[list[int]], n: int, speculative: bool = True
+) -> tuple[list[list[int]], Any]:
     from test_golden import greedy_request
 
     requests = [greedy_request(f"spec-{i}", p, n) for i, p in enumerate(prompts)]
     for r in requests:
+        r.speculative = speculative
         scheduler.add(r)
     while any(r.state is not RequestState.FINISHED for r in requests):
         plan = scheduler.schedule()
@@ -106,7 +109,7 @@ def same_ids_with_and_without(runner: Runner, tokenizer: Any, draft: Runner | No
     n = 96
     proposer = DraftModelProposer(draft, runner.ecfg.speculative_tokens) if draft is not None else None
     for batch in ([prompts[0]], prompts):
-        plain, _ = greedy(make_loop(runner, 4).scheduler, runner, batch, n)
+        plain, _ = greedy(make_loop(runner, 4, proposer=proposer).scheduler, runner, batch, n, speculative=False)
         speculating = make_loop(runner, 4, proposer=proposer).scheduler
         assert speculating.proposer is not None
         spec, requests = greedy(speculating, runner, batch, n)

@@ -331,7 +331,7 @@ def make_loop(
 
     Raises:
         ValueError: ``speculative`` names a draft model and no ``proposer`` is given (its runner
-            is built by the caller: ``service.server.draft.draft_proposer``).
+            is built by the caller: ``service.server.startup.draft_proposers``).
     """
     ecfg = runner.ecfg
     if proposer is None and ecfg.speculative == "ngram":

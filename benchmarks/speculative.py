@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=positive_int, default=160, help="most ids per request (%(default)s)")
     ap.add_argument("--k", type=positive_int, default=7, help="draft ids per proposal (%(default)s)")
     ap.add_argument("--draft", help="a draft model (name or GGUF path) instead of n-gram lookup")
+    ap.add_argument("--p-min", type=float, default=0.75, help="the draft model's confidence cut (%(default)s)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="grounded", help="the prompts (%(default)s)")
     ap.add_argument("--rounds", type=positive_int, default=2, help="alternations of the two runs (%(default)s)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 32], help="batch sizes (%(default)s)")
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig(
         model=str(resolve_model(args.model)), port=0, metrics_port=0, max_queue=64,
         engine=EngineConfig(
-            num_slots=max(args.batches), max_seq_len=1024, speculative=mode, speculative_tokens=args.k
+            num_slots=max(args.batches), max_seq_len=1024, speculative=mode, speculative_tokens=args.k,
+            draft_p_min=args.p_min,
         ),
     )  # fmt: skip
     srv = ServerThread(cfg).start()
@@ -241,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         path, draft_path = str(gateway.facts.path), str(resolve_model(args.draft)) if args.draft else None
         report = {
             "model": gateway.facts.name, "proposer": args.draft or "ngram", "workload": args.workload, "k": args.k,
+            "p_min": args.p_min if args.draft else None,
             "tokens": args.tokens, "rows": rows,
         }  # fmt: skip
     finally:
@@ -254,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             "ours_over_theirs": ours["spec_tpot_ms"] / (spec * 1e3) if ours else None,
         }  # fmt: skip
     print(
-        f"model {report['model']}: {report['proposer']} speculation on the {args.workload} workload, k = {args.k}, "
-        f"up to {args.tokens} ids per request"
+        f"model {report['model']}: {report['proposer']} speculation on the {args.workload} workload, k = {args.k}"
+        + (f", p_min = {args.p_min}" if args.draft else "")
+        + f", up to {args.tokens} ids per request"
     )
     print(
         f"{'batch':>5} {'TPOT ms':>9} {'spec TPOT ms':>13} {'ratio':>6} {'tok/s':>8} {'spec tok/s':>11} "

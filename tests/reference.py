@@ -160,7 +160,7 @@ def tiny_loop(
     proposer = None
     if draft is not None:
         draft_runner = Runner(CFG, *draft, lay, draft_engine_config(runner.ecfg), devices)
-        proposer = DraftModelProposer(draft_runner, runner.ecfg.speculative_tokens)
+        proposer = DraftModelProposer(draft_runner, runner.ecfg.speculative_tokens, runner.ecfg.draft_p_min)
     return make_loop(runner, max_queue, proposer=proposer)
 
 

@@ -46,14 +46,17 @@ SELF = (GRAPHDEF, PARAMS)  # the target as its own draft: every greedy draft is 
 
 @pytest.fixture(scope="module")
 def other() -> Iterator[EngineLoop]:
-    loop = started(tiny_loop(draft=OTHER, speculative_tokens=K))
+    # Always k drafts, chained on the device (no confidence cut): most are rejected.
+    loop = started(tiny_loop(draft=OTHER, speculative_tokens=K, draft_p_min=0.0))
     yield loop
     loop.stop()
 
 
 @pytest.fixture(scope="module")
 def itself() -> Iterator[EngineLoop]:
-    loop = started(tiny_loop(draft=SELF, speculative_tokens=K))
+    # The confidence cut: each step's drafts on the host, a sequence stops below p_min.
+    # Its greedy ids' probabilities are about 0.006 to 0.012: some proposals stop early.
+    loop = started(tiny_loop(draft=SELF, speculative_tokens=K, draft_p_min=0.009))
     yield loop
     loop.stop()
 
@@ -82,6 +85,31 @@ def test_another_draft_model_changes_no_id(other: EngineLoop) -> None:
     assert proposed > 0 and accepted < proposed  # drafts were rejected, and rolled back
 
 
+def test_drafting_stops_after_a_draft_below_p_min() -> None:
+    """The tiny model gives its greedy ids probabilities of about 0.006 to 0.012: with p_min 0.5 every
+    proposal is one draft (its first is below), with p_min 0.001 every one is k; ids stay the
+    reference's either way."""
+    want = reference(TURNING, 16)
+    for p_min, length in ((0.5, 1), (0.001, K)):
+        loop = tiny_loop(draft=SELF, speculative_tokens=K, draft_p_min=p_min)
+        sched = loop.scheduler
+        lengths: list[int] = []
+        propose = sched.proposer.propose_batch  # type: ignore[union-attr]
+
+        def recorded(wants, propose=propose, lengths=lengths):  # type: ignore[no-untyped-def]
+            out = propose(wants)
+            lengths.extend(len(d) for d, (_, k) in zip(out, wants, strict=True) if k == K)
+            return out
+
+        sched.proposer.propose_batch = recorded  # type: ignore[union-attr]
+        started(loop)
+        try:
+            assert run(loop, [make(TURNING, 16)]) == [want]
+        finally:
+            loop.stop()
+        assert lengths and set(lengths) == {length}, (p_min, lengths)
+
+
 def test_every_id_count_up_to_max_tokens_is_exact(itself: EngineLoop, other: EngineLoop) -> None:
     for n in (1, 2, 3, 4, 5, 7, 11):
         want = reference(TURNING, n)
@@ -104,7 +132,7 @@ def test_the_draft_pool_holds_the_draft_models_keys_and_values_of_its_ids() -> N
     at every position of the ids it keeps for the row (the sequence's, then the drafts not yet
     verified), the dense forward's keys and values of the draft model over those ids; the
     rejected drafts' positions were rolled back and written again."""
-    loop = tiny_loop(draft=OTHER, speculative_tokens=K, page_size=4)
+    loop = tiny_loop(draft=OTHER, speculative_tokens=K, page_size=4, draft_p_min=0.0)
     sched, runner = loop.scheduler, loop.runner
     proposer = sched.proposer
     assert isinstance(proposer, DraftModelProposer)
@@ -139,7 +167,9 @@ def test_the_draft_pool_holds_the_draft_models_keys_and_values_of_its_ids() -> N
 
 def test_page_sizes_preemption_and_a_prefix_hit_keep_the_reference() -> None:
     # 3 sequences of up to 33 + 16 tokens in 72 positions: they cannot all hold their pages.
-    loop = started(tiny_loop(draft=OTHER, num_slots=3, kv_cache_tokens=72, page_size=16, speculative_tokens=K))
+    loop = started(
+        tiny_loop(draft=OTHER, num_slots=3, kv_cache_tokens=72, page_size=16, speculative_tokens=K, draft_p_min=0.0)
+    )
     try:
         refs = [reference(p, 16) for p in (PROMPT_A, PROMPT_C, TURNING)]
         assert run(loop, [make(p, 16) for p in (PROMPT_A, PROMPT_C, TURNING)]) == refs
@@ -154,7 +184,7 @@ def test_page_sizes_preemption_and_a_prefix_hit_keep_the_reference() -> None:
 
 
 def test_data_replicas_and_a_live_switch_keep_the_reference() -> None:
-    loop = tiny_loop("2x1", jax.devices()[:2], draft=SELF, speculative_tokens=K)
+    loop = tiny_loop("2x1", jax.devices()[:2], draft=SELF, speculative_tokens=K, draft_p_min=0.009)
     new = loop.runner.relayout(Layout("1x1"), jax.devices()[:1])
     new.warmup_to_replace(loop.runner)
     started(loop)

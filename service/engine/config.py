@@ -87,6 +87,9 @@ class EngineConfig:
         speculative_tokens: most draft ids one sequence proposes per step (k), >= 1; drafts fill
             a data replica's decode region up to ``verify_tokens(k)`` sampled positions.
         ngram_max, ngram_min: the longest and shortest suffix the n-gram proposer matches.
+        draft_p_min: a draft model stops a sequence's drafting after a draft it gives less
+            than this probability (llama.cpp's ``--draft-p-min``, default 0.75 as there); 0:
+            always ``speculative_tokens`` drafts. In [0, 1).
     """
 
     num_slots: int = 4
@@ -106,6 +109,7 @@ class EngineConfig:
     speculative_tokens: int = 7
     ngram_max: int = 3
     ngram_min: int = 2
+    draft_p_min: float = 0.75
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -138,6 +142,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
         if self.speculative_tokens < 1:
             raise ValueError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1), got {self.draft_p_min}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 

@@ -33,11 +33,11 @@ import time
 import jax
 import numpy as np
 
-from service.engine.batch import Geometry, RaggedBatch
+from service.engine.batch import Geometry, RaggedBatch, RowInstall
 from service.engine.block_manager import BlockManager, OutOfPages
 from service.engine.config import EngineConfig
 from service.engine.output import StepOutput
-from service.engine.request import Request
+from service.engine.request import Request, SamplingOptions
 from service.engine.runner import Runner
 
 
@@ -100,21 +100,26 @@ class DraftModelProposer:
         runner: the draft model's runner (its rows as many as the target's, its pool sized for
             every row's longest sequence plus k: ``draft_engine_config``).
         k: most ids proposed per sequence and round, >= 1.
+        p_min: a sequence's drafting stops after a draft whose probability under the draft model
+            is below this (llama.cpp's ``--draft-p-min``): the ids after an unsure one are
+            mostly rejected, and each costs a draft step. 0: always k drafts, chained on the
+            device without a look at the host between steps. In [0, 1).
 
     Not thread-safe: the engine loop's thread calls it (through ``Scheduler.schedule``).
     """
 
     name = "draft"  # the proposer's label in the metrics
 
-    def __init__(self, runner: Runner, k: int):
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        self.runner, self.k = runner, k
+    def __init__(self, runner: Runner, k: int, p_min: float = 0.0):
+        if k < 1 or not 0.0 <= p_min < 1.0:
+            raise ValueError(f"need k >= 1 and 0 <= p_min < 1, got {k} and {p_min}")
+        self.runner, self.k, self.p_min = runner, k, p_min
         g = runner.geometry
         self.pools = [BlockManager(runner.pages_per_replica, runner.ecfg.page_size) for _ in range(runner.replicas)]
         self.page_tables = np.zeros((g.num_slots, g.max_pages), np.int32)
         self._written: dict[Request, _Written] = {}
         self.steps = 0  # draft-model steps run (catch-up and drafting)
+        self._rows_installed = False  # the rows' sampling parameters (``_step``)
         self.rounds = 0  # rounds of proposals that ran the draft model
         self.seconds = 0.0  # wall time of those rounds, drafts on the host (the engine loop waits for it)
 
@@ -153,7 +158,7 @@ class DraftModelProposer:
             self.rounds += 1
             self.seconds += time.perf_counter() - t0
             for (r, w, ids, k), draft in zip(rounds, drafts, strict=True):
-                w.ids = ids + draft[: k - 1]  # the drafts the pool holds: all but the last
+                w.ids = ids + draft[:-1]  # the drafts the pool holds: all but the last
                 w.checked = len(ids)
                 out[r] = draft
         return [out.get(r, []) for r, _ in wants]
@@ -210,15 +215,40 @@ class DraftModelProposer:
             self._step(chunks, None)
         first = [_Segment(w.row, start[w.row], tuple(ids[start[w.row] :])) for w, ids, _ in rounds]
         outs = [self._step(first, None)]
-        for j in range(1, max(k for _, _, k in rounds)):
-            chained = [_Segment(w.row, len(ids) + j - 1, from_prev=True) for w, ids, k in rounds if k > j]
+        drafts: dict[int, list[int]] = {w.row: [] for w, _, _ in rounds}
+        going = {w.row: k for w, _, k in rounds}  # rows still drafting -> their k
+        for j in range(1, max(k for _, _, k in rounds) + 1):
+            if self.p_min > 0:  # each step's drafts on the host: who goes on
+                packed = np.asarray(outs[-1].packed)
+                for row in list(going):
+                    drafts[row].append(int(packed[row, 0]))
+                    if going[row] == j or np.exp(packed[row, 1]) < self.p_min:
+                        del going[row]
+            else:
+                going = {row: k for row, k in going.items() if k > j}
+            if not going or j == max(k for _, _, k in rounds):
+                break
+            chained = [
+                _Segment(row, len(ids) + j - 1, from_prev=True) for w, ids, _ in rounds if (row := w.row) in going
+            ]
             outs.append(self._step(chained, outs[-1]))
-        ids_by_step = [np.asarray(a)[:, 0].astype(np.int64) for a in jax.device_get([o.packed for o in outs])]
-        return [[int(ids_by_step[j][w.row]) for j in range(k)] for w, _, k in rounds]
+        if self.p_min == 0:  # every step's drafts in one copy
+            ids_by_step = [np.asarray(a)[:, 0].astype(np.int64) for a in jax.device_get([o.packed for o in outs])]
+            return [[int(ids_by_step[j][w.row]) for j in range(k)] for w, _, k in rounds]
+        return [drafts[w.row] for w, _, _ in rounds]
 
     def _step(self, segments: list[_Segment], prev: StepOutput | None) -> StepOutput:
         self.steps += 1
-        return self.runner.step(draft_batch(self.runner.geometry, self.page_tables, segments), prev)
+        batch = draft_batch(self.runner.geometry, self.page_tables, segments)
+        if self.p_min > 0 and not self._rows_installed:
+            # Every row greedy, with the log-probability of its draft (``pack_step``'s column 1).
+            installs = tuple(
+                RowInstall(row=i, sampling=SamplingOptions(temperature=0.0), logprobs=True, eos_ids=())
+                for i in range(self.runner.geometry.num_slots)
+            )
+            batch = dataclasses.replace(batch, installs=installs)
+            self._rows_installed = True
+        return self.runner.step(batch, prev)
 
 
 def draft_batch(geometry: Geometry, page_tables: np.ndarray, segments: list[_Segment]) -> RaggedBatch:

@@ -103,7 +103,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
     for key in ("model", "cache_dir", "host", "port", "layout", "num_slots", "max_seq_len", "chunk_size",
                 "max_queue", "default_max_tokens", "dtype", "kv_dtype", "matmul", "weights", "page_size",
                 "kv_cache_tokens", "kv_cache_memory", "max_num_batched_tokens", "speculative", "speculative_tokens",
-                "ngram_max", "ngram_min", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
+                "ngram_max", "ngram_min", "draft_p_min", "metrics_port", "http_port", "grace_period_s", "stall_timeout_s",
                 "watchdog_interval_s", "admin_host", "admin_port", "process_timeout_s"):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
@@ -702,6 +702,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ngram-max", type=int, help="the longest suffix the n-gram proposer matches (default 3)")
     s.add_argument("--ngram-min", type=int, help="the shortest suffix the n-gram proposer matches (default 2)")
+    s.add_argument(
+        "--draft-p-min",
+        type=float,
+        help="a draft model stops drafting after a draft it gives less than this probability (default 0.75; 0: "
+        "always --speculative-tokens drafts)",
+    )
     s.add_argument(
         "--matmul",
         type=matmul_mode,

@@ -132,7 +132,7 @@ def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[R
         draft_runner = Runner(
             draft.cfg, draft.graphdef, draft.state, runner.layout, draft_engine_config(runner.ecfg), devices
         )
-        proposers.append(DraftModelProposer(draft_runner, ecfg.speculative_tokens))
+        proposers.append(DraftModelProposer(draft_runner, ecfg.speculative_tokens, ecfg.draft_p_min))
     log.info("draft model %s (%s weights) proposes up to %d ids per step", path.name, "stored" if stored else ecfg.dtype,
              ecfg.speculative_tokens)  # fmt: skip
     return proposers

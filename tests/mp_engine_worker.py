@@ -1,7 +1,8 @@
 """One process of tests/test_multiprocess_engine.py's two-process job (run as a script, with
 ``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4``):
 
-    python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json
+    python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json \
+        [--speculative ngram]
 
 For each layout in turn, both processes build the tiny random model and a ``Runner`` on
 the layout over all 8 devices; process 0 drives ``service.engine.loop.make_loop`` over a
@@ -50,16 +51,16 @@ REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
 )
 
 
-def ecfg() -> Any:
+def ecfg(speculative: str = "off") -> Any:
     from service.engine.config import EngineConfig
 
     return EngineConfig(
         num_slots=SLOTS, max_seq_len=T, chunk_size=CHUNK, page_size=4,
-        kv_cache_tokens=SLOTS * T, max_num_batched_tokens=32,
+        kv_cache_tokens=SLOTS * T, max_num_batched_tokens=32, speculative=speculative, speculative_tokens=3,
     )  # fmt: skip
 
 
-def build_engine(layout: str) -> Any:
+def build_engine(layout: str, speculative: str = "off") -> Any:
     import jax
 
     from model.config import LlamaConfig
@@ -69,7 +70,8 @@ def build_engine(layout: str) -> Any:
 
     data, model = (int(n) for n in layout.split("x"))
     graphdef, params = random_llama(LlamaConfig.tiny(), seed=SEED)
-    return Runner(LlamaConfig.tiny(), graphdef, params, Layout(layout, data=data, model=model), ecfg(), jax.devices())
+    lay = Layout(layout, data=data, model=model)
+    return Runner(LlamaConfig.tiny(), graphdef, params, lay, ecfg(speculative), jax.devices())
 
 
 class _Pieces:
@@ -123,6 +125,7 @@ def main() -> int:
     parser.add_argument("--layouts", default="2x4", help="comma-separated, run in this order")
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=int, default=170)
+    parser.add_argument("--speculative", default="off", help="off or ngram (EngineConfig.speculative)")
     args = parser.parse_args()
     with contextlib.suppress(Exception):  # die with the parent (Linux PR_SET_PDEATHSIG)
         import ctypes
@@ -148,10 +151,10 @@ def main() -> int:
     enable_compilation_cache(cache_dir())  # as the server's: a rerun skips most of the warm-up's compiles
     assert jax.device_count() == 8 and jax.process_count() == 2, (jax.device_count(), jax.process_count())
     channel = distributed.StepChannel.open()
-    result: dict[str, Any] = {"ids": {}, "seconds": {}, "followed_steps": {}}
+    result: dict[str, Any] = {"ids": {}, "seconds": {}, "followed_steps": {}, "drafts_accepted": {}}
     for layout in args.layouts.split(","):
         t1 = time.monotonic()
-        engine = build_engine(layout)
+        engine = build_engine(layout, args.speculative)
         built = time.monotonic() - t1
         if args.process_id == 0:
             from service.engine.loop import make_loop
@@ -166,6 +169,7 @@ def main() -> int:
             if loop.error is not None:
                 raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
             result["ids"][layout] = run_requests(loop)
+            result["drafts_accepted"][layout] = loop.scheduler.drafts_accepted
             loop.stop()
             if loop.error is not None:
                 raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error

@@ -49,6 +49,28 @@ def test_widen_keeps_every_token_in_its_region_and_part() -> None:
     assert (wide.positions >= 0).sum() == 5
     assert list(wide.last_index[[1, 2, 4, 6]]) == [0, 5, n2, n2 + 1]
     assert wide.last_index[0] == 0 and wide.last_index[5] == n2  # rows sampling nothing: their region's first
+    # A token mask (one per sampling slot) follows its slots: each row's mask is the same after.
+    rows, _ = g.samplers(b)
+    mask = np.zeros((len(rows), 8), np.int32)
+    for i, row in enumerate(rows):
+        mask[i] = row if row >= 0 else -1  # a row's slot holds words of its row number
+    wide_rows, _ = g.samplers(dataclasses.replace(wide, token_mask=None))
+    widened = g.widen(dataclasses.replace(b, token_mask=mask), 4, 32, 64).token_mask
+    assert widened is not None and len(widened) == len(wide_rows) >= len(rows)
+    for i, row in enumerate(wide_rows):
+        assert (widened[i] == (row if row >= 0 else -1)).all(), (i, row)
+    # Where the wider step has more sampling slots per replica, replica 1's move up with its region.
+    g8 = Geometry.make(8, 2, 4, 256, 16, 32, [8, 16, 32, 64], verify_tokens=8)
+    two = g8.empty_batch(2, 0)  # two regions of 2 decode tokens: rows 1 and 5 decode
+    for i, row in ((0, 1), (2, 5)):
+        two.tokens[i], two.rows[i], two.positions[i] = 3, row, 4
+    two.last_index[[1, 5]] = [0, 2]
+    two = dataclasses.replace(two, num_real=2, max_position=4, token_mask=np.array([[1], [-1], [5], [-1]], np.int32))
+    wider = g8.widen(two, 8, 16, 8)
+    assert wider.token_mask is not None and len(wider.token_mask) == 2 * 8  # 8 slots per replica, from 2
+    rows_after, _ = g8.samplers(wider)
+    assert [int(rows_after[i]) for i in (0, 8)] == [1, 5]
+    assert [int(wider.token_mask[i, 0]) for i in (0, 8)] == [1, 5] and (wider.token_mask[[1, 9]] == -1).all()
     # Narrower than the batch, or a window short of its positions: refused.
     for regions in ((4, 0, 64), (4, 32, 8)):
         try:

@@ -38,8 +38,9 @@ TIMEOUT_S = 240  # each worker's own alarm; the test waits a little longer
 LAYOUTS = ("1x8", "8x1")
 
 
-def two_processes(layouts: tuple[str, ...], folder: Path) -> tuple[dict, dict]:  # type: ignore[type-arg]
-    """Run the two workers on ``layouts`` in turn; (process 0's result, process 1's)."""
+def two_processes(layouts: tuple[str, ...], folder: Path, speculative: str = "off") -> tuple[dict, dict]:  # type: ignore[type-arg]
+    """Run the two workers on ``layouts`` in turn (``speculative``: the engine's); (process 0's
+    result, process 1's)."""
     coordinator = f"127.0.0.1:{free_port()}"
     env = job_process_env()
     out = folder / "ids.json"
@@ -47,7 +48,8 @@ def two_processes(layouts: tuple[str, ...], folder: Path) -> tuple[dict, dict]: 
     try:
         for i in range(2):
             cmd = [sys.executable, str(WORKER), "--process-id", str(i), "--coordinator", coordinator,
-                   "--layouts", ",".join(layouts), "--out", str(out), "--timeout", str(TIMEOUT_S)]  # fmt: skip
+                   "--layouts", ",".join(layouts), "--out", str(out), "--timeout", str(TIMEOUT_S),
+                   "--speculative", speculative]  # fmt: skip
             with open(folder / f"out{i}.txt", "w") as o, open(folder / f"err{i}.txt", "w") as e:
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=e, start_new_session=True))
         end = time.monotonic() + TIMEOUT_S + 15
@@ -85,6 +87,15 @@ def test_two_processes_give_the_ids_of_one(tmp_path: Path) -> None:
         assert len(set(want[0])) > 1  # the penalties make the ids vary
         assert len(set(want[3])) > 1  # sampled: the ids vary
         assert leader["ids"][layout] == want, layout
+
+
+def test_two_processes_speculating_give_the_ids_of_one_without(tmp_path: Path) -> None:
+    """n-gram speculation over two processes: the drafted batches are mirrored like any other,
+    drafts are kept, and the ids are those one process makes without speculating."""
+    leader, follower = two_processes(("1x8",), tmp_path, speculative="ngram")
+    assert follower["followed_steps"]["1x8"] > 0
+    assert leader["drafts_accepted"]["1x8"] > 0
+    assert leader["ids"]["1x8"] == one_process("1x8")
 
 
 # ---- the mirror's protocol, in one process (no JAX work) -------------------------------------

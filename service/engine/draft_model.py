@@ -157,7 +157,7 @@ class DraftModelProposer:
             drafts = self._draft([(w, ids, k) for _, w, ids, k in rounds])
             self.rounds += 1
             self.seconds += time.perf_counter() - t0
-            for (r, w, ids, k), draft in zip(rounds, drafts, strict=True):
+            for (r, w, ids, _), draft in zip(rounds, drafts, strict=True):
                 w.ids = ids + draft[:-1]  # the drafts the pool holds: all but the last
                 w.checked = len(ids)
                 out[r] = draft

@@ -267,3 +267,33 @@ def test_constrained_rows_speculate_under_a_mask_at_every_position() -> None:
         assert s.drafts_accepted > accepted
     finally:
         loop.stop()
+
+
+def test_a_grammar_taken_ahead_over_a_verified_draft_takes_the_kept_ids_only() -> None:
+    """``Scheduler.advance_grammars`` over a step that verified drafts (the engine loop lands such a
+    step before it schedules the next, so this runs only when a caller drives steps itself): the
+    grammar takes the drafts the target kept and its id after them, not the rejected draft, and
+    recording them later takes nothing twice."""
+    from service.engine.block_manager import BlockManager
+    from service.engine.output import HostStep
+    from service.engine.scheduler import DecodeToken, Scheduler, StepPlan
+
+    sched = Scheduler(4, 8, 16, 64, BlockManager(64, 4), 64, proposer=NgramProposer(3))
+    r = make(PROMPT_B, 10, eos=frozenset({EOS}), constraint=constraint(DIGITS))
+    draft = (ord("1"), ord("2"), ord("3"))
+    plan = StepPlan(step=0, decode=(DecodeToken(request=r, slot=0, position=7, fed_by=None, draft=draft),))
+    sampled = [ord("1"), ord("2"), ord("9"), ord("4")]  # the third draft rejected: "9" is the target's
+    n = 4 + len(sampled)
+    host = HostStep(
+        ids=np.array([sampled[-1], 0, 0, 0, *sampled], np.int32),
+        logprob=np.zeros(n, np.float32),
+        top_logprobs=np.zeros((n, 20), np.float32),
+        top_ids=np.zeros((n, 20), np.int32),
+        slot_rows=np.zeros(len(sampled), np.int32),
+    )
+    assert r.constraint is not None
+    sched.advance_grammars(plan, host)
+    assert r.constraint.taken == 3
+    for token in b"129":
+        r.accept_token(token)
+    assert r.output_ids == list(b"129") and r.constraint.taken == 3 and not r.constraint.at_dead_end

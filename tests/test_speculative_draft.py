@@ -8,6 +8,7 @@ refused at start-up, and a server speculates with one (usage, metrics)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from reference import (
     PROMPT_B,
     PROMPT_C,
     dense_kv,
+    dense_logits,
     make,
     reference,
     run,
@@ -36,7 +38,7 @@ from model.weights.build import random_llama
 from service.engine.batch import build
 from service.engine.config import EngineConfig
 from service.engine.draft_model import DraftModelProposer, common_prefix, draft_engine_config
-from service.engine.loop import EngineLoop
+from service.engine.loop import EngineLoop, make_loop
 from sharding.layouts import Layout
 
 K = 3
@@ -98,7 +100,7 @@ def test_drafting_stops_after_a_draft_below_p_min() -> None:
 
         def recorded(wants, propose=propose, lengths=lengths):  # type: ignore[no-untyped-def]
             out = propose(wants)
-            lengths.extend(len(d) for d, (_, k) in zip(out, wants, strict=True) if k == K)
+            lengths.extend(len(d) for d, (_, k) in zip(out, wants, strict=True) if k == K and d is not None)
             return out
 
         sched.proposer.propose_batch = recorded  # type: ignore[union-attr]
@@ -165,6 +167,24 @@ def test_the_draft_pool_holds_the_draft_models_keys_and_values_of_its_ids() -> N
     assert proposer.pools[0].num_used == 0 and not proposer._written
 
 
+def test_a_long_catch_up_takes_a_step_a_round_and_proposes_once_caught_up() -> None:
+    """A 33-token prompt, chunks of 16: its first round writes 16 ids and proposes nothing (None:
+    not a miss), its second writes 16 more and drafts from the last one; the pool then holds the
+    draft model's keys and values of the prompt and the drafts."""
+    loop = tiny_loop(draft=OTHER, speculative_tokens=K, draft_p_min=0.0)
+    proposer = loop.scheduler.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    r = make(PROMPT_C, 8)
+    r.slot = 0
+    assert proposer.propose_batch([(r, K)]) == [None] and proposer._written[r].ids == PROMPT_C[:16]
+    (draft,) = proposer.propose_batch([(r, K)])
+    assert draft is not None and len(draft) == K and proposer._written[r].ids == PROMPT_C + draft[:-1]
+    want = dense_logits(*OTHER, PROMPT_C + draft[:-1])
+    assert draft == [int(i) for i in np.argmax(want[len(PROMPT_C) - 1 :], axis=-1)]  # greedy, step by step
+    proposer.forget(r)
+    assert proposer.pools[0].num_used == 0
+
+
 def test_page_sizes_preemption_and_a_prefix_hit_keep_the_reference() -> None:
     # 3 sequences of up to 33 + 16 tokens in 72 positions: they cannot all hold their pages.
     loop = started(
@@ -228,6 +248,24 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_gguf: Path, tmp_pa
         draft_proposers(str(tiny_gguf), tmp_path, other, [runner])
     (proposer,) = draft_proposers(str(tiny_gguf), tmp_path, tok, [runner])
     assert proposer.k == 7 and proposer.runner.ecfg.num_slots == 2
+
+
+def test_a_draft_model_on_an_accelerator_needs_a_pool_size_and_make_loop_checks_its_proposer() -> None:
+    from service.server.config import ConfigError
+    from service.server.startup import check_draft_pool
+
+    asked = EngineConfig(speculative="draft:x")
+    with pytest.raises(ConfigError, match="--kv-cache-tokens or --kv-cache-memory"):
+        check_draft_pool(asked, "gpu")
+    check_draft_pool(asked, "cpu")  # the default pool there: rows x max_seq_len, not the device's memory
+    check_draft_pool(dataclasses.replace(asked, kv_cache_tokens=4096), "tpu")
+    loop = tiny_loop(draft=SELF, speculative_tokens=K)
+    proposer = loop.scheduler.proposer
+    assert proposer is not None
+    with pytest.raises(ValueError, match="a proposer of 3 ids"):
+        make_loop(tiny_loop().runner, 4, proposer=proposer)  # a runner that does not speculate
+    with pytest.raises(ValueError, match="at most 2"):
+        make_loop(tiny_loop(speculative="ngram", speculative_tokens=2).runner, 4, proposer=proposer)
 
 
 @pytest.fixture(scope="module")

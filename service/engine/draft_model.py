@@ -10,19 +10,23 @@ the draft runner's row of its own number (``Request.slot``). Each round of propo
 1. **Roll back and catch up.** The pool holds a sequence's ids up to where they still equal the
    target's (the ids it wrote there are kept beside it, so the drafts the target rejected go:
    ``BlockManager.shrink``). The ids after that, all on the host (the bonus id after an accepted
-   run, or the whole prompt on a sequence's first round), are written; long ones first by
-   chunks of steps that sample nothing.
-2. **Draft.** The step that writes a sequence's last ids samples its first draft id; k - 1 more
-   steps each run its newest draft id, read on the device from the step before (``source`` 1),
-   and sample the next. Every row samples greedily (``SamplingParams.host``'s default, never
-   installed over), so each draft is the draft model's argmax: a point mass, which the target's
+   run, or the whole prompt on a sequence's first round), are written; a long catch-up by one
+   step of chunks that sample nothing a round (the target's other streams wait for no more),
+   the sequence proposing nothing until it is caught up.
+2. **Draft.** The step that writes a sequence's last ids samples its first draft id; up to k - 1
+   more steps each run its newest draft id, read on the device from the step before
+   (``source`` 1), and sample the next; with ``p_min``, a sequence stops after a draft its model
+   gives less probability. Every row samples greedily (temperature 0; with ``p_min`` the rows
+   also return their ids' log-probabilities), so each draft is the draft model's argmax: a point mass, which the target's
    verifier (``service.engine.scheduler.accepted_run``) keeps exactly where it equals the
    target's own draw. The output distribution stays the target's whatever the draft model is.
-3. The k drafts of every sequence reach the host in one copy.
+3. The drafts reach the host: each step's before the next where a confidence cut stops a
+   sequence's drafting early (``p_min``), else all in one copy.
 
 Drafts at positions the target later rejects stay in the pool until the next round rolls them
 back; a sequence that leaves its row (finished, preempted) gives its pages back (``forget``).
-No prefix cache: each sequence writes its own prompt once.
+No prefix cache: each sequence writes its own prompt once, so sequences that share a prefix in
+the target's pool need more of the draft's, where a sequence without pages drafts nothing.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def draft_engine_config(target: EngineConfig) -> EngineConfig:
     buckets hold the catch-up and drafts of the sequences a target step verifies), and a pool of
     the target's tokens plus k and a page per row, at most every row's longest sequence: a
     sequence holds its ids and k - 1 drafts there, so the draft pool has room whenever the
-    target's does (both split over the same data replicas)."""
+    target's does without shared prefixes (both split over the same data replicas)."""
     ps, k, S = target.page_size, target.speculative_tokens, target.num_slots
     per_row = -(-(target.max_seq_len + k) // ps) * ps
     tokens = (
@@ -109,6 +113,7 @@ class DraftModelProposer:
     """
 
     name = "draft"  # the proposer's label in the metrics
+    batched = True  # one round of draft steps for all of a step's sequences
 
     def __init__(self, runner: Runner, k: int, p_min: float = 0.0):
         if k < 1 or not 0.0 <= p_min < 1.0:
@@ -141,23 +146,28 @@ class DraftModelProposer:
             self._pool(written.row).free(request)
 
     # ---- a round ----------------------------------------------------------------------------
-    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int] | None]:
         """Up to ``k`` draft ids for each (request, k) of ``wants``: running requests whose ids
         are all on the host, each in its own row. A request whose pages do not fit the draft
-        pool gets [] (so does one with k < 1)."""
+        pool gets [] (so does one with k < 1); one whose catch-up is longer than a round runs
+        (a first round's prompt: one prefill step's budget a round, so that the target's other
+        streams wait for no more than one such step) gets None, and drafts once caught up."""
         rounds: list[tuple[Request, _Written, list[int], int]] = []  # (request, pool state, ids, k)
         for r, k in wants:
             assert r.slot is not None
             ids = r.prompt_ids + r.output_ids
             if k >= 1 and self._reserve(r, ids, k):
                 rounds.append((r, self._written[r], ids, k))
-        out: dict[Request, list[int]] = {}
+        out: dict[Request, list[int] | None] = {}
         if rounds:
             t0 = time.perf_counter()
             drafts = self._draft([(w, ids, k) for _, w, ids, k in rounds])
             self.rounds += 1
             self.seconds += time.perf_counter() - t0
             for (r, w, ids, _), draft in zip(rounds, drafts, strict=True):
+                if isinstance(draft, int):  # caught up to there, not drafting yet
+                    w.ids, w.checked, out[r] = ids[:draft], draft, None
+                    continue
                 w.ids = ids + draft[:-1]  # the drafts the pool holds: all but the last
                 w.checked = len(ids)
                 out[r] = draft
@@ -191,28 +201,38 @@ class DraftModelProposer:
         self.page_tables[r.slot, : len(table)] = table
         return True
 
-    def _draft(self, rounds: list[tuple[_Written, list[int], int]]) -> list[list[int]]:
+    def _draft(self, rounds: list[tuple[_Written, list[int], int]]) -> list[list[int] | int]:
         """Run the draft steps of ``rounds`` (pool state, the sequence's ids, k), each reserved:
-        catch-up chunks, then k greedy steps. Returns each round's k draft ids."""
+        a catch-up chunk step, then up to k greedy steps. Returns each round's draft ids (up to
+        k), or, for a row still catching up, the ids its pool now holds."""
         g = self.runner.geometry
         start = {w.row: len(w.ids) for w, _, _ in rounds}  # the first id each row's pool lacks
-        # Long catch-ups (a first round: the whole prompt) go ahead by chunks that sample nothing,
-        # until each row has at most 2 ids left, which the first drafting step runs.
-        while True:
-            budget = [g.prefill_buckets[-1]] * g.replicas
-            chunks = []
-            for w, ids, _ in rounds:
-                left, replica = len(ids) - start[w.row], g.replica_of(w.row)
-                length = min(left - 1, self.runner.ecfg.chunk_size, budget[replica])
-                if left > 2 and length > 0:
-                    chunks.append(
-                        _Segment(w.row, start[w.row], tuple(ids[start[w.row] : start[w.row] + length]), samples=False)
-                    )
-                    start[w.row] += length
-                    budget[replica] -= g.padded(length)
-            if not chunks:
-                break
+        # Long catch-ups (a first round: the whole prompt) go ahead by a step of chunks that
+        # samples nothing; a row left with at most 2 ids drafts now (its first drafting step runs
+        # them), one with more goes on next round.
+        budget = [g.prefill_buckets[-1]] * g.replicas
+        chunks = []
+        for w, ids, _ in rounds:
+            left, replica = len(ids) - start[w.row], g.replica_of(w.row)
+            length = min(left - 1, self.runner.ecfg.chunk_size, budget[replica])
+            if left > 2 and length > 0:
+                chunks.append(
+                    _Segment(w.row, start[w.row], tuple(ids[start[w.row] : start[w.row] + length]), samples=False)
+                )
+                start[w.row] += length
+                budget[replica] -= g.padded(length)
+        if chunks:
             self._step(chunks, None)
+        behind = {w.row for w, ids, _ in rounds if len(ids) - start[w.row] > 2}
+        drafting = [(w, ids, k) for w, ids, k in rounds if w.row not in behind]
+        drafted = (
+            dict(zip((w.row for w, _, _ in drafting), self._greedy(drafting, start), strict=True)) if drafting else {}
+        )
+        return [start[w.row] if w.row in behind else drafted[w.row] for w, _, _ in rounds]
+
+    def _greedy(self, rounds: list[tuple[_Written, list[int], int]], start: dict[int, int]) -> list[list[int]]:
+        """The drafting steps of ``rounds`` (pool state, ids, k), each row's pool holding its ids
+        up to ``start[row]`` (at most 2 short): up to k draft ids each."""
         first = [_Segment(w.row, start[w.row], tuple(ids[start[w.row] :])) for w, ids, _ in rounds]
         outs = [self._step(first, None)]
         drafts: dict[int, list[int]] = {w.row: [] for w, _, _ in rounds}

@@ -330,10 +330,18 @@ def make_loop(
     ``runner.ecfg.speculative`` says.
 
     Raises:
-        ValueError: ``speculative`` names a draft model and no ``proposer`` is given (its runner
+        ValueError: ``proposer`` given where the runner does not speculate or proposes more ids
+            than its ``speculative_tokens``; or ``speculative`` names a draft model and no
+            ``proposer`` is given (its runner
             is built by the caller: ``service.server.startup.draft_proposers``).
     """
     ecfg = runner.ecfg
+    if proposer is not None and (ecfg.speculative == "off" or proposer.k > ecfg.speculative_tokens):
+        # The runner's decode buckets hold verify_tokens(ecfg.speculative_tokens) tokens, no more.
+        raise ValueError(
+            f"a proposer of {proposer.k} ids for a runner speculating {ecfg.speculative!r} with at most "
+            f"{ecfg.speculative_tokens}"
+        )
     if proposer is None and ecfg.speculative == "ngram":
         proposer = NgramProposer(ecfg.speculative_tokens, ecfg.ngram_max, ecfg.ngram_min)
     if proposer is None and ecfg.draft_model:

@@ -25,10 +25,13 @@ class Proposer(Protocol):
 
     name: str  # its label in the metrics
     k: int  # most ids it proposes per sequence and step
+    # True: proposes for all of a step's sequences in one call, each charged its k up front;
+    # False: one sequence at a time, each charged what it proposed (cheap proposals).
+    batched: bool
 
-    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int] | None]:
         """Up to k draft ids for each (running request, k) of ``wants``, whose ids are all on
-        the host; [] where it has none."""
+        the host; [] where it has none (a miss), None where it is not ready yet (no miss)."""
         ...
 
     def forget(self, request: Request) -> None:
@@ -57,13 +60,14 @@ class NgramProposer:
     """
 
     name = "ngram"  # the proposer's label in the metrics
+    batched = False  # a proposal costs microseconds: one sequence at a time
 
     def __init__(self, k: int, n_max: int = 3, n_min: int = 2):
         if k < 1 or n_min < 1 or n_max < n_min:
             raise ValueError(f"bad n-gram sizes: k {k}, n_max {n_max}, n_min {n_min}")
         self.k, self.n_max, self.n_min = k, n_max, n_min
 
-    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def propose_batch(self, wants: list[tuple[Request, int]]) -> list[list[int] | None]:
         """``propose`` for each (request, k) of ``wants``, over its prompt and output ids."""
         return [self.propose(r.prompt_ids + r.output_ids, k) for r, k in wants]
 

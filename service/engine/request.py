@@ -218,15 +218,17 @@ class Request:
         else:
             self.emit(Chunk(text=delta, token_ids=[token_id], logprobs=lps))
 
-    def take_ahead(self, token_id: int) -> None:
+    def take_ahead(self, token_id: int, ahead: int = 0) -> bool:
         """Advance the constraint's grammar over a sampled id before ``accept_token`` records it
         (which then finds it taken): the engine loop fills the next step's token masks before it
-        does the rest of this step's bookkeeping. EOS ids (unless ``ignore_eos``) and a grammar at
-        a dead end take nothing, as in ``accept_token``."""
+        does the rest of this step's bookkeeping. ``ahead``: the ids before it not recorded yet
+        either (a verified draft run's). EOS ids (unless ``ignore_eos``) and a grammar at a dead
+        end take nothing, as in ``accept_token``. Returns whether the grammar took it and goes on
+        (False: the ids after it end nowhere, as the request ends at it)."""
         c = self.constraint
         if c is None or c.at_dead_end or (token_id in self.eos_ids and not self.ignore_eos):
-            return
-        c.accept(token_id, len(self.output_ids))
+            return False
+        return c.accept(token_id, len(self.output_ids) + ahead) and not c.complete
 
     def finish(
         self,

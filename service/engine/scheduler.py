@@ -365,8 +365,9 @@ class Scheduler:
     def _with_drafts(self, decode: list[DecodeToken], chunks: list[PrefillChunk]) -> list[DecodeToken]:
         """``decode`` with draft ids proposed for the sequences that speculate, oldest first,
         while their replica's decode region has room (one proposal round for all of them:
-        ``Proposer.propose_batch``); each draft's positions are reserved (a sequence without
-        free pages for them keeps none) and counted as sampled."""
+        ``Proposer.propose_batch``, or one sequence at a time where the proposer is not
+        ``batched``, so that a short proposal leaves its room to the next); each draft's positions
+        are reserved (a sequence without free pages for them keeps none) and counted as sampled."""
         assert self.proposer is not None
         room = [self.verify_tokens] * len(self.pools)  # sampled positions left for drafts in each replica
         for t in decode:
@@ -374,6 +375,7 @@ class Scheduler:
         for c in chunks:
             room[c.slot // self.rows_per_replica] -= c.is_last
         wants: dict[int, int] = {}  # index in ``decode`` -> most ids its sequence may propose
+        proposals: dict[int, list[int] | None] = {}
         for i, t in enumerate(decode):
             r, replica = t.request, t.slot // self.rows_per_replica
             landed = r.sampled == len(r.output_ids) + 1  # every id but this token's own is on the host
@@ -383,13 +385,22 @@ class Scheduler:
             k = min(self.proposer.k, room[replica], r.max_tokens - r.sampled)
             if k > 0:  # else its last id: nothing may follow it
                 wants[i] = k
-                room[replica] -= k
+                if self.proposer.batched:
+                    room[replica] -= k  # proposed below, all at once
+                else:  # proposed now: what it did not use is left for the next sequence
+                    proposals[i] = self.proposer.propose_batch([(r, k)])[0]
+                    room[replica] -= len(proposals[i] or ())
         if not wants:
             return decode
-        proposals = self.proposer.propose_batch([(decode[i].request, k) for i, k in wants.items()])
+        if self.proposer.batched:
+            proposals = dict(
+                zip(wants, self.proposer.propose_batch([(decode[i].request, k) for i, k in wants.items()]), strict=True)
+            )
         out = list(decode)
-        for (i, k), proposal in zip(wants.items(), proposals, strict=True):
-            t = decode[i]
+        for i, k in wants.items():
+            t, proposal = decode[i], proposals[i]
+            if proposal is None:  # not ready (a draft model catching up): no miss
+                continue
             r, draft = t.request, tuple(proposal[:k])
             if r.constraint is not None and draft:
                 # Only the drafts its grammar allows (each would be rejected under its mask),
@@ -611,9 +622,15 @@ class Scheduler:
         """Advance the constrained requests' grammars over step ``plan``'s ids (``host``) ahead of
         its ``postprocess`` (``Request.take_ahead``), so the next step's masks can be filled
         before the rest of this step's bookkeeping."""
+        drafted = {d.request: d.draft for d in plan.decode if d.draft}
         for r, row in plan.samplers:
             if r.constraint is not None and r.state is not RequestState.FINISHED:
-                r.take_ahead(int(host.ids[row]))
+                ids = [int(host.ids[row])]
+                if r in drafted:  # the ids its verification keeps
+                    ids = accepted_run(drafted[r], [int(host.ids[i]) for i in host.slots_of(row)])
+                for ahead, token in enumerate(ids):
+                    if not r.take_ahead(token, ahead):
+                        break
 
     def _commit(self, requests: Iterable[Request]) -> None:
         """Register in the prefix cache the full pages of ``requests`` whose ids are known on the

@@ -53,7 +53,7 @@ Per pool, read when scraped (the step histograms when each step ends):
     meshserve_prefix_cache_hit_tokens_total{pool}    counter: of those, tokens found cached (not prefilled)
     meshserve_preemptions_total{pool}                counter: sequences preempted for pages (recomputed later)
     meshserve_spec_decode_draft_tokens_total{pool,proposer}     counter: draft ids speculative
-                                                     decoding verified (proposer: ngram)
+                                                     decoding verified (proposer: ngram, draft)
     meshserve_spec_decode_accepted_tokens_total{pool,proposer}  counter: of those, the ids kept
     meshserve_spec_decode_verify_steps_total{pool}   counter: steps that verified draft ids (their
                                                      share: over engine_step_seconds' count)

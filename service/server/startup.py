@@ -28,6 +28,7 @@ from model.text.tokenizer import Tokenizer
 from model.weights.block_params import block_formats
 from model.weights.fetch import cache_dir, resolve_model
 from model.weights.loader import ShardingsFn, load_model, model_format, restores_as_saved
+from service.engine.config import EngineConfig
 from service.engine.distributed import CONFIG, Heartbeat, StepChannel, coordinator_host, follow, job_layout_problem
 from service.engine.draft_model import DraftModelProposer, draft_engine_config
 from service.engine.loop import make_loop
@@ -102,6 +103,21 @@ def keeps_blocks(weights: str, kind: str, layouts: list[Layout], platform: str) 
     return kernels.keeps_blocks(platform, [lay.num_devices for lay in layouts])
 
 
+def check_draft_pool(ecfg: EngineConfig, platform: str) -> None:
+    """A draft model's weights and pool are placed after the target's pool is sized: on an
+    accelerator the default pool (``service.engine.kv_pool``: 0.9 of each device's memory) would
+    leave them no room, so the pool's size must be given.
+
+    Raises:
+        ConfigError: a draft model on an accelerator without ``kv_cache_tokens`` or ``kv_cache_memory``.
+    """
+    if platform != "cpu" and not (ecfg.kv_cache_tokens or ecfg.kv_cache_memory):
+        raise ConfigError(
+            "--speculative draft:MODEL on an accelerator needs --kv-cache-tokens or --kv-cache-memory: the default "
+            "pool takes 0.9 of each device's memory and leaves the draft model's weights and pool none"
+        )
+
+
 def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[Runner]) -> list[DraftModelProposer]:
     """A draft-model proposer for each pool's runner (``--speculative draft:MODEL``): the draft
     model read once (``name``: what ``--model`` takes; its blocks kept as the target's would be)
@@ -110,7 +126,8 @@ def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[R
 
     Raises:
         ValueError: the draft model's tokenizer maps ids to other tokens than the target's
-            ``tokenizer`` (its drafts would be other tokens' ids).
+            ``tokenizer`` (its drafts would be other tokens' ids), or its logits are wider than
+            the target's (it could draft an id the target has no embedding for).
         LayoutError: a pool's layout does not divide the draft model's axes.
         FileNotFoundError, WeightError, GGUFMetadataError, HFConfigError: the draft model is unreadable.
     """
@@ -125,6 +142,11 @@ def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[R
         raise ValueError(
             f"draft model {path.name}'s tokenizer is not the target's ({differs}): a draft model must share the "
             "target's tokenizer"
+        )
+    if draft.cfg.vocab_size > runners[0].cfg.vocab_size:
+        raise ValueError(
+            f"draft model {path.name} has {draft.cfg.vocab_size} logits, the target {runners[0].cfg.vocab_size}: a "
+            "draft model may not propose ids the target has no embedding for"
         )
     proposers = []
     for runner in runners:
@@ -273,6 +295,9 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
             never on the first request).
         RuntimeError: warm-up failed.
         CheckpointError, HFConfigError, WeightError, GGUFMetadataError: the model is unreadable.
+        ConfigError: a draft model on an accelerator without a pool size (``check_draft_pool``).
+        ValueError: a draft model whose tokenizer or logits differ from the target's
+            (``draft_proposers``).
     """
     cfg = gateway.cfg
     root = cache_dir(cfg.cache_dir)
@@ -288,6 +313,8 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
         specs = [PoolSpec("default", load_layout(cfg.layout), len(devices))]
         device_sets = [devices]
     ecfg = cfg.engine
+    if ecfg.draft_model:
+        check_draft_pool(ecfg, devices[0].platform)
 
     clock = CompileClock()
     with clock:

@@ -2,12 +2,14 @@
 ``JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4``):
 
     python tests/mp_engine_worker.py --process-id I --coordinator 127.0.0.1:PORT --layouts 1x8,8x1 --out ids.json \
-        [--speculative ngram]
+        [--speculative ngram|draft]
 
 For each layout in turn, both processes build the tiny random model and a ``Runner`` on
 the layout over all 8 devices; process 0 drives ``service.engine.loop.make_loop`` over a
 runner mirroring its calls over the step channel, runs ``REQUESTS`` (greedy) and stops the followers (``STOP``), process 1
-``follow``s; process 0 then writes every layout's ids as JSON. One job for all the layouts: a
+``follow``s; process 0 then writes every layout's ids as JSON. With ``--speculative draft``
+both also build a draft model's runner (the same tiny model: ``build_draft``), process 0's
+proposing through it and mirroring its calls tagged, process 1's replaying them. One job for all the layouts: a
 job's start (two interpreters, jax.distributed, gloo) costs about 15 s here. Importable without JAX
 work (the test takes ``REQUESTS``, ``ecfg`` and ``run_requests`` from here for its one-process
 run)."""
@@ -52,8 +54,11 @@ REQUESTS: tuple[tuple[list[int], int, dict[str, float]], ...] = (
 
 
 def ecfg(speculative: str = "off") -> Any:
+    """The engine's settings; ``speculative`` "draft" speculates with ``build_draft``'s runner."""
     from service.engine.config import EngineConfig
 
+    if speculative == "draft":
+        speculative = "draft:tiny"
     return EngineConfig(
         num_slots=SLOTS, max_seq_len=T, chunk_size=CHUNK, page_size=4,
         kv_cache_tokens=SLOTS * T, max_num_batched_tokens=32, speculative=speculative, speculative_tokens=3,
@@ -72,6 +77,20 @@ def build_engine(layout: str, speculative: str = "off") -> Any:
     graphdef, params = random_llama(LlamaConfig.tiny(), seed=SEED)
     lay = Layout(layout, data=data, model=model)
     return Runner(LlamaConfig.tiny(), graphdef, params, lay, ecfg(speculative), jax.devices())
+
+
+def build_draft(target: Any) -> Any:
+    """The draft model's runner beside ``target``: the same tiny model (greedy, so its drafts
+    are kept where no penalty moves the target's argmax), its own pool (``draft_engine_config``)."""
+    import jax
+
+    from model.config import LlamaConfig
+    from model.weights.build import random_llama
+    from service.engine.draft_model import draft_engine_config
+    from service.engine.runner import Runner
+
+    graphdef, params = random_llama(LlamaConfig.tiny(), seed=SEED)
+    return Runner(LlamaConfig.tiny(), graphdef, params, target.layout, draft_engine_config(target.ecfg), jax.devices())
 
 
 class _Pieces:
@@ -125,7 +144,7 @@ def main() -> int:
     parser.add_argument("--layouts", default="2x4", help="comma-separated, run in this order")
     parser.add_argument("--out")
     parser.add_argument("--timeout", type=int, default=170)
-    parser.add_argument("--speculative", default="off", help="off or ngram (EngineConfig.speculative)")
+    parser.add_argument("--speculative", default="off", help="off, ngram or draft (EngineConfig.speculative)")
     args = parser.parse_args()
     with contextlib.suppress(Exception):  # die with the parent (Linux PR_SET_PDEATHSIG)
         import ctypes
@@ -155,13 +174,20 @@ def main() -> int:
     for layout in args.layouts.split(","):
         t1 = time.monotonic()
         engine = build_engine(layout, args.speculative)
+        draft = build_draft(engine) if args.speculative == "draft" else None
         built = time.monotonic() - t1
         if args.process_id == 0:
             from service.engine.loop import make_loop
             from service.engine.runner import STOP
 
             engine.channel = channel  # process 0's runner mirrors its calls to the follower
-            loop = make_loop(engine, max_queue=8)
+            proposer = None
+            if draft is not None:
+                from service.engine.draft_model import DraftModelProposer
+
+                draft.channel = distributed.DraftChannel(channel)  # and so does the draft model's, tagged
+                proposer = DraftModelProposer(draft, engine.ecfg.speculative_tokens, engine.ecfg.draft_p_min)
+            loop = make_loop(engine, max_queue=8, proposer=proposer)
             loop.start()
             if not loop.ready.wait(args.timeout):
                 raise TimeoutError("warm-up did not finish")
@@ -170,13 +196,14 @@ def main() -> int:
                 raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
             result["ids"][layout] = run_requests(loop)
             result["drafts_accepted"][layout] = loop.scheduler.drafts_accepted
+            result["draft_steps"] = getattr(proposer, "steps", 0)
             loop.stop()
             if loop.error is not None:
                 raise RuntimeError(f"engine loop died: {loop.error!r}") from loop.error
             channel.send((STOP, (), {}))
             result["seconds"][layout] = {"build": built, "warmup": warm, "total": time.monotonic() - t1}
         else:
-            result["followed_steps"][layout] = distributed.follow(engine, channel)
+            result["followed_steps"][layout] = distributed.follow(engine, channel, draft)
     result["total_s"] = time.monotonic() - t0
     if args.process_id == 0:
         Path(args.out).write_text(json.dumps(result))

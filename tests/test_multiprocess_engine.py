@@ -26,7 +26,7 @@ from reference import tiny_loop
 
 from benchmarks.multiprocess_channel import stop
 from service.engine.batch import RaggedBatch, RowInstall
-from service.engine.distributed import StepChannel, follow
+from service.engine.distributed import DRAFT, DraftChannel, StepChannel, follow
 from service.engine.loop import make_loop
 from service.engine.output import StepOutput
 from service.engine.request import SamplingOptions
@@ -94,6 +94,16 @@ def test_two_processes_speculating_give_the_ids_of_one_without(tmp_path: Path) -
     drafts are kept, and the ids are those one process makes without speculating."""
     leader, follower = two_processes(("1x8",), tmp_path, speculative="ngram")
     assert follower["followed_steps"]["1x8"] > 0
+    assert leader["drafts_accepted"]["1x8"] > 0
+    assert leader["ids"]["1x8"] == one_process("1x8")
+
+
+def test_two_processes_speculating_with_a_draft_model_give_the_ids_of_one_without(tmp_path: Path) -> None:
+    """A draft model over two processes: its runner's calls are mirrored on the same channel,
+    tagged, to the follower's draft runner; drafts are kept and the ids are those one process
+    makes without speculating."""
+    leader, follower = two_processes(("1x8",), tmp_path, speculative="draft")
+    assert follower["followed_steps"]["1x8"] > 0 and leader["draft_steps"] > 0
     assert leader["drafts_accepted"]["1x8"] > 0
     assert leader["ids"]["1x8"] == one_process("1x8")
 
@@ -217,6 +227,32 @@ def test_a_live_switch_is_mirrored_and_the_follower_steps_the_new_runner_after_i
     assert follower.calls[4][2] is None  # the first step after a switch reads no previous output
     with pytest.raises(ValueError, match="no relayout"):
         follow(FakeRunner(), FakeChannel([("adopt_state", (), {})]))  # type: ignore[arg-type]
+
+
+def test_a_draft_runners_calls_are_tagged_and_replayed_on_the_followers_draft_runner() -> None:
+    """Process 0's draft model runner mirrors over ``DraftChannel``: its calls travel tagged,
+    in order with the target's, and a follower makes them on its own draft runner, each
+    runner's ``PREVIOUS`` its own last output (a draft step chained on the draft step before it,
+    not on the target's step between)."""
+    target, draft = tiny_loop(num_slots=2).runner, tiny_loop(num_slots=2).runner
+    channel = FakeChannel()
+    target.channel, draft.channel = channel, DraftChannel(channel)  # type: ignore[assignment,arg-type]
+    g = target.geometry
+    batch = g.empty_batch(g.decode_buckets[0], 0)
+    d1 = draft.step(batch)
+    t1 = target.step(batch)
+    draft.step(batch, d1)
+    target.step(batch, t1)
+    assert [m[0] for m in channel.sent] == [DRAFT, "step", DRAFT, "step"]
+    assert [m[1][0][0] for m in channel.sent[::2]] == ["step", "step"]
+
+    follower, follower_draft = FakeRunner(), FakeRunner()
+    inbox = [*channel.sent, (STOP, (), {})]
+    assert follow(follower, FakeChannel(inbox), follower_draft) == 2  # type: ignore[arg-type]
+    assert [c[0] for c in follower.calls] == ["step", "step"] == [c[0] for c in follower_draft.calls]
+    assert follower.calls[1][2].logits == 1 and follower_draft.calls[1][2].logits == 1  # each its own first output
+    with pytest.raises(ValueError, match="without a draft model"):
+        follow(FakeRunner(), FakeChannel(inbox))  # type: ignore[arg-type]
 
 
 def test_a_follower_refuses_a_call_that_is_not_mirrored() -> None:

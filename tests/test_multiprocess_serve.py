@@ -6,7 +6,8 @@ switch to 1x8 (Admin ``SetLayout``), and a stream running through the switch kee
 SIGTERM to process 0 lets a running stream finish and ends both processes with 0. A follower
 killed or hung mid-stream (the job serving a converted checkpoint, restored by each process)
 ends the stream with UNAVAILABLE and turns health NOT_SERVING within the documented time
-(docs/multiprocess.md), and process 0 still stops on SIGTERM. Every process is killed with its
+(docs/multiprocess.md), and process 0 still stops on SIGTERM. A job speculating with a draft
+model serves the same ids. Every process is killed with its
 process group when the test ends."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -56,7 +58,7 @@ REQUESTS = (
 class Job:
     """Two ``python -m service.server.cli serve`` processes of one job, and a client to process 0."""
 
-    def __init__(self, model: Path, folder: Path, grace_s: float = 30.0):
+    def __init__(self, model: Path, folder: Path, grace_s: float = 30.0, flags: tuple[str, ...] = ()):
         self.port, self.admin_port = free_port(), free_port()
         coordinator = f"127.0.0.1:{free_port()}"
         env = job_process_env()
@@ -68,7 +70,7 @@ class Job:
                    "--max-seq-len", str(MAX_LEN), "--kv-cache-tokens", str(POOL), "--grace-period", str(grace_s),
                    "--watchdog-interval", str(WATCHDOG_S), "--process-timeout", str(PROCESS_TIMEOUT_S),
                    "--admin-token", TOKEN, "--admin-port", str(self.admin_port),
-                   "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]  # fmt: skip
+                   "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i), *flags]  # fmt: skip
             with self.logs[i].open("wb") as log:
                 self.procs.append(
                     subprocess.Popen(
@@ -111,8 +113,8 @@ class Job:
 def job(tiny_gguf: Path, tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     started: list[Job] = []
 
-    def start(model: Path = tiny_gguf) -> Job:
-        j = Job(model, tmp_path / f"job{len(started)}")
+    def start(model: Path = tiny_gguf, flags: tuple[str, ...] = ()) -> Job:
+        j = Job(model, tmp_path / f"job{len(started)}", flags=flags)
         started.append(j)
         j.wait_serving()
         return j
@@ -180,12 +182,18 @@ def one_process_ids(model: Path) -> tuple[list[list[int]], list[int]]:
         srv.stop()
 
 
-def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def one_process(tiny_gguf: Path) -> tuple[list[list[int]], list[int]]:
+    """``one_process_ids`` of the tiny model, once for the module's tests."""
+    return one_process_ids(tiny_gguf)
+
+
+def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, one_process) -> None:  # type: ignore[no-untyped-def]
     j = job()
     info = j.client.model_info()
     assert info.layout == LAYOUT and info.kv_cache_tokens == POOL
     got = concurrent_ids(j.client)
-    want, want_long = one_process_ids(tiny_gguf)
+    want, want_long = one_process
     assert all(len(set(ids)) > 1 for ids in want[:3]), want  # the penalties make the first three vary
     assert got == want
 
@@ -211,6 +219,29 @@ def test_two_processes_serve_one_process_ids_and_sigterm_drains_both(job, tiny_g
     assert j.wait_exit(0, 60) == 0
     assert j.wait_exit(1, 30) == 0, j.log(1)
     assert "process 0 ended the job after" in j.log(1)
+
+
+def test_a_job_speculating_with_a_draft_model_serves_the_ids_of_one_process_without(
+    job, tiny_gguf: Path, one_process
+) -> None:  # type: ignore[no-untyped-def]
+    """``--speculative draft:MODEL`` over two processes (the tiny model drafting for itself):
+    the draft runner's calls are mirrored to the follower's draft runner, drafts are kept, and
+    the ids equal a one-process server's without speculation, before and after a live switch
+    (the draft model stays on the layout it started on)."""
+    j = job(flags=("--speculative", f"draft:{tiny_gguf}", "--speculative-tokens", "3"))
+    want, _ = one_process
+    assert concurrent_ids(j.client) == want
+    plain: dict[str, Any] = dict(
+        prompt="count 1 2 3", temperature=0.0, max_tokens=24
+    )  # no penalty: the draft's argmax is kept
+    last = list(j.client.stream(make_request(**plain), timeout_s=120))[-1]
+    assert last.usage.accepted_draft_tokens > 0
+    with grpc.insecure_channel(f"127.0.0.1:{j.admin_port}") as channel:
+        apb_grpc.AdminStub(channel).SetLayout(apb.SetLayoutRequest(layout=SWITCHED), metadata=AUTH, timeout=300)
+    assert concurrent_ids(j.client) == want
+    j.procs[0].send_signal(signal.SIGTERM)
+    assert j.wait_exit(0, 60) == 0
+    assert j.wait_exit(1, 30) == 0, j.log(1)
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

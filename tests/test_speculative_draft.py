@@ -233,7 +233,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_gguf: Path, tmp_pa
     from model.text.tokenizer import Tokenizer
     from model.weights.loader import load_model
     from service.engine.runner import Runner
-    from service.server.startup import draft_proposers
+    from service.server.startup import draft_runners
 
     loaded = load_model(tiny_gguf, tokenizer=True)
     tok = loaded.tokenizer
@@ -245,9 +245,9 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_gguf: Path, tmp_pa
     runner = Runner(loaded.cfg, loaded.graphdef, loaded.state, Layout("1x1"),
                     EngineConfig(num_slots=2, max_seq_len=64, speculative="draft:x"), jax.devices()[:1])  # fmt: skip
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
-        draft_proposers(str(tiny_gguf), tmp_path, other, [runner])
-    (proposer,) = draft_proposers(str(tiny_gguf), tmp_path, tok, [runner])
-    assert proposer.k == 7 and proposer.runner.ecfg.num_slots == 2
+        draft_runners(str(tiny_gguf), tmp_path, other, [runner])
+    (draft,) = draft_runners(str(tiny_gguf), tmp_path, tok, [runner])
+    assert draft.ecfg.num_slots == 2 and draft.layout == runner.layout
 
 
 def test_a_draft_model_on_an_accelerator_needs_a_pool_size_and_make_loop_checks_its_proposer() -> None:

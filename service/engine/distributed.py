@@ -14,7 +14,9 @@ schedules, and every process runs the same engine calls in the same order on the
   calls) is first sent to the followers, which make the same call on their own runner, so every
   process dispatches the same programs in the same order. A step carries everything it needs in
   its batch; its ``prev`` (the previous step's output, a device array) travels as
-  ``runner.PREVIOUS``: each follower passes its own previous output.
+  ``runner.PREVIOUS``: each follower passes its own previous output. A draft model's runner
+  (speculative decoding) mirrors its calls over the same channel, tagged (``DraftChannel``), to
+  each follower's own draft runner.
 * Faults: each follower sends a heartbeat byte every ``HEARTBEAT_S`` on its connection
   (``Heartbeat``); process 0's ``StepChannel.watch`` marks the channel lost (``fault``) when a
   connection closes (the process exited) or stays silent for ``timeout_s`` (it hangs), then
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 CPU_COLLECTIVES = "gloo"
 ADDRESS_KEY = "meshserve/step_channel"
 CONFIG = "config"  # process 0's first message to a serving follower: the ServerConfig to build from
+DRAFT = "draft"  # a draft model runner's mirrored call, wrapped (``DraftChannel``)
 HEARTBEAT_S = 1.0  # a follower's heartbeat period, seconds
 EXIT_LEADER_LOST = 3  # a follower's exit status when process 0 went away
 # How long JAX's shutdown barrier waits for every process (its default, 300 s, would hold a
@@ -280,44 +283,79 @@ class Heartbeat:
         self._done.set()
 
 
-def follow(runner: Runner, channel: StepChannel) -> int:
-    """A follower's loop: make each call process 0's runner sends, in order, on ``runner``,
-    until ``STOP``; then wait for the last step to finish. Returns the steps run.
+class DraftChannel:
+    """The channel a draft model's runner mirrors its calls over (process 0 of a job speculating
+    with ``--speculative draft:MODEL``): each call travels as ``(DRAFT, (call,), {})`` on the
+    target's channel, in order with the target's calls, so a follower makes it on its own draft
+    runner (``follow``)."""
+
+    def __init__(self, channel: StepChannel):
+        self.channel = channel
+
+    def send(self, message: Any) -> None:
+        self.channel.send((DRAFT, (message,), {}))
+
+
+class _Replay:
+    """A follower's copy of one of process 0's runners: its calls made in order, a step's
+    ``PREVIOUS`` marker replaced by this runner's own last output."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.last: StepOutput | None = None
+        self.pending: Runner | None = None  # a live switch's new runner, until it adopts the old one's state
+        self.steps = 0
+
+    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if name not in MIRRORED:
+            raise ValueError(f"a follower got {name!r}, not one of {MIRRORED}")
+        if name == "step":
+            batch, prev = args
+            if prev == PREVIOUS and self.last is None:
+                raise ValueError("a step reads the previous step's output, but this follower ran none")
+            self.last = self.runner.dispatch(batch, self.last if prev == PREVIOUS else None)
+            self.steps += 1
+        elif name == "relayout":
+            layout, ids = args
+            by_id = {d.id: d for d in jax.devices()}
+            self.pending = self.runner.relayout(layout, [by_id[i] for i in ids])
+        elif name in ("warmup_to_replace", "adopt_state"):
+            if self.pending is None:
+                raise ValueError(f"a follower got {name!r} with no relayout before it")
+            getattr(self.pending, name)(self.runner)
+            if name == "adopt_state":
+                self.runner, self.pending, self.last = self.pending, None, None
+        else:
+            getattr(self.runner, name)(*args, **kwargs)
+
+
+def follow(runner: Runner, channel: StepChannel, draft: Runner | None = None) -> int:
+    """A follower's loop: make each call process 0's runner sends, in order, on ``runner`` (a
+    call tagged ``DRAFT`` on ``draft``, the draft model's runner), until ``STOP``; then wait
+    for the last steps to finish. Returns the target's steps run.
 
     A live switch arrives as ``relayout`` (the new runner is built beside the old one),
     ``warmup_to_replace`` and ``adopt_state`` (the new one takes over and the old is dropped).
 
     Raises:
-        ValueError: a message that is not one of ``MIRRORED``, or out of order.
+        ValueError: a message that is not one of ``MIRRORED``, out of order, or a draft
+            runner's call without ``draft``.
         ConnectionError: process 0 went away without ``STOP``.
     """
-    last: StepOutput | None = None
-    pending: Runner | None = None  # a live switch's new runner, until it adopts the old one's state
-    steps = 0
+    target = _Replay(runner)
+    drafter = _Replay(draft) if draft is not None else None
     while True:
         name, args, kwargs = channel.recv()
         if name == STOP:
             break
-        if name not in MIRRORED:
-            raise ValueError(f"a follower got {name!r}, not one of {MIRRORED}")
-        if name == "step":
-            batch, prev = args
-            if prev == PREVIOUS and last is None:
-                raise ValueError("a step reads the previous step's output, but this follower ran none")
-            last = runner.dispatch(batch, last if prev == PREVIOUS else None)
-            steps += 1
-        elif name == "relayout":
-            layout, ids = args
-            by_id = {d.id: d for d in jax.devices()}
-            pending = runner.relayout(layout, [by_id[i] for i in ids])
-        elif name in ("warmup_to_replace", "adopt_state"):
-            if pending is None:
-                raise ValueError(f"a follower got {name!r} with no relayout before it")
-            getattr(pending, name)(runner)
-            if name == "adopt_state":
-                runner, pending, last = pending, None, None
+        if name == DRAFT:
+            if drafter is None:
+                raise ValueError("a follower without a draft model got a draft model's call")
+            ((name, args, kwargs),) = args
+            drafter.call(name, args, kwargs)
         else:
-            getattr(runner, name)(*args, **kwargs)
-    if last is not None:
-        last.packed.block_until_ready()
-    return steps
+            target.call(name, args, kwargs)
+    for replay in (target, drafter):
+        if replay is not None and replay.last is not None:
+            replay.last.packed.block_until_ready()
+    return target.steps

@@ -333,7 +333,7 @@ def make_loop(
         ValueError: ``proposer`` given where the runner does not speculate or proposes more ids
             than its ``speculative_tokens``; or ``speculative`` names a draft model and no
             ``proposer`` is given (its runner
-            is built by the caller: ``service.server.startup.draft_proposers``).
+            is built by the caller: ``service.server.startup.draft_runners``).
     """
     ecfg = runner.ecfg
     if proposer is not None and (ecfg.speculative == "off" or proposer.k > ecfg.speculative_tokens):

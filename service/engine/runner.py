@@ -326,12 +326,15 @@ class Runner:
             return by_row, packed, logits, cache, history
 
         r, by = self.repl, self.by_replica
+        # Over several processes process 0 reads only its own devices: the per-slot results (read
+        # in a step that verified draft ids) are gathered to every device there.
+        slots_sh = by if by.is_fully_addressable else r
         return jax.jit(
             run,
             in_shardings=(self.param_sharding, self._cache_sh, r, r, by, by, r, by, by, by, by, by, by, by, r, r),
-            # Logits and the per-slot results stay with their replica's devices (read by tests, and
-            # by the loop only in a step that verified draft ids).
-            out_shardings=(r, by, by, self._cache_sh, r),
+            # Logits and the per-slot results stay with their replica's devices (logits read by
+            # tests only; the per-slot results by the loop only in a step that verified draft ids).
+            out_shardings=(r, slots_sh, by, self._cache_sh, r),
             donate_argnums=(1, 2),
         )
 

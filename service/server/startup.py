@@ -29,7 +29,15 @@ from model.weights.block_params import block_formats
 from model.weights.fetch import cache_dir, resolve_model
 from model.weights.loader import ShardingsFn, load_model, model_format, restores_as_saved
 from service.engine.config import EngineConfig
-from service.engine.distributed import CONFIG, Heartbeat, StepChannel, coordinator_host, follow, job_layout_problem
+from service.engine.distributed import (
+    CONFIG,
+    DraftChannel,
+    Heartbeat,
+    StepChannel,
+    coordinator_host,
+    follow,
+    job_layout_problem,
+)
 from service.engine.draft_model import DraftModelProposer, draft_engine_config
 from service.engine.loop import make_loop
 from service.engine.runner import Runner
@@ -118,11 +126,12 @@ def check_draft_pool(ecfg: EngineConfig, platform: str) -> None:
         )
 
 
-def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[Runner]) -> list[DraftModelProposer]:
-    """A draft-model proposer for each pool's runner (``--speculative draft:MODEL``): the draft
-    model read once (``name``: what ``--model`` takes; its blocks kept as the target's would be)
-    and given a runner of its own on each pool's layout and devices, with its own pool
-    (``draft_engine_config``).
+def draft_runners(name: str, root: Path, tokenizer: Tokenizer, runners: list[Runner]) -> list[Runner]:
+    """The draft model's runner beside each pool's runner (``--speculative draft:MODEL``): the
+    draft model read once (``name``: what ``--model`` takes; its blocks kept as the target's
+    would be) and placed on each pool's layout and devices, with its own pool
+    (``draft_engine_config``). A follower of a job builds the same, to replay process 0's draft
+    steps (``service.engine.distributed.follow``).
 
     Raises:
         ValueError: the draft model's tokenizer maps ids to other tokens than the target's
@@ -148,16 +157,12 @@ def draft_proposers(name: str, root: Path, tokenizer: Tokenizer, runners: list[R
             f"draft model {path.name} has {draft.cfg.vocab_size} logits, the target {runners[0].cfg.vocab_size}: a "
             "draft model may not propose ids the target has no embedding for"
         )
-    proposers = []
-    for runner in runners:
-        devices = list(runner.mesh.devices.flat)
-        draft_runner = Runner(
-            draft.cfg, draft.graphdef, draft.state, runner.layout, draft_engine_config(runner.ecfg), devices
-        )
-        proposers.append(DraftModelProposer(draft_runner, ecfg.speculative_tokens, ecfg.draft_p_min))
     log.info("draft model %s (%s weights) proposes up to %d ids per step", path.name, "stored" if stored else ecfg.dtype,
              ecfg.speculative_tokens)  # fmt: skip
-    return proposers
+    return [
+        Runner(draft.cfg, draft.graphdef, draft.state, r.layout, draft_engine_config(r.ecfg), list(r.mesh.devices.flat))
+        for r in runners
+    ]
 
 
 def stored_formats(state: nnx.State) -> dict[str, str]:
@@ -237,16 +242,11 @@ def check_job(cfg: ServerConfig) -> None:
     """Process 0, before a job over several processes opens its step channel: can it serve ``cfg``?
 
     Raises:
-        ConfigError: several pools, a draft model, or a layout without every process's
+        ConfigError: several pools, or a layout without every process's
             devices (``job_layout_problem``).
     """
     if len(cfg.pools) > 1:
         raise ConfigError(f"serving over several processes takes one pool, not {len(cfg.pools)}")
-    if cfg.engine.draft_model:
-        raise ConfigError(
-            "serving over several processes does not run a draft model (its steps are not mirrored to the "
-            "followers); use --speculative ngram or off"
-        )
     layout = parse_pool(cfg.pools[0]).layout if cfg.pools else load_layout(cfg.layout)
     problem = job_layout_problem(layout)
     if problem is not None:
@@ -297,7 +297,7 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
         CheckpointError, HFConfigError, WeightError, GGUFMetadataError: the model is unreadable.
         ConfigError: a draft model on an accelerator without a pool size (``check_draft_pool``).
         ValueError: a draft model whose tokenizer or logits differ from the target's
-            (``draft_proposers``).
+            (``draft_runners``).
     """
     cfg = gateway.cfg
     root = cache_dir(cfg.cache_dir)
@@ -353,11 +353,14 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
             for s, ds, params in zip(specs, device_sets, params_per_pool, strict=True)
         ]
         del params_per_pool
+        drafts = draft_runners(ecfg.draft_model, root, tokenizer, runners) if ecfg.draft_model else []
         if job is not None and not job.leader:
-            return follow(runners[0], job.channel)
+            return follow(runners[0], job.channel, drafts[0] if drafts else None)
         if job is not None:
             runners[0].channel = job.channel
             gateway.channel = job.channel
+            for draft in drafts:
+                draft.channel = DraftChannel(job.channel)
         # The pools' sizes as resolved (service.engine.kv_pool); requests are held to the least.
         tokens = min(r.ecfg.kv_cache_tokens for r in runners)
         ecfg = dataclasses.replace(ecfg, kv_cache_tokens=tokens, kv_cache_memory=0)
@@ -367,7 +370,7 @@ def load(gateway: Gateway, job: Job | None = None) -> int:
         t_place = time.perf_counter() - t1
         c_place = clock.seconds() - c_load
 
-        proposers = draft_proposers(ecfg.draft_model, root, tokenizer, runners) if ecfg.draft_model else None
+        proposers = [DraftModelProposer(d, ecfg.speculative_tokens, ecfg.draft_p_min) for d in drafts]
 
         t2 = time.perf_counter()
         pools = []

@@ -18,6 +18,19 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # LlamaConfig.mlp_activation's values
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
+KV_SCALE_BYTES = 2  # an 8-bit KV cache row's float16 scale (model.attention.pages.to_stored)
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one (token, KV head) row of keys (or values) in a KV cache of ``kv_dtype``:
+    head_dim x its itemsize, and an 8-bit row's scale.
+
+    Raises:
+        ValueError: ``kv_dtype`` is not a key of ``ITEMSIZE``.
+    """
+    return head_dim * itemsize(kv_dtype) + (KV_SCALE_BYTES if kv_dtype == "int8" else 0)
+
+
 def itemsize(dtype: str) -> int:
     """Bytes per element of the dtype called ``dtype`` ("float32" -> 4, "bfloat16" -> 2).
 

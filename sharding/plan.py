@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from model.config import LlamaConfig
+from model.config import LlamaConfig, kv_row_bytes
 from model.weights import block_params
 from model.weights.build import abstract_llama
 from sharding.layouts import Layout, LayoutError
@@ -106,10 +106,11 @@ class ShardingPlan:
             out[name] = param_bytes_per_device(path, axes, shape, formats.get(name, itemsize), mesh, self.rules)
         return out
 
-    def kv_bytes_per_device(self, cfg: LlamaConfig, tokens: int, itemsize: int) -> int:
+    def kv_bytes_per_device(self, cfg: LlamaConfig, tokens: int, kv_dtype: str) -> int:
         """Predicted bytes on each device of a KV pool of ``tokens`` positions (keys and values
-        of every layer): pages split over ``data``, KV heads over ``model`` in ``heads`` mode."""
-        total = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize
+        of every layer, rows in ``kv_dtype``: ``model.config.kv_row_bytes``): pages split over
+        ``data``, KV heads over ``model`` in ``heads`` mode."""
+        total = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * kv_row_bytes(cfg.head_dim, kv_dtype)
         split = self.layout.data * (self.layout.model if self.attention == "heads" else 1)
         return total // split
 

@@ -92,7 +92,7 @@ def test_mesh_matches_one_device(model, reference, data: int, tp: int, layer_loo
     kv = kv_bytes(runner)
     assert len(kv) == data * tp
     assert set(kv.values()) == {per_device} == {runner.pool_bytes_per_device}
-    assert per_device == runner.plan.kv_bytes_per_device(cfg, runner.ecfg.kv_cache_tokens, 4)
+    assert per_device == runner.plan.kv_bytes_per_device(cfg, runner.ecfg.kv_cache_tokens, "float32")
 
 
 def test_weight_bytes_prediction_by_hand() -> None:

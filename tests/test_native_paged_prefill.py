@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model.attention.pages import to_stored
 from model.attention.xla import ragged_paged_attention_blocks
 from model.native import cpu_paged_attention
 
@@ -45,11 +46,12 @@ def reference(q, kp, vp, tables, rows, positions, layer, sliding=0, *, window_pa
 def pool(
     rng: np.random.Generator, layers: int, pages: int, kv_heads: int, page_size: int, head_dim: int, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """Random stacked key and value pages [L, P, K, page_size, H]."""
+    """Random stacked key and value pages [L, P, K, page_size, H] (an 8-bit cache's rows of
+    codes and a scale, [..., H + 2], ``to_stored``)."""
     shape = (layers, pages, kv_heads, page_size, head_dim)
     return (
-        jnp.asarray(rng.standard_normal(shape), dtype),
-        jnp.asarray(rng.standard_normal(shape), dtype),
+        to_stored(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.1, 4, (*shape[:-1], 1))), dtype),
+        to_stored(jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.1, 4, (*shape[:-1], 1))), dtype),
     )
 
 
@@ -193,6 +195,18 @@ def test_a_bfloat16_cache() -> None:
     assert_close(got, want)
 
 
+@pytest.mark.parametrize(("page_size", "block"), [(16, 64), (8, 16)])
+def test_an_int8_cache(page_size: int, block: int) -> None:
+    """8-bit rows (codes and a float16 scale each) decoded as XLA's path decodes them
+    (``pages.from_stored``): its result to float32 rounding, windows too."""
+    rng = np.random.default_rng(5)
+    for window in (0, 12):
+        got, want, _, _ = run_both(
+            rng, page_size=page_size, block=block, chunks=CHUNKS, lengths=LENGTHS, dtype=jnp.int8, window=window
+        )
+        assert_close(got, want)
+
+
 @pytest.mark.parametrize("layer", [1, 2])
 def test_layer_of_a_stacked_pool(layer: int) -> None:
     """Layer ``layer`` of a 3-layer pool whose layers all differ, the layer traced under jit."""
@@ -296,8 +310,8 @@ def test_bad_operands_are_errors_not_crashes() -> None:
         ({"q": jnp.zeros((5, 2, 3, 24)), "kp": kp[..., :24], "vp": vp[..., :24]}, "multiple of 16"),
         ({"q": jnp.zeros((5, 3, 3, 32))}, "with q's K and H"),
         ({"vp": vp[:, :3]}, "keys and values alike"),
-        ({"kp": kp.astype(jnp.bfloat16)}, "both float32 or both bfloat16"),
-        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32 or both bfloat16"),
+        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 or both int8"),
+        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32, both bfloat16 or both int8"),
         ({"positions": positions[:4]}, r"rows and positions must be \[N\]"),
         ({"tables": jnp.zeros(4, jnp.int32)}, r"page tables must be \[R, M\]"),
         ({"layer": 2}, "layer out of range"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,22 @@ K, G, H = CFG.num_kv_heads, CFG.q_per_kv, CFG.head_dim
 def as_bf16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to bfloat16 (nearest even) and widened back to float32, as the cache holds it."""
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+def as_int8(x: np.ndarray) -> np.ndarray:
+    """``x`` [..., H] as an 8-bit cache holds it, decoded: gguf's Q8_0 blocks (llama.cpp's
+    reference quantization) of each row when H is one block of 32, else each row's absmax codes
+    times its float16 scale, in numpy (the rule ``pages.to_stored`` implements)."""
+    x = np.asarray(x, np.float32)
+    if x.shape[-1] == 32:
+        from gguf import GGMLQuantizationType, quants
+
+        blocks = quants.quantize(x.reshape(-1, 32), GGMLQuantizationType.Q8_0)
+        return quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(x.shape)
+    d = np.abs(x).max(-1, keepdims=True) / 127
+    inv = np.where(d == 0, 0, 1 / np.where(d == 0, 1, d))
+    codes = np.trunc(x * inv + np.copysign(0.5, x))  # round half away from zero, as ggml
+    return codes * d.astype(np.float16).astype(np.float32)
 
 
 @dataclasses.dataclass
@@ -145,7 +162,7 @@ def run_step(
     ``stacked``: the pages are layer ``LAYER`` of a stacked array whose other layers are
     filled with 7s (so reading the wrong layer shows); ``window``: the sliding window (a traced
     operand, as a scanned layer passes it)."""
-    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size)[1:]
+    shape = PagedKVCache.shape(CFG, step.num_pages, step.page_size, dtype)[1:]
     layer = LAYER if stacked else None
     if stacked:
         kp = jnp.full((STACK_LAYERS, *shape), 7, dtype).at[LAYER].set(0)
@@ -313,8 +330,9 @@ def test_the_native_kernels_bad_operands_are_errors_not_crashes() -> None:
         ({"q": jnp.zeros((5, 2, 3, 24)), "kp": kp[..., :24], "vp": vp[..., :24]}, "multiple of 16"),
         ({"q": jnp.zeros((5, 3, 3, 32))}, "with q's K and H"),
         ({"vp": vp[:, :3]}, "keys and values alike"),
-        ({"kp": kp.astype(jnp.bfloat16)}, "both float32 or both bfloat16"),
-        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32 or both bfloat16"),
+        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 or both int8"),
+        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32, both bfloat16 or both int8"),
+        ({"kp": kp.astype(jnp.int8), "vp": vp.astype(jnp.int8)}, r"\(H \+ 2 in int8\)"),  # rows without scales
         ({"positions": positions[:4]}, r"rows and positions must be \[N\]"),
         ({"tables": jnp.zeros(4, jnp.int32)}, r"page tables must be \[R, M\]"),
         ({"layer": 2}, "layer out of range"),
@@ -328,10 +346,11 @@ def test_the_native_kernels_bad_operands_are_errors_not_crashes() -> None:
 
 
 def test_the_native_kernels_support_what_they_are_instantiated_for() -> None:
-    """1 to 8 query heads per KV head, head_dim a multiple of 16, a float32 or bfloat16 cache;
-    the backend's ``supports`` is the kernels'."""
+    """1 to 8 query heads per KV head, head_dim a multiple of 16, a float32, bfloat16 or int8
+    cache; the backend's ``supports`` is the kernels'."""
     assert cpu_paged_attention.supports(3, 64, jnp.float32)
     assert cpu_paged_attention.supports(8, 128, jnp.bfloat16)
+    assert cpu_paged_attention.supports(4, 64, jnp.int8)
     assert cpu_paged_attention.supports(1, 16, jnp.float32)
     assert not cpu_paged_attention.supports(3, 60, jnp.float32)  # head_dim not a multiple of 16
     assert not cpu_paged_attention.supports(9, 64, jnp.float32)  # more than 8 query heads per KV head
@@ -373,6 +392,25 @@ def test_bfloat16_cache(page_size: int) -> None:
     bound = rounding_bound(step)
     assert (err <= bound).all(), (err / np.maximum(bound, 1e-30)).max()
     assert err.max() > 0  # the rounding did change the result: the cache really is bfloat16
+
+
+@pytest.mark.parametrize("path", ["xla", pytest.param("native", marks=needs_kernels)])
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_an_int8_cache(page_size: int, path: str) -> None:
+    """An 8-bit cache: every path against the reference over the same K/V quantized by numpy's
+    rule (``as_int8``) to 1e-5 (each path decodes codes x scale exactly and computes in
+    float32), and within 2% of the largest output of the unquantized K/V's."""
+    step = mixed_step(page_size, seed=1)
+    kwargs: dict[str, Any] = {"native": path == "native", "stacked": True}
+    for block in (None, 4):
+        blocks = in_sequence_blocks(step, block) if block else step
+        out, kp, _ = run_step(blocks, jnp.int8, block=block, **kwargs)
+        assert kp.dtype == jnp.int8 and kp.shape[-1] == CFG.head_dim + 2
+        quantized_k, quantized_v = [as_int8(k) for k in blocks.dense_k], [as_int8(v) for v in blocks.dense_v]
+        np.testing.assert_allclose(out, dense_attention(blocks, quantized_k, quantized_v), rtol=1e-5, atol=1e-5)
+        exact = dense_attention(blocks, blocks.dense_k, blocks.dense_v)
+        err = np.abs(out - exact).max()
+        assert 0 < err < 0.02 * np.abs(exact).max()  # the codes really are read
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])

@@ -143,7 +143,7 @@ def test_bytes_per_device_agree_with_sharding_plan(layout: str) -> None:
     for itemsize, dtype in ((4, "float32"), (2, "bfloat16")):
         assert rl.weight_bytes_per_device(SMOLLM2, par, itemsize) == plan.weight_bytes_per_device(SMOLLM2, itemsize)
         r = roofline(SMOLLM2, CHIP if dtype == "bfloat16" else PEERS_CPU, par, Workload(8 // par.dp, 2048, dtype=dtype))
-        assert r.kv_stored_bytes == plan.kv_bytes_per_device(SMOLLM2, 8 * 2048, itemsize)  # a pool of 8 x 2048
+        assert r.kv_stored_bytes == plan.kv_bytes_per_device(SMOLLM2, 8 * 2048, dtype)  # a pool of 8 x 2048
         assert r.parallelism.all_reduces_per_layer == plan.all_reduces_per_layer
 
 

@@ -17,13 +17,62 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.config import LlamaConfig
+from model.config import KV_SCALE_BYTES, LlamaConfig
 
 # Logical axes of the stacked page arrays, in order. sharding/plan.py's rules map "layers" to
 # no mesh axis (the scan over layers indexes it), "kv_heads" to the ``model`` mesh axis (with
 # attention="heads") and "pages" to the ``data`` axis (each data replica holds its own range of
 # pages, which only its own rows' page tables name), and leave "page_len" and "head_dim" whole.
 PAGE_AXES = ("layers", "pages", "kv_heads", "page_len", "head_dim")
+
+
+# An 8-bit cache (``--kv-dtype int8``) holds each (token, KV head) row of H values as H int8
+# codes followed by its scale, a float16 bitcast into 2 more int8s (llama.cpp's Q8_0 rule, one
+# block per row: ``to_stored``): H + 2 bytes where bfloat16 takes 2 H.
+QUANTIZED = jnp.dtype(jnp.int8)
+SCALE_BYTES = KV_SCALE_BYTES
+_CODE_MAX = 127.0
+_SCALE_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def stored_head_dim(head_dim: int, dtype: Any) -> int:
+    """The last axis of the page arrays in ``dtype``: ``head_dim``, plus the scale's
+    ``SCALE_BYTES`` in an 8-bit cache."""
+    return head_dim + SCALE_BYTES if jnp.dtype(dtype) == QUANTIZED else head_dim
+
+
+def head_dim_of(pages: jax.Array) -> int:
+    """H, the head dim, of page arrays [..., H'] (``stored_head_dim``'s inverse)."""
+    return int(pages.shape[-1]) - (SCALE_BYTES if pages.dtype == QUANTIZED else 0)
+
+
+def to_stored(x: jax.Array, dtype: Any) -> jax.Array:
+    """Keys or values [..., H] as the cache holds them in ``dtype``: rounded to a float dtype
+    (nearest even), or, in an 8-bit cache, [..., H + 2] int8: llama.cpp's Q8_0 rule with one
+    block per row (``ggml-quants.c``; gguf's ``Q8_0.quantize_blocks`` is its bit-exact
+    reference): d = max|x| / 127 in float32, codes round(x x (1 / d)) half away from zero (0
+    where d = 0), then d's float16 bytes. Dettmers et al. 2022 ("LLM.int8()", §3.1) give the
+    absmax rule; a scale per token and KV head is what vLLM's and llama.cpp's 8-bit caches keep."""
+    dtype = jnp.dtype(dtype)
+    if dtype != QUANTIZED:
+        return x.astype(dtype)
+    x = x.astype(jnp.float32)
+    d = jnp.minimum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _CODE_MAX, _SCALE_MAX)
+    inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+    scaled = x * inv
+    codes = jnp.clip(jnp.trunc(scaled + jnp.copysign(0.5, scaled)), -_CODE_MAX, _CODE_MAX).astype(QUANTIZED)
+    scale_bytes = jax.lax.bitcast_convert_type(d.astype(jnp.float16), QUANTIZED).reshape(*x.shape[:-1], SCALE_BYTES)
+    return jnp.concatenate([codes, scale_bytes], axis=-1)
+
+
+def from_stored(pages: jax.Array) -> jax.Array:
+    """``to_stored``'s rows [..., H'] back as float32 [..., H]: widened exactly, or an 8-bit
+    row's codes times its scale."""
+    if pages.dtype != QUANTIZED:
+        return pages.astype(jnp.float32)
+    H = head_dim_of(pages)
+    scale = jax.lax.bitcast_convert_type(pages[..., H:], jnp.float16).astype(jnp.float32)
+    return pages[..., :H].astype(jnp.float32) * scale[..., None]
 
 
 @jax.tree_util.register_dataclass
@@ -33,8 +82,9 @@ class PagedKVCache:
 
     Attributes:
         k: [L, P, K, page_size, H] (L layers, P pages, K KV heads, H head dim), keys already
-            rotated by RoPE, dtype = the cache dtype.
-        v: [L, P, K, page_size, H], values, same shape and dtype.
+            rotated by RoPE, dtype = the cache dtype; in an 8-bit cache [L, P, K, page_size,
+            H + 2] int8, each row's codes and scale (``to_stored``).
+        v: [L, P, K, page_size, H] (H + 2), values, same shape and dtype.
 
     Stacked over layers, one array each for keys and values: a jitted step's cache arguments
     are 2 leaves whatever L (the per-layer form's 2 x L leaves cost dispatch time per leaf,
@@ -82,35 +132,38 @@ class PagedKVCache:
         return self.num_pages * self.page_size
 
     @staticmethod
-    def shape(cfg: LlamaConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int, int]:
-        """[L, P, K, page_size, H] of the key (or value) array; ``shape(...)[1:]`` is one layer's.
+    def shape(
+        cfg: LlamaConfig, num_pages: int, page_size: int, dtype: Any = jnp.float32
+    ) -> tuple[int, int, int, int, int]:
+        """[L, P, K, page_size, H'] of the key (or value) array in ``dtype``, H' =
+        ``stored_head_dim(H, dtype)``; ``shape(...)[1:]`` is one layer's.
 
         Raises:
             ValueError: num_pages or page_size below 1.
         """
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
-        return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, stored_head_dim(cfg.head_dim, dtype))
 
     @classmethod
-    def zeros(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> PagedKVCache:
+    def zeros(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: Any = jnp.float32) -> PagedKVCache:
         """A zero-filled cache (never ``jnp.empty``: uninitialised memory may hold NaN, and
-        0 * NaN = NaN would leak through the attention mask).
+        0 * NaN = NaN would leak through the attention mask; int8 rows of zeros read as zeros).
 
         Raises:
             ValueError: num_pages or page_size below 1.
         """
-        shape = cls.shape(cfg, num_pages, page_size)
+        shape = cls.shape(cfg, num_pages, page_size, dtype)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @classmethod
-    def abstract(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> PagedKVCache:
+    def abstract(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: Any = jnp.float32) -> PagedKVCache:
         """Shape-and-dtype structs of the cache, for ahead-of-time lowering and shardings.
 
         Raises:
             ValueError: num_pages or page_size below 1.
         """
-        struct: Any = jax.ShapeDtypeStruct(cls.shape(cfg, num_pages, page_size), dtype)
+        struct: Any = jax.ShapeDtypeStruct(cls.shape(cfg, num_pages, page_size, dtype), dtype)
         return cls(k=struct, v=struct)
 
     def nbytes(self) -> int:
@@ -156,7 +209,8 @@ def write_kv(
             its write is dropped, never clamped onto a real slot (negative slots are mapped past
             the end first, since a scatter would otherwise wrap -1 onto the last page). Real
             slots must be distinct: which of two writes to one slot lands is unspecified.
-        k_new, v_new: [N, K, H], rounded to the pages' dtype (nearest even) when written.
+        k_new, v_new: [N, K, H], as the pages hold them when written (``to_stored``: rounded
+            to a float dtype, or 8-bit codes and a scale per row).
         layer: None, or an int32 scalar in [0, L), static or traced (a scan's layer index).
 
     Returns:
@@ -167,7 +221,7 @@ def write_kv(
     valid = (slots >= 0) & (slots < P * page_size)
     page = jnp.where(valid, slots // page_size, P)  # P: out of range, dropped by mode="drop"
     offset = jnp.where(valid, slots % page_size, 0)
-    k_new, v_new = k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype)
+    k_new, v_new = to_stored(k_new, k_pages.dtype), to_stored(v_new, v_pages.dtype)
     if stacked:
         # pages[layer, page, :, offset, :] has shape [N, K, H]: the scalar layer broadcasts
         # against the [N] pages and offsets, and the advanced indices' axis goes first.

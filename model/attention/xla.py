@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from model.attention.base import AttentionBackend, StepMeta, power_of_two_buckets
+from model.attention.pages import from_stored, head_dim_of
 
 NEG_INF = -1e30  # finite, as in model.llama: a fully masked (padding) row gives no NaN
 
@@ -40,7 +41,8 @@ def _window(
     """The window's page tables [B, W] (W = ``window_pages``; entries clipped into [0, P), so
     filler stays in range) and a gather: pages [n, W] int32 -> keys, values [n, K, W *
     page_size, H] float32 (window position w * page_size + o = offset o of the w-th page),
-    read from one layer's pages or from layer ``layer`` of the stacked pages.
+    read from one layer's pages or from layer ``layer`` of the stacked pages (an 8-bit cache's
+    rows decoded: ``pages.from_stored``).
 
     Raises:
         ValueError: ``window_pages`` outside [1, max_pages].
@@ -48,7 +50,8 @@ def _window(
     max_pages = page_tables.shape[1]
     if not 1 <= window_pages <= max_pages:
         raise ValueError(f"window_pages must be in [1, {max_pages}], got {window_pages}")
-    P, K, page_size, H = k_pages.shape[-4:]
+    P, K, page_size = k_pages.shape[-4:-1]
+    H = head_dim_of(k_pages)
     width = window_pages * page_size
     tables = jnp.clip(page_tables[:, :window_pages], 0, P - 1)
 
@@ -58,8 +61,8 @@ def _window(
         # array; then [n, K, W * page_size, H].
         kw = k_pages[pages] if layer is None else k_pages[layer, pages]
         vw = v_pages[pages] if layer is None else v_pages[layer, pages]
-        kw = kw.transpose(0, 2, 1, 3, 4).reshape(n, K, width, H).astype(jnp.float32)
-        vw = vw.transpose(0, 2, 1, 3, 4).reshape(n, K, width, H).astype(jnp.float32)
+        kw = from_stored(kw).transpose(0, 2, 1, 3, 4).reshape(n, K, width, H)
+        vw = from_stored(vw).transpose(0, 2, 1, 3, 4).reshape(n, K, width, H)
         return kw, vw
 
     return tables, gather

@@ -41,9 +41,13 @@ available = native.available  # whether the kernels are built and registered
 
 def supports(q_per_kv: int, head_dim: int, dtype: jnp.dtype) -> bool:
     """Whether the kernels handle G = ``q_per_kv`` query heads per KV head, this head_dim and
-    this cache dtype (float32 or bfloat16, 1 <= G <= 8, head_dim a multiple of 16); it says
-    nothing of whether they are built."""
-    return 1 <= q_per_kv <= MAX_GROUP and head_dim % LANES == 0 and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    this cache dtype (float32, bfloat16 or an 8-bit cache's int8; 1 <= G <= 8, head_dim a
+    multiple of 16); it says nothing of whether they are built."""
+    return (
+        1 <= q_per_kv <= MAX_GROUP
+        and head_dim % LANES == 0
+        and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16, jnp.int8)
+    )
 
 
 def paged_attention(
@@ -64,8 +68,9 @@ def paged_attention(
     positions[n], and only their pages are read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
-    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly); page_tables
-    [R, M] int32; rows, positions [N] int32; layer an int32 scalar in [0, L); window an int32
+    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly), or both int8
+    [L, P, K, page_size, H + 2] (an 8-bit cache's rows: ``model.attention.pages.to_stored``);
+    page_tables [R, M] int32; rows, positions [N] int32; layer an int32 scalar in [0, L); window an int32
     scalar >= 0 (may be traced). A token whose row
     is outside [0, R) or whose position is outside [0, M x page_size) is padding: zeros.
     ``supports`` gives the G, head_dim and dtype limits.
@@ -118,7 +123,8 @@ def paged_prefill(
     + 1 .. positions[n], and no key below its block's lowest such position is read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
-    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly); page_tables
+    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly), or both int8
+    [L, P, K, page_size, H + 2] (``model.attention.pages.to_stored``'s rows); page_tables
     [R, M] int32 with M x page_size <= 2^24; rows, positions [N] int32; layer an int32 scalar
     in [0, L); ``block`` a static Python int >= 1, passed to the kernel as its int64 attribute
     ``block``; window an int32 scalar >= 0 (may be traced). ``supports`` gives the G, head_dim and dtype limits.

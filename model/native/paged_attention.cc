@@ -14,7 +14,9 @@
 // with grouped KV heads (Ainslie et al. 2023).
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
-// page_size, H], both f32 or both bf16 (the stacked pages of every layer); page_tables [R, M]
+// page_size, H], both f32 or both bf16, or both s8 [L, P, K, page_size, H + 2] (each row H codes
+// and a float16 scale: model/attention/pages.py's to_stored; a row's dot products and value
+// weights are scaled once) (the stacked pages of every layer); page_tables [R, M]
 // s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window s32
 // [] (the sliding window, 0 = none). Result:
 // [N, K, G, H] f32, zeros for a padding token (a row outside [0, R), or a position outside
@@ -55,10 +57,20 @@ struct Problem {
   float* out;
 };
 
+// The sum of x's lanes, by halving shuffles where the target has them (a lane-by-lane sum is a
+// chain of kLanes dependent scalar adds, once per position and query head).
 inline float hsum(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__AVX2__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += x[i];
   return s;
+#endif
 }
 
 // out[g, h0 .. h0 + kTiles x kLanes) = sum over positions w in [lo, len) of probs[g, w - w00] x
@@ -67,6 +79,7 @@ inline float hsum(vf x) {
 template <int G, int kTiles, typename T>
 void values_pass(const float* probs, int64_t W, const T* const* pages, int64_t ps, int64_t lo, int64_t len,
                  int64_t H, int64_t h0, float* out) {
+  const int64_t Hs = meshserve::row_entries<T>(H);  // a row's entries in the pages
   vf acc[G][kTiles];
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < kTiles; ++t) acc[g][t] = vf{};
@@ -76,9 +89,10 @@ void values_pass(const float* probs, int64_t W, const T* const* pages, int64_t p
     const int64_t m = std::min(ps, len - w0);
     for (int64_t o = std::max<int64_t>(0, lo - w0); o < m; ++o) {
       vf v[kTiles];
-      for (int t = 0; t < kTiles; ++t) v[t] = load(page + o * H + h0 + t * kLanes);
+      for (int t = 0; t < kTiles; ++t) v[t] = load(page + o * Hs + h0 + t * kLanes);
+      const float scale = meshserve::row_scale(page + o * Hs, H);  // 1 but in an 8-bit cache
       for (int g = 0; g < G; ++g) {
-        const float pw = probs[g * W + w0 - w00 + o];
+        const float pw = probs[g * W + w0 - w00 + o] * scale;
         for (int t = 0; t < kTiles; ++t) acc[g][t] += pw * v[t];
       }
     }
@@ -107,7 +121,8 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores, std:
   kp.resize(num_pages);
   vp.resize(num_pages);
   const int32_t* table = p.tables + row * p.M + first_page;
-  const int64_t page_elems = ps * H;  // one (page, KV head)'s keys
+  const int64_t Hs = meshserve::row_entries<T>(H);  // a row's entries: H, and an 8-bit row's scale
+  const int64_t page_elems = ps * Hs;                // one (page, KV head)'s keys
   const T* k = static_cast<const T*>(p.k) + p.layer * p.P * p.K * page_elems;
   const T* v = static_cast<const T*>(p.v) + p.layer * p.P * p.K * page_elems;
   for (int64_t j = 0; j < num_pages; ++j) {
@@ -122,14 +137,15 @@ void attend_one(const Problem& p, int64_t item, std::vector<float>& scores, std:
   for (int64_t w0 = w00, j = 0; w0 < len; w0 += ps, ++j) {
     const int64_t m = std::min(ps, len - w0);
     for (int64_t o = std::max<int64_t>(0, lo - w0); o < m; ++o) {
-      const T* key = kp[j] + o * H;
+      const T* key = kp[j] + o * Hs;
       vf acc[G];
       for (int g = 0; g < G; ++g) acc[g] = vf{};
       for (int64_t h = 0; h < H; h += kLanes) {
         const vf kv = load(key + h);
         for (int g = 0; g < G; ++g) acc[g] += load(q + g * H + h) * kv;
       }
-      for (int g = 0; g < G; ++g) scores[g * W + w0 - w00 + o] = hsum(acc[g]);
+      const float scale = meshserve::row_scale(key, H);
+      for (int g = 0; g < G; ++g) scores[g * W + w0 - w00 + o] = hsum(acc[g]) * scale;
     }
   }
   // Softmax over [lo, len) per query head; the normaliser is applied to the output.
@@ -179,11 +195,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   auto vd = v_pages.dimensions();
   bool same = vd.size() == kd.size();
   for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
-  if (kd[2] != p.K || kd[4] != p.H || !same)
-    return ffi::Error::InvalidArgument("pages must be [L, P, K, page_size, H] with q's K and H, keys and values alike");
   const auto dtype = k_pages.element_type();
-  if (v_pages.element_type() != dtype || (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("pages must be both float32 or both bfloat16");
+  if (v_pages.element_type() != dtype ||
+      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 or both int8");
+  const int64_t Hs = dtype == ffi::DataType::S8 ? p.H + 2 : p.H;  // an 8-bit row: H codes and a float16 scale
+  if (kd[2] != p.K || kd[4] != Hs || !same)
+    return ffi::Error::InvalidArgument(
+        "pages must be [L, P, K, page_size, H] (H + 2 in int8) with q's K and H, keys and values alike");
   if (rows.element_count() != static_cast<size_t>(p.N) || positions.element_count() != static_cast<size_t>(p.N))
     return ffi::Error::InvalidArgument("rows and positions must be [N]");
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("layer must be a scalar");
@@ -199,10 +218,11 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.rows = rows.typed_data();
   p.positions = positions.typed_data();
   p.out = out->typed_data();
-  const bool bf16 = dtype == ffi::DataType::BF16;
-  meshserve::ParallelFor(pool, p.N * p.K, [&p, bf16](int64_t item) {  // one item per (token, KV head)
-    if (bf16)
+  meshserve::ParallelFor(pool, p.N * p.K, [&p, dtype](int64_t item) {  // one item per (token, KV head)
+    if (dtype == ffi::DataType::BF16)
       attend_item<uint16_t>(p, item);
+    else if (dtype == ffi::DataType::S8)
+      attend_item<int8_t>(p, item);
     else
       attend_item<float>(p, item);
   });

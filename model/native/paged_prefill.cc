@@ -40,7 +40,9 @@
 // grow with the sorted positions), masked per lane outside each row's range.
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
-// page_size, H], both f32 or both bf16 (the stacked pages of every layer); page_tables [R, M]
+// page_size, H], both f32 or both bf16, or both s8 [L, P, K, page_size, H + 2] (each row H codes
+// and a float16 scale: model/attention/pages.py's to_stored) (the stacked pages of every
+// layer); page_tables [R, M]
 // s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window
 // s32 [] (the sliding window, 0 = none); attribute
 // `block` (int64 >= 1, tokens per block). Result: [N, K, G, H] f32. A member whose position is at
@@ -142,7 +144,11 @@ inline v4 load4(const uint16_t* p) {  // 4 bfloat16 values widened exactly
   return v;
 }
 
-// The keys [0, n) (rows krow[u] of H entries) packed into ceil(n / kKeys) blocks [H][kKeys],
+inline v4 load4(const int8_t* p) {  // 4 int8 codes widened exactly (unscaled)
+  return v4{static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]), static_cast<float>(p[3])};
+}
+
+// The keys [0, n) (rows krow[u] of H entries; an 8-bit row times its scale) packed into ceil(n / kKeys) blocks [H][kKeys],
 // zeros past n. Whole blocks go by 4 x 4 transposes of 4 keys' 4 consecutive entries (two
 // rounds of interleaving shuffles), which take a fraction of the time of moving one float at a
 // time; the rest one at a time.
@@ -153,7 +159,7 @@ void pack_keys(const T* const* krow, int64_t n, int64_t H, float* kpack) {
     float* dst = kpack + b * H * kKeys;
     const int64_t u0 = b * kKeys;
     int c = 0;
-    if (u0 + kKeys <= n) {
+    if (u0 + kKeys <= n && !std::is_same<T, int8_t>::value) {  // 8-bit rows: scaled, one at a time
       for (; c + 4 <= kKeys; c += 4) {
         const T *s0 = krow[u0 + c], *s1 = krow[u0 + c + 1], *s2 = krow[u0 + c + 2], *s3 = krow[u0 + c + 3];
         for (int64_t h = 0; h < H; h += 4) {
@@ -172,8 +178,9 @@ void pack_keys(const T* const* krow, int64_t n, int64_t H, float* kpack) {
         continue;
       }
       const T* src = krow[u0 + c];
+      const float scale = meshserve::row_scale(src, H);  // 1 but in an 8-bit cache
       for (int64_t h = 0; h < H; h += kLanes) {
-        const vf x = load(src + h);  // bfloat16 widened exactly
+        const vf x = load(src + h) * scale;  // bfloat16 or int8 widened exactly
         for (int l = 0; l < kLanes; ++l) dst[(h + l) * kKeys + c] = x[l];
       }
     }
@@ -280,8 +287,8 @@ void softmax_tile(float* st, int64_t base, int64_t first, int64_t n, int64_t bel
 // out rows os[r] (r < Rn), entries [h0, h0 + T x kLanes) = inv[r] x sum over u in [first, n) of
 // probs[u - first, r] x value u, value u being vrow[u] (H entries); probs rows kTileRows apart.
 template <int Rn, int T, typename V>
-void values_pass(const float* probs, const V* const* vrow, int64_t first, int64_t n, int64_t h0, const float* inv,
-                 float* const* os) {
+void values_pass(const float* probs, const V* const* vrow, int64_t first, int64_t n, int64_t H, int64_t h0,
+                 const float* inv, float* const* os) {
   vf acc[Rn][T];
 #pragma GCC unroll 8
   for (int r = 0; r < Rn; ++r)
@@ -293,9 +300,10 @@ void values_pass(const float* probs, const V* const* vrow, int64_t first, int64_
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) v[t] = load(vr + t * kLanes);
     const float* p = probs + (u - first) * kTileRows;
+    const float scale = meshserve::row_scale(vrow[u], H);  // 1 but in an 8-bit cache
 #pragma GCC unroll 8
     for (int r = 0; r < Rn; ++r) {
-      const float pr = p[r];
+      const float pr = p[r] * scale;
 #pragma GCC unroll 4
       for (int t = 0; t < T; ++t) acc[r][t] += pr * v[t];
     }
@@ -309,8 +317,8 @@ void values_rows(const float* probs, const V* const* vrow, int64_t first, int64_
                  float* const* os) {
   int64_t h0 = 0;
   for (; h0 + kValueVecs * kLanes <= H; h0 += kValueVecs * kLanes)
-    values_pass<Rn, kValueVecs>(probs, vrow, first, n, h0, inv, os);
-  for (; h0 < H; h0 += kLanes) values_pass<Rn, 1>(probs, vrow, first, n, h0, inv, os);
+    values_pass<Rn, kValueVecs>(probs, vrow, first, n, H, h0, inv, os);
+  for (; h0 < H; h0 += kLanes) values_pass<Rn, 1>(probs, vrow, first, n, H, h0, inv, os);
 }
 
 // values_rows for rn rows, 1 <= rn <= kValueRows, rn known only at run time.
@@ -358,7 +366,8 @@ void attend_item(const Problem& p, int64_t item, Scratch<T>& s) {
   // Rows of the keys and values [k0, n) the part reads (k0: its first row's lo, rounded down to
   // a key block), from the sequence's pages; krow and vrow are indexed by position.
   const int64_t n = len_of(j1 - 1), b0 = lo_of(j0) / kKeys, k0 = b0 * kKeys;
-  const int64_t page_elems = ps * H;
+  const int64_t Hs = meshserve::row_entries<T>(H);  // a row's entries: H, and an 8-bit row's scale
+  const int64_t page_elems = ps * Hs;
   const T* kbase = static_cast<const T*>(p.k) + p.layer * p.P * p.K * page_elems;
   const T* vbase = static_cast<const T*>(p.v) + p.layer * p.P * p.K * page_elems;
   const int32_t* table = p.tables + seq * p.M;
@@ -368,8 +377,8 @@ void attend_item(const Problem& p, int64_t item, Scratch<T>& s) {
     const int64_t page = std::clamp<int64_t>(table[pg], 0, p.P - 1);
     const int64_t at = (page * p.K + kh) * page_elems;
     for (int64_t o = 0; o < ps && w0 + o < n; ++o) {
-      s.krow[w0 + o] = kbase + at + o * H;
-      s.vrow[w0 + o] = vbase + at + o * H;
+      s.krow[w0 + o] = kbase + at + o * Hs;
+      s.vrow[w0 + o] = vbase + at + o * Hs;
     }
   }
   const int64_t nblk = (n - k0 + kKeys - 1) / kKeys;  // key blocks b0 .. b0 + nblk, packed from 0
@@ -440,12 +449,15 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   auto vd = v_pages.dimensions();
   bool same = vd.size() == kd.size();
   for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
-  if (kd[2] != p.K || kd[4] != p.H || !same)
-    return ffi::Error::InvalidArgument("pages must be [L, P, K, page_size, H] with q's K and H, keys and values alike");
-  if (p.P < 1 || p.ps < 1) return ffi::Error::InvalidArgument("pages must hold at least one page of one position");
   const auto dtype = k_pages.element_type();
-  if (v_pages.element_type() != dtype || (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("pages must be both float32 or both bfloat16");
+  if (v_pages.element_type() != dtype ||
+      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 or both int8");
+  const int64_t Hs = dtype == ffi::DataType::S8 ? p.H + 2 : p.H;  // an 8-bit row: H codes and a float16 scale
+  if (kd[2] != p.K || kd[4] != Hs || !same)
+    return ffi::Error::InvalidArgument(
+        "pages must be [L, P, K, page_size, H] (H + 2 in int8) with q's K and H, keys and values alike");
+  if (p.P < 1 || p.ps < 1) return ffi::Error::InvalidArgument("pages must hold at least one page of one position");
   if (rows.element_count() != static_cast<size_t>(p.N) || positions.element_count() != static_cast<size_t>(p.N))
     return ffi::Error::InvalidArgument("rows and positions must be [N]");
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("layer must be a scalar");
@@ -478,10 +490,12 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   part_rows = std::max(kMinPartRows, (part_rows + kTileRows - 1) / kTileRows * kTileRows);
   p.part_rows = part_rows;
   p.parts = (block_rows + part_rows - 1) / part_rows;
-  const bool bf16 = dtype == ffi::DataType::BF16;
-  meshserve::ParallelFor(pool, p.blocks * p.parts * p.K, [&p, bf16](int64_t item) {
-    if (bf16) {
+  meshserve::ParallelFor(pool, p.blocks * p.parts * p.K, [&p, dtype](int64_t item) {
+    if (dtype == ffi::DataType::BF16) {
       thread_local Scratch<uint16_t> scratch;
+      attend_item(p, item, scratch);
+    } else if (dtype == ffi::DataType::S8) {
+      thread_local Scratch<int8_t> scratch;
       attend_item(p, item, scratch);
     } else {
       thread_local Scratch<float> scratch;

@@ -12,6 +12,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace meshserve {
 
@@ -67,6 +72,54 @@ inline vf load(const uint16_t* p) {
   vf v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+}
+
+// kLanes int8 codes (an 8-bit KV cache's, model/attention/pages.py) widened exactly to float32.
+// By the sign-extending conversions where the target has them: GCC 12 lowers a vector
+// extension's char-to-float conversion to one scalar conversion per lane.
+inline vf load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  static_assert(kLanes == 8, "an AVX2 vector is 8 floats");
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// An IEEE binary16 value's bits widened exactly to float32 (zero, subnormal, normal, inf, NaN).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man x 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112u) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The factor a KV page row of head_dim H entries is multiplied by when read: 1 for float rows;
+// an 8-bit row's scale, the float16 in its 2 bytes after the H codes (pages.py's ``to_stored``).
+template <typename T>
+inline float row_scale(const T*, int64_t) {
+  return 1.0f;
+}
+template <>
+inline float row_scale<int8_t>(const int8_t* row, int64_t H) {
+  uint16_t h;
+  std::memcpy(&h, row + H, sizeof h);
+  return half_to_float(h);
+}
+
+// Entries of a KV page row of head_dim H in the cache's type T: H, and an 8-bit row's scale.
+template <typename T>
+constexpr int64_t row_entries(int64_t H) {
+  return std::is_same<T, int8_t>::value ? H + 2 : H;
 }
 
 // e^x for x <= 0 (softmax after max subtraction), kLanes at a time: x = k ln2 + r with

@@ -11,6 +11,7 @@ import dataclasses
 # layouts and roofline).
 WEIGHT_MODES = ("auto", "stored", "int8", "float32", "bfloat16")
 DTYPES = ("float32", "bfloat16")  # parameter and KV-cache dtypes
+KV_DTYPES = (*DTYPES, "int8")  # the KV cache's: also 8-bit codes with a scale per row
 ATTENTION_MODES = ("auto", "xla")
 MATMUL_MODES = ("auto", "xla")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -45,10 +46,12 @@ class EngineConfig:
         chunk_size: most prompt tokens of one sequence per step.
         dtype: parameter dtype name, "float32" (the default, everywhere) or "bfloat16".
         kv_dtype: KV-cache dtype name: "auto" (the parameters' ``dtype``), "float32" or
-            "bfloat16". A bfloat16 cache with float32 weights halves the bytes each decode
-            step's attention reads (vLLM's ``--kv-cache-dtype`` is the same choice); keys and
-            values are rounded to nearest even once, when written, and attention reads them
-            widened exactly to float32.
+            "bfloat16" or "int8". A bfloat16 cache with float32 weights halves the bytes each
+            decode step's attention reads (vLLM's ``--kv-cache-dtype`` is the same choice); keys
+            and values are rounded to nearest even once, when written, and attention reads them
+            widened exactly to float32. "int8" holds each (token, KV head) row as 8-bit codes
+            and a float16 scale (``model.attention.pages.to_stored``): H + 2 bytes a row, against
+            2 H in bfloat16.
         attention: "auto" (the native CPU kernels where they apply: one CPU device, G <= 8,
             head_dim a multiple of 16, the kernels built; else XLA's) or "xla".
         matmul: "auto" (float32 weights packed into panels for the native CPU kernel where it
@@ -126,8 +129,8 @@ class EngineConfig:
                               ("layer_loop", LAYER_LOOPS)):  # fmt: skip
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
-            raise ValueError(f"kv_dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens < 0:

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from model.config import kv_row_bytes
+
 log = logging.getLogger(__name__)
 
 ACCELERATOR_FRACTION = 0.9  # of each device's memory limit, weights already in use inside it
@@ -36,10 +38,11 @@ HOST_FRACTION = 0.5  # of the host's available memory, for the pools of all CPU 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: Any, kv_heads_split: int = 1) -> int:
     """Bytes of K and V one cached position takes on one device: 2 x L x (K / kv_heads_split) x
-    H x the size of ``kv_dtype`` (a dtype or its name: "float32", "bfloat16"; ``kv_heads_split``:
-    the model axis where the layout splits KV heads over it, else 1, all the model's heads)."""
+    a row of H in ``kv_dtype`` (a dtype or its name: "float32", "bfloat16", "int8": its codes and
+    scale, ``model.config.kv_row_bytes``; ``kv_heads_split``: the model axis where the layout
+    splits KV heads over it, else 1, all the model's heads)."""
     heads = num_kv_heads // kv_heads_split
-    return 2 * num_layers * heads * head_dim * np.dtype(kv_dtype).itemsize
+    return 2 * num_layers * heads * kv_row_bytes(head_dim, np.dtype(kv_dtype).name)
 
 
 def whole_pages(tokens: int, page_size: int, replicas: int = 1) -> int:

@@ -170,7 +170,12 @@ class Runner:
         self.replicas = d = layout.data
         # The pool's size, from what was asked or from the memory left once the weights are placed.
         one_page: NamedSharding = cache_shardings(PagedKVCache.abstract(cfg, d, ps, self.kv_dtype), self.mesh, rules).k  # type: ignore[assignment]
-        per_token = 2 * math.prod(one_page.shard_shape(PagedKVCache.shape(cfg, d, ps))) * self.kv_dtype.itemsize // ps
+        per_token = (
+            2
+            * math.prod(one_page.shard_shape(PagedKVCache.shape(cfg, d, ps, self.kv_dtype)))
+            * self.kv_dtype.itemsize
+            // ps
+        )
         tokens = kv_pool.pool_tokens(
             kv_cache_tokens=engine_cfg.kv_cache_tokens,
             kv_cache_memory=engine_cfg.kv_cache_memory,

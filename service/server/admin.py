@@ -47,7 +47,7 @@ def layout_info(gateway: Gateway, layout: Layout, pool: Pool | None = None) -> a
     facts, ecfg = gateway.facts, gateway.cfg.engine
     assert facts is not None, "admin calls are served only after the model is loaded"
     plan = make_plan(layout, facts.cfg, ecfg.num_slots)
-    itemsize, kv_itemsize = ITEMSIZE[ecfg.dtype], ITEMSIZE[resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)]
+    itemsize, kv_dtype = ITEMSIZE[ecfg.dtype], resolve_kv_dtype(ecfg.kv_dtype, ecfg.dtype)
     pool_tokens = kv_pool.whole_pages(ecfg.num_pages * ecfg.page_size, ecfg.page_size, layout.data)
     info = apb.LayoutInfo(
         name=layout.name,
@@ -55,7 +55,7 @@ def layout_info(gateway: Gateway, layout: Layout, pool: Pool | None = None) -> a
         model=layout.model,
         attention=plan.attention,
         weight_bytes_per_device=plan.weight_bytes_per_device(facts.cfg, itemsize, facts.formats),
-        kv_cache_bytes_per_device=plan.kv_bytes_per_device(facts.cfg, pool_tokens, kv_itemsize),
+        kv_cache_bytes_per_device=plan.kv_bytes_per_device(facts.cfg, pool_tokens, kv_dtype),
         all_reduces_per_layer=plan.all_reduces_per_layer,
         description=layout.description,
     )

@@ -472,7 +472,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     cfg = read_model_config(path)
     dtype = args.weights if args.weights in ("float32", "bfloat16") else args.dtype  # as serve: it sets the dtype
     kv_dtype = resolve_kv_dtype(args.kv_dtype, dtype)
-    itemsize, kv_itemsize = ITEMSIZE[dtype], ITEMSIZE[kv_dtype]
+    itemsize = ITEMSIZE[dtype]
     devices = jax.devices()
     held = _HeldWeights(path, model_format(path), args.weights, dtype, devices[0].platform)
     layouts = {name: load_layout(name) for name in preset_names()}
@@ -495,7 +495,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             continue
         label, formats = held.for_layout(layout)
         weights = plan.weight_bytes_per_device(cfg, itemsize, formats) / 1e6
-        kv = plan.kv_bytes_per_device(cfg, pool_tokens, kv_itemsize) / 1e6
+        kv = plan.kv_bytes_per_device(cfg, pool_tokens, kv_dtype) / 1e6
         fits = "yes" if layout.num_devices <= len(devices) else f"no (needs {layout.num_devices} devices)"
         print(
             f"{name:12s} {mesh:>9s} {plan.attention:>10s} {weights:>9.1f} MB {label:>8s} {kv:>7.1f} MB "
@@ -665,9 +665,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default float32)")
     s.add_argument(
         "--kv-dtype",
-        choices=["auto", "float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16", "int8"],
         help="KV-cache dtype; auto (default): the parameter dtype. bfloat16 halves the bytes every decode step's "
-        "attention reads (float32 weights keep float32 matmuls)",
+        "attention reads (float32 weights keep float32 matmuls); int8 holds 8-bit codes and a scale per token and "
+        "KV head (H + 2 bytes a row)",
     )
     s.add_argument("--weights", choices=WEIGHT_MODES, help=WEIGHTS_HELP + " (default auto)")
     s.add_argument("--page-size", type=int, help="token positions per page of the KV pool (default 16)")
@@ -832,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     ly.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="float parameters' dtype (%(default)s)"
     )
-    ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: --dtype")
+    ly.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto", help="auto: --dtype")
     ly.add_argument(
         "--weights",
         choices=WEIGHT_MODES,

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from model.attention.base import AttentionBackend, StepMeta
-from model.attention.pages import QUANTIZED, PagedKVCache, write_kv
+from model.attention.pages import PagedKVCache, value_dtype, write_kv
 from model.config import LlamaConfig, RopeScaling
 from model.matmul import Packed, embedding_rows, matmul, split_stacked, with_stacked
 
@@ -252,8 +252,8 @@ class Llama(nnx.Module):
 
         def block(x: jax.Array, k: jax.Array, v: jax.Array, p: dict[str, Any], layer: jax.Array | int):
             cos, sin, window = rope(layer)
-            # An 8-bit cache quantizes in ``write_kv``: the new rows come in float32.
-            q, k_new, v_new = project_qkv(cfg, x, p, cos, sin, jnp.float32 if k.dtype == QUANTIZED else k.dtype)
+            # In what the pages keep exactly (an 8-bit cache quantizes in ``write_kv``: float32).
+            q, k_new, v_new = project_qkv(cfg, x, p, cos, sin, value_dtype(k.dtype))
             k, v = write_kv(k, v, meta.slots, k_new[0], v_new[0], layer)
             attn = attention.attend(q[0], k, v, layer, meta, window)
             return out_and_mlp(cfg, x, p, attn[None]), k, v

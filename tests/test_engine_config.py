@@ -42,7 +42,7 @@ def test_the_defaults_are_valid() -> None:
         ("matmul", "fast", "matmul must be one of auto, xla, got 'fast'"),
         ("layer_loop", "loop", "layer_loop must be one of auto, scan, unrolled, got 'loop'"),
         ("dtype", "float64", "dtype must be one of float32, bfloat16, got 'float64'"),
-        ("kv_dtype", "float16", "kv_dtype must be 'auto' or one of float32, bfloat16, got 'float16'"),
+        ("kv_dtype", "float16", "kv_dtype must be 'auto' or one of float32, bfloat16, int8, got 'float16'"),
         ("weights", "q8", "weights must be one of auto, stored, int8, float32, bfloat16, got 'q8'"),
         ("page_size", 12, "page_size must be a power of two >= 1, got 12"),
         ("page_size", 0, "page_size must be a power of two >= 1, got 0"),
@@ -118,7 +118,8 @@ def test_a_runner_resolves_auto_on_its_devices() -> None:
     assert runner.ecfg.kv_cache_tokens == 2 * T and runner.ecfg.kv_cache_memory == 0
     unrolled = tiny_runner(layer_loop="unrolled", kv_dtype="bfloat16", attention="xla")
     assert unrolled.ecfg.layer_loop == "unrolled" and unrolled.ecfg.attention == "xla"
-    assert unrolled.ecfg.kv_dtype == "bfloat16" and unrolled.cache.k.dtype == jax.numpy.bfloat16
+    # A bfloat16 cache's pages hold its bits (model.attention.pages.storage_dtype).
+    assert unrolled.ecfg.kv_dtype == "bfloat16" and unrolled.cache.k.dtype == jax.numpy.uint16
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])

@@ -30,6 +30,7 @@ from test_golden import FIXTURE, first_difference, greedy_request, served
 
 from benchmarks import roofline as rl
 from benchmarks.cli import main as bench_main
+from model.attention.pages import from_stored
 from model.config import LlamaConfig
 from service.engine.batch import build
 from service.engine.config import EngineConfig, resolve_kv_dtype
@@ -77,7 +78,7 @@ def golden() -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_the_cache_is_bfloat16_and_the_weights_stay_float32(runner: Runner) -> None:
     leaves = jax.tree.leaves(runner.cache)
-    assert len(leaves) == 2 and all(a.dtype == jnp.bfloat16 for a in leaves)
+    assert len(leaves) == 2 and all(a.dtype == jnp.uint16 for a in leaves)  # bfloat16's bits: storage_dtype
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(runner.params))
     assert runner.ecfg.kv_dtype == "bfloat16" and runner.ecfg.dtype == "float32"
     from model import native
@@ -117,8 +118,8 @@ def test_the_cache_holds_the_rounded_keys(smollm2_model, golden: dict[str, np.nd
     pages = scheduler.page_tables[request.slot, : -(-len(prompt) // ps)]
     dense = dense_kv(graphdef, params, prompt)  # keys, values [L, T, K, H] float32
     for a, want in zip((runner.cache.k, runner.cache.v), dense, strict=True):
-        assert a.dtype == jnp.bfloat16
-        pool = np.asarray(a.astype(jnp.float32))  # [L, P, K, page_size, H]
+        assert a.dtype == jnp.uint16  # bfloat16's bits
+        pool = np.asarray(from_stored(a))  # [L, P, K, page_size, H] float32
         held = pool[:, pages].transpose(0, 1, 3, 2, 4).reshape(cfg.num_layers, -1, cfg.num_kv_heads, cfg.head_dim)
         got = held[:, : len(prompt)]  # [L, T, K, H]
         assert np.all(np.abs(got).max(axis=-1) > 0)  # every position of every layer and head
@@ -162,7 +163,7 @@ def test_an_int8_row_is_ggufs_q8_0_block_of_it() -> None:
     the scale's float16 rounding)."""
     from gguf import GGMLQuantizationType, quants
 
-    from model.attention.pages import from_stored, to_stored
+    from model.attention.pages import to_stored
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((40, 3, 32)) * rng.uniform(1e-3, 300, (40, 3, 1))).astype(np.float32)

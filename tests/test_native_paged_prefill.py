@@ -310,8 +310,11 @@ def test_bad_operands_are_errors_not_crashes() -> None:
         ({"q": jnp.zeros((5, 2, 3, 24)), "kp": kp[..., :24], "vp": vp[..., :24]}, "multiple of 16"),
         ({"q": jnp.zeros((5, 3, 3, 32))}, "with q's K and H"),
         ({"vp": vp[:, :3]}, "keys and values alike"),
-        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 or both int8"),
-        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32, both bfloat16 or both int8"),
+        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 \\(or its bits, uint16\\) or both int8"),
+        (
+            {"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)},
+            "both float32, both bfloat16 \\(or its bits, uint16\\) or both int8",
+        ),
         ({"positions": positions[:4]}, r"rows and positions must be \[N\]"),
         ({"tables": jnp.zeros(4, jnp.int32)}, r"page tables must be \[R, M\]"),
         ({"layer": 2}, "layer out of range"),

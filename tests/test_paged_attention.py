@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from model.attention import cpu as cpu_attention
 from model.attention.pages import PAGE_AXES, PagedKVCache, slot_mapping, write_kv
 from model.attention.xla import ragged_paged_attention, ragged_paged_attention_blocks
-from model.config import LlamaConfig
+from model.config import LlamaConfig, kv_row_bytes
 from model.native import cpu_paged_attention
 
 CFG = LlamaConfig.tiny(num_heads=6)  # K = 2 KV heads, G = 3 query heads each, H = 16
@@ -330,8 +330,11 @@ def test_the_native_kernels_bad_operands_are_errors_not_crashes() -> None:
         ({"q": jnp.zeros((5, 2, 3, 24)), "kp": kp[..., :24], "vp": vp[..., :24]}, "multiple of 16"),
         ({"q": jnp.zeros((5, 3, 3, 32))}, "with q's K and H"),
         ({"vp": vp[:, :3]}, "keys and values alike"),
-        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 or both int8"),
-        ({"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)}, "both float32, both bfloat16 or both int8"),
+        ({"kp": kp.astype(jnp.bfloat16)}, "both float32, both bfloat16 \\(or its bits, uint16\\) or both int8"),
+        (
+            {"kp": kp.astype(jnp.float16), "vp": vp.astype(jnp.float16)},
+            "both float32, both bfloat16 \\(or its bits, uint16\\) or both int8",
+        ),
         ({"kp": kp.astype(jnp.int8), "vp": vp.astype(jnp.int8)}, r"\(H \+ 2 in int8\)"),  # rows without scales
         ({"positions": positions[:4]}, r"rows and positions must be \[N\]"),
         ({"tables": jnp.zeros(4, jnp.int32)}, r"page tables must be \[R, M\]"),
@@ -564,7 +567,11 @@ def test_a_jitted_step_has_2_plus_metadata_leaves_whatever_the_pool() -> None:
 def test_the_cache_container() -> None:
     cache = PagedKVCache.zeros(CFG, num_pages=10, page_size=16, dtype=jnp.bfloat16)
     assert (cache.num_layers, cache.num_pages, cache.page_size, cache.num_slots) == (CFG.num_layers, 10, 16, 160)
-    assert all(a.shape == (CFG.num_layers, 10, K, 16, H) and a.dtype == jnp.bfloat16 for a in (cache.k, cache.v))
+    # A bfloat16 cache's pages hold its bits (``storage_dtype``); an 8-bit one's rows H + 2 bytes.
+    assert all(a.shape == (CFG.num_layers, 10, K, 16, H) and a.dtype == jnp.uint16 for a in (cache.k, cache.v))
+    int8 = PagedKVCache.zeros(CFG, num_pages=10, page_size=16, dtype=jnp.int8)
+    assert int8.k.shape == (CFG.num_layers, 10, K, 16, H + 2) and int8.k.dtype == jnp.int8
+    assert int8.nbytes() == 2 * CFG.num_layers * 10 * K * 16 * kv_row_bytes(H, "int8")
     assert cache.nbytes() == 2 * CFG.num_layers * 10 * K * 16 * H * 2
     assert cache.nbytes() == CFG.kv_bytes_per_token(2) * cache.num_slots
     abstract = PagedKVCache.abstract(CFG, 10, 16, jnp.bfloat16)

@@ -308,7 +308,7 @@ def test_the_kv_bf16_row_holds_a_bfloat16_pool(tmp_path: Path) -> None:
     runner = peers.make_runner("meshserve-kv-bf16", {"model": str(path), "threads": 2})
     assert "KV cache bfloat16" in runner.notes
     runner.setup(1, 8, 4)
-    assert runner.loop.runner.cache.k.dtype.name == "bfloat16"
+    assert runner.loop.runner.kv_dtype.name == "bfloat16" and runner.loop.runner.cache.k.dtype.name == "uint16"
     assert len(runner.generate([[5, 17, 40, 99, 120, 7, 8, 9]], 4)) == 4
     runner.close()
     assert peers.KV_DTYPE["meshserve fp32, bf16 KV"] == "bfloat16"

@@ -24,7 +24,7 @@ from reference import dense_kv, dense_logits
 
 from model.attention import cpu as cpu_attention
 from model.attention.base import AttentionBackend, StepMeta
-from model.attention.pages import PagedKVCache
+from model.attention.pages import PagedKVCache, from_stored
 from model.attention.xla import XlaAttention
 from model.config import LlamaConfig
 from model.llama import ragged_step, unstack_layers
@@ -297,7 +297,7 @@ def test_mixed_batch_with_page_size_1_and_16(alone_logits: np.ndarray) -> None:
 
 # ---- (e) bfloat16 ------------------------------------------------------------------------------
 def test_bfloat16_cache() -> None:
-    """A bfloat16 cache: the pages stay bfloat16, layer 0's keys and values are the float32
+    """A bfloat16 cache: the pages hold bfloat16 bits, layer 0's keys and values are the float32
     run's rounded to bfloat16 (layer 0's inputs are the embeddings either way), and the logits
     stay close to the float32 run's."""
     _, logits32 = greedy_ragged(page_size=8)
@@ -308,14 +308,14 @@ def test_bfloat16_cache() -> None:
         pool.step(flat_batch(3, [], [(r, p, 0) for r, p in enumerate(GREEDY_PROMPTS)], 8), wp)
         caches[dtype] = pool
     bf = caches[jnp.bfloat16].cache
-    assert bf.k.dtype == jnp.bfloat16 and bf.v.dtype == jnp.bfloat16
+    assert bf.k.dtype == jnp.uint16 and bf.v.dtype == jnp.uint16  # bfloat16's bits (pages.storage_dtype)
     tables = caches[jnp.float32].tables
     for r, p in enumerate(GREEDY_PROMPTS):
         pages, offsets = tables[r, np.arange(len(p)) // 8], np.arange(len(p)) % 8
         for name in ("k", "v"):
             f32 = np.asarray(getattr(caches[jnp.float32].cache, name)[0][pages, :, offsets])
-            b16 = np.asarray(getattr(bf, name)[0][pages, :, offsets])
-            np.testing.assert_array_equal(b16, np.asarray(jnp.asarray(f32, jnp.bfloat16)))
+            b16 = np.asarray(from_stored(getattr(bf, name)[0][pages, :, offsets]))
+            np.testing.assert_array_equal(b16, np.asarray(jnp.asarray(f32, jnp.bfloat16).astype(jnp.float32)))
 
     _, logits16 = greedy_ragged(page_size=8, dtype=jnp.bfloat16)
     assert np.isfinite(logits16).all()

@@ -35,6 +35,30 @@ _CODE_MAX = 127.0
 _SCALE_MAX = float(jnp.finfo(jnp.float16).max)
 
 
+# A bfloat16 cache's pages hold the values' bits as uint16: XLA:CPU runs a bfloat16 scatter into
+# the scanned pool (``write_kv``) by widening the whole pool to float32 and back each layer (4.4 s
+# a step for SmolLM2 at a 65k-token pool; the same scatter of uint16: under a millisecond), and a
+# bitcast of the whole pool inside the step copies it. The kernels read the bits as bfloat16.
+BF16_BITS = jnp.dtype(jnp.uint16)
+
+
+def storage_dtype(kv_dtype: Any) -> jnp.dtype:
+    """The dtype of the page arrays of a cache of ``kv_dtype``: uint16 for bfloat16 (its bits),
+    else ``kv_dtype`` itself."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return BF16_BITS if kv_dtype == jnp.bfloat16 else kv_dtype
+
+
+def value_dtype(pages_dtype: Any) -> jnp.dtype:
+    """The dtype new keys and values should come in for pages of ``pages_dtype`` (what
+    ``to_stored`` keeps exactly): bfloat16 for its bits, float32 for 8-bit codes, else the
+    pages' own."""
+    pages_dtype = jnp.dtype(pages_dtype)
+    if pages_dtype == BF16_BITS:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32) if pages_dtype == QUANTIZED else pages_dtype
+
+
 def stored_head_dim(head_dim: int, dtype: Any) -> int:
     """The last axis of the page arrays in ``dtype``: ``head_dim``, plus the scale's
     ``SCALE_BYTES`` in an 8-bit cache."""
@@ -47,13 +71,15 @@ def head_dim_of(pages: jax.Array) -> int:
 
 
 def to_stored(x: jax.Array, dtype: Any) -> jax.Array:
-    """Keys or values [..., H] as the cache holds them in ``dtype``: rounded to a float dtype
-    (nearest even), or, in an 8-bit cache, [..., H + 2] int8: llama.cpp's Q8_0 rule with one
+    """Keys or values [..., H] as pages of ``dtype`` hold them: rounded to a float dtype
+    (nearest even; to bfloat16's bits for ``BF16_BITS``), or, in an 8-bit cache, [..., H + 2] int8: llama.cpp's Q8_0 rule with one
     block per row (``ggml-quants.c``; gguf's ``Q8_0.quantize_blocks`` is its bit-exact
     reference): d = max|x| / 127 in float32, codes round(x x (1 / d)) half away from zero (0
     where d = 0), then d's float16 bytes. Dettmers et al. 2022 ("LLM.int8()", §3.1) give the
     absmax rule; a scale per token and KV head is what vLLM's and llama.cpp's 8-bit caches keep."""
     dtype = jnp.dtype(dtype)
+    if dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
     if dtype != QUANTIZED:
         return x.astype(dtype)
     x = x.astype(jnp.float32)
@@ -66,8 +92,10 @@ def to_stored(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def from_stored(pages: jax.Array) -> jax.Array:
-    """``to_stored``'s rows [..., H'] back as float32 [..., H]: widened exactly, or an 8-bit
-    row's codes times its scale."""
+    """``to_stored``'s rows [..., H'] back as float32 [..., H]: widened exactly (bfloat16 bits
+    as bfloat16), or an 8-bit row's codes times its scale."""
+    if pages.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(pages, jnp.bfloat16).astype(jnp.float32)
     if pages.dtype != QUANTIZED:
         return pages.astype(jnp.float32)
     H = head_dim_of(pages)
@@ -82,7 +110,8 @@ class PagedKVCache:
 
     Attributes:
         k: [L, P, K, page_size, H] (L layers, P pages, K KV heads, H head dim), keys already
-            rotated by RoPE, dtype = the cache dtype; in an 8-bit cache [L, P, K, page_size,
+            rotated by RoPE, dtype = the cache dtype (a bfloat16 cache's bits as uint16:
+            ``storage_dtype``); in an 8-bit cache [L, P, K, page_size,
             H + 2] int8, each row's codes and scale (``to_stored``).
         v: [L, P, K, page_size, H] (H + 2), values, same shape and dtype.
 
@@ -147,14 +176,15 @@ class PagedKVCache:
 
     @classmethod
     def zeros(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: Any = jnp.float32) -> PagedKVCache:
-        """A zero-filled cache (never ``jnp.empty``: uninitialised memory may hold NaN, and
-        0 * NaN = NaN would leak through the attention mask; int8 rows of zeros read as zeros).
+        """A zero-filled cache of ``dtype`` (its arrays in ``storage_dtype(dtype)``; never
+        ``jnp.empty``: uninitialised memory may hold NaN, and 0 * NaN = NaN would leak through
+        the attention mask; int8 rows of zeros read as zeros).
 
         Raises:
             ValueError: num_pages or page_size below 1.
         """
-        shape = cls.shape(cfg, num_pages, page_size, dtype)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        shape, stored = cls.shape(cfg, num_pages, page_size, dtype), storage_dtype(dtype)
+        return cls(k=jnp.zeros(shape, stored), v=jnp.zeros(shape, stored))
 
     @classmethod
     def abstract(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype: Any = jnp.float32) -> PagedKVCache:
@@ -163,7 +193,7 @@ class PagedKVCache:
         Raises:
             ValueError: num_pages or page_size below 1.
         """
-        struct: Any = jax.ShapeDtypeStruct(cls.shape(cfg, num_pages, page_size, dtype), dtype)
+        struct: Any = jax.ShapeDtypeStruct(cls.shape(cfg, num_pages, page_size, dtype), storage_dtype(dtype))
         return cls(k=struct, v=struct)
 
     def nbytes(self) -> int:

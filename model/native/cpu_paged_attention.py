@@ -68,7 +68,7 @@ def paged_attention(
     positions[n], and only their pages are read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
-    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly), or both int8
+    [L, P, K, page_size, H], both float32 or both bfloat16 (or its bits, uint16: widened exactly), or both int8
     [L, P, K, page_size, H + 2] (an 8-bit cache's rows: ``model.attention.pages.to_stored``);
     page_tables [R, M] int32; rows, positions [N] int32; layer an int32 scalar in [0, L); window an int32
     scalar >= 0 (may be traced). A token whose row
@@ -123,7 +123,7 @@ def paged_prefill(
     + 1 .. positions[n], and no key below its block's lowest such position is read.
 
     Shapes: q [N, K, G, H] (cast to float32), already scaled by 1/sqrt(H); k_pages, v_pages
-    [L, P, K, page_size, H], both float32 or both bfloat16 (widened exactly), or both int8
+    [L, P, K, page_size, H], both float32 or both bfloat16 (or its bits, uint16: widened exactly), or both int8
     [L, P, K, page_size, H + 2] (``model.attention.pages.to_stored``'s rows); page_tables
     [R, M] int32 with M x page_size <= 2^24; rows, positions [N] int32; layer an int32 scalar
     in [0, L); ``block`` a static Python int >= 1, passed to the kernel as its int64 attribute

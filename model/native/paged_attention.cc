@@ -14,7 +14,7 @@
 // with grouped KV heads (Ainslie et al. 2023).
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
-// page_size, H], both f32 or both bf16, or both s8 [L, P, K, page_size, H + 2] (each row H codes
+// page_size, H], both f32 or both bf16 (or both u16: bf16's bits), or both s8 [L, P, K, page_size, H + 2] (each row H codes
 // and a float16 scale: model/attention/pages.py's to_stored; a row's dot products and value
 // weights are scaled once) (the stacked pages of every layer); page_tables [R, M]
 // s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window s32
@@ -196,9 +196,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   bool same = vd.size() == kd.size();
   for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
   const auto dtype = k_pages.element_type();
-  if (v_pages.element_type() != dtype ||
-      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
-    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 or both int8");
+  // A bfloat16 cache's pages come as its bits, uint16 (model/attention/pages.py: storage_dtype).
+  const bool bf16 = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::U16;
+  if (v_pages.element_type() != dtype || (dtype != ffi::DataType::F32 && !bf16 && dtype != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 (or its bits, uint16) or both int8");
   const int64_t Hs = dtype == ffi::DataType::S8 ? p.H + 2 : p.H;  // an 8-bit row: H codes and a float16 scale
   if (kd[2] != p.K || kd[4] != Hs || !same)
     return ffi::Error::InvalidArgument(
@@ -218,8 +219,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   p.rows = rows.typed_data();
   p.positions = positions.typed_data();
   p.out = out->typed_data();
-  meshserve::ParallelFor(pool, p.N * p.K, [&p, dtype](int64_t item) {  // one item per (token, KV head)
-    if (dtype == ffi::DataType::BF16)
+  meshserve::ParallelFor(pool, p.N * p.K, [&p, dtype, bf16](int64_t item) {  // one item per (token, KV head)
+    if (bf16)
       attend_item<uint16_t>(p, item);
     else if (dtype == ffi::DataType::S8)
       attend_item<int8_t>(p, item);

@@ -40,7 +40,7 @@
 // grow with the sorted positions), masked per lane outside each row's range.
 //
 // Operands: q [N, K, G, H] f32 (already scaled by 1/sqrt(H)); k_pages, v_pages [L, P, K,
-// page_size, H], both f32 or both bf16, or both s8 [L, P, K, page_size, H + 2] (each row H codes
+// page_size, H], both f32 or both bf16 (or both u16: bf16's bits), or both s8 [L, P, K, page_size, H + 2] (each row H codes
 // and a float16 scale: model/attention/pages.py's to_stored) (the stacked pages of every
 // layer); page_tables [R, M]
 // s32; rows [N] s32; positions [N] s32; layer s32 [] (which of the L layers is read); window
@@ -450,9 +450,10 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   bool same = vd.size() == kd.size();
   for (size_t i = 0; same && i < kd.size(); ++i) same = vd[i] == kd[i];
   const auto dtype = k_pages.element_type();
-  if (v_pages.element_type() != dtype ||
-      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
-    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 or both int8");
+  // A bfloat16 cache's pages come as its bits, uint16 (model/attention/pages.py: storage_dtype).
+  const bool bf16 = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::U16;
+  if (v_pages.element_type() != dtype || (dtype != ffi::DataType::F32 && !bf16 && dtype != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("pages must be both float32, both bfloat16 (or its bits, uint16) or both int8");
   const int64_t Hs = dtype == ffi::DataType::S8 ? p.H + 2 : p.H;  // an 8-bit row: H codes and a float16 scale
   if (kd[2] != p.K || kd[4] != Hs || !same)
     return ffi::Error::InvalidArgument(
@@ -490,8 +491,8 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyB
   part_rows = std::max(kMinPartRows, (part_rows + kTileRows - 1) / kTileRows * kTileRows);
   p.part_rows = part_rows;
   p.parts = (block_rows + part_rows - 1) / part_rows;
-  meshserve::ParallelFor(pool, p.blocks * p.parts * p.K, [&p, dtype](int64_t item) {
-    if (dtype == ffi::DataType::BF16) {
+  meshserve::ParallelFor(pool, p.blocks * p.parts * p.K, [&p, dtype, bf16](int64_t item) {
+    if (bf16) {
       thread_local Scratch<uint16_t> scratch;
       attend_item(p, item, scratch);
     } else if (dtype == ffi::DataType::S8) {

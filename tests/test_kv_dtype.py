@@ -173,6 +173,8 @@ def test_an_int8_row_is_ggufs_q8_0_block_of_it() -> None:
     as_blocks = np.concatenate([stored[..., 32:], stored[..., :32]], axis=-1).view(np.uint8).reshape(-1, 34)
     want = quants.quantize(x.reshape(-1, 32), GGMLQuantizationType.Q8_0).reshape(-1, 34)
     np.testing.assert_array_equal(as_blocks, want)
+    jitted = np.asarray(jax.jit(to_stored, static_argnums=1)(jnp.asarray(x), jnp.int8))  # as in the step
+    np.testing.assert_array_equal(jitted, stored)
     decoded = np.asarray(from_stored(jnp.asarray(stored)))
     np.testing.assert_array_equal(decoded.reshape(-1), quants.dequantize(want, GGMLQuantizationType.Q8_0).reshape(-1))
     assert not decoded[0, 0].any()

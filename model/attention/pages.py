@@ -197,7 +197,8 @@ class PagedKVCache:
         return cls(k=struct, v=struct)
 
     def nbytes(self) -> int:
-        """Total bytes of K and V over all layers: 2 x L x P x K x page_size x H x itemsize."""
+        """Total bytes of K and V over all layers: 2 x L x P x K x page_size x H' x itemsize
+        (H' = ``stored_head_dim``)."""
         return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in (self.k, self.v))
 
 

@@ -86,7 +86,8 @@ def ragged_paged_attention(
 
     Args:
         q: [N, K, G, H] queries, already scaled by 1/sqrt(H) (cast to float32).
-        k_pages, v_pages: [P, K, page_size, H], the layer's pages (float32 or bfloat16), with
+        k_pages, v_pages: [P, K, page_size, H], the layer's pages (float32, bfloat16 or its bits
+            as uint16; int8 rows [.., H + 2]: ``pages.from_stored`` decodes them), with
             every real token's own key and value already written (``paged_kv.write_kv``); or,
             with ``layer``, the stacked pages [L, P, K, page_size, H] of every layer.
         page_tables: [B, max_pages] int32. The entries covering positions 0 .. positions[n]

@@ -14,7 +14,8 @@ The default follows what a user of vLLM's or SGLang's scheduler expects, per pla
   (``/proc/meminfo``'s MemAvailable); the cap is logged.
 
 Bytes per position and device: 2 (K and V) x layers x KV heads held by the device (all of them,
-or KV heads / the model axis where the layout splits heads) x head_dim x the cache dtype's size.
+or KV heads / the model axis where the layout splits heads) x a row of head_dim in the cache
+dtype (``model.config.kv_row_bytes``: head_dim x its size, plus an 8-bit row's 2-byte scale).
 With d data replicas each device holds only its replica's positions, 1/d of the pool: sizes in
 tokens are the whole pool's (rounded up to a page for each replica), sizes in bytes a device's.
 """

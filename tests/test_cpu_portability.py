@@ -35,6 +35,7 @@ CHECKS = [
     "tests/test_quant_matmul.py::test_mismatched_k_is_an_error_not_a_crash",
     "tests/test_paged_attention.py::test_the_native_kernel_matches_dense_attention",
     "tests/test_paged_attention.py::test_the_native_kernel_reads_a_bfloat16_cache",
+    "tests/test_paged_attention.py::test_an_int8_cache",  # its native case: the AVX2 int8 widening
     "tests/test_paged_attention.py::test_the_native_kernel_equals_xla_for_every_group_size",
     "tests/test_paged_attention.py::test_the_native_kernel_gives_zeros_past_the_table_and_clips_page_ids",
     "tests/test_paged_attention.py::test_the_native_kernels_bad_operands_are_errors_not_crashes",

@@ -11,8 +11,9 @@ scatter costs seconds a step at such pools on XLA:CPU (docs/performance.md says 
 ``--context`` (+-16, the same for every variant) over pages of their own, and steps one flat
 batch of B decode tokens (``benchmarks.native_decode.decode_batch``) again and again, so every
 step does the same work: a decode-only step's time is the TPOT of its B streams. The pool holds
-zeros (what the pages hold does not change what the kernels read). The variants take turns,
-``--rounds`` rounds of one warm step then three timed steps each; it prints each one's pool
+zeros (what the pages hold does not change what the kernels read). The variants take turns
+(``benchmarks.native_decode.time_in_turns``: ``--rounds`` rounds of one warm step then three
+timed steps each); it prints each one's pool
 bytes, min and median step time and the median's ratio to float32's, and whether int8 meets
 the target.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.native_decode import decode_batch  # noqa: E402
+from benchmarks.native_decode import decode_batch, time_in_turns  # noqa: E402
 from model import native  # noqa: E402
 from model.weights.build import random_llama  # noqa: E402
 from model.weights.fetch import default_model_path  # noqa: E402
@@ -80,25 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batches:
         positions = np.random.default_rng(B).integers(lo, hi + 1, B).astype(np.int32)
         greedy = tuple(RowInstall(r, SamplingOptions(temperature=0.0), False, ()) for r in range(B))
-        runs: dict[str, list[Any]] = {}
+        runs: dict[str, tuple[Runner, Any]] = {}
         for kv in kv_dtypes:
             ecfg = EngineConfig(num_slots=B, max_seq_len=hi + 1, kv_dtype=kv, kv_cache_tokens=B * (hi + 1))
             runner = Runner(cfg, graphdef, params, load_layout("1x1"), ecfg, device)
             runner.step(decode_batch(runner, positions, greedy)).host()  # compiles, installs greedy rows
             if args.batches[0] == B:
                 print(f"  {kv}: {runner.kernels.describe()}; pool {runner.cache.nbytes() / 2**20:.0f} MiB")
-            runs[kv] = [runner, decode_batch(runner, positions), []]
-        for _ in range(args.rounds):
-            for runner, batch, times in runs.values():
-                runner.step(batch).host()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    out = runner.step(batch)
-                out.host()
-                times.append((time.perf_counter() - t0) / 3 * 1e3)
-        medians = {k: statistics.median(r[2]) for k, r in runs.items()}
+            runs[kv] = (runner, decode_batch(runner, positions))
+        times = time_in_turns(runs, args.rounds)
+        medians = {k: statistics.median(t) for k, t in times.items()}
         cols = "; ".join(
-            f"{k} min {min(runs[k][2]):6.1f} median {medians[k]:6.1f} ms ({medians[k] / medians['float32']:.2f}x)"
+            f"{k} min {min(times[k]):6.1f} median {medians[k]:6.1f} ms ({medians[k] / medians['float32']:.2f}x)"
             for k in kv_dtypes
         )
         if "int8" in medians:

@@ -25,6 +25,7 @@ it prints the min and median step time (ms) of each and the ratio of ``xla``'s m
 
     python benchmarks/native_decode.py                        # SmolLM2-135M shapes, B = 1 8 64
     python benchmarks/native_decode.py --batches 64 --context 1000 --rounds 8
+    python benchmarks/native_decode.py --batches 8 --context 2048 --kv-dtype int8   # an 8-bit cache
     MESHSERVE_NATIVE_MARCH=x86-64-v3 python benchmarks/native_decode.py   # the AVX2 build
 
 The model config is read from the default GGUF (``meshserve fetch`` first) or ``--model``.
@@ -71,12 +72,31 @@ def decode_batch(runner: Runner, positions: np.ndarray, installs: tuple[RowInsta
     return dataclasses.replace(b, num_real=B, max_position=int(positions.max()), installs=installs)
 
 
+def time_in_turns(runs: dict[str, tuple[Runner, Any]], rounds: int) -> dict[str, list[float]]:
+    """Each variant's step times (ms), the variants ``runs`` (name -> (runner, batch)) taking
+    turns: ``rounds`` rounds of one warm step then three timed steps each (dispatched back to
+    back; each step's pool is the one the previous step donated, so they run one after another)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (runner, batch) in runs.items():
+            runner.step(batch).host()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                out = runner.step(batch)
+            out.host()
+            times[name].append((time.perf_counter() - t0) / 3 * 1e3)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF or HF directory whose config to use (default: SmolLM2-135M)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="rows per step")
     ap.add_argument("--context", type=int, default=144, help="mean cached tokens per row (spread +-16)")
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds of 3 steps per variant")
+    ap.add_argument(
+        "--kv-dtype", choices=["float32", "bfloat16", "int8"], default="float32", help="every variant's cache"
+    )
     args = ap.parse_args(argv)
 
     if not native.available():
@@ -93,28 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batches:
         positions = np.random.default_rng(B).integers(lo, hi + 1, B).astype(np.int32)
         greedy = tuple(RowInstall(r, SamplingOptions(temperature=0.0), False, ()) for r in range(B))
-        runs: dict[str, list[Any]] = {}
+        runs: dict[str, tuple[Runner, Any]] = {}
         for name, (attention, matmul) in VARIANTS.items():
             ecfg = EngineConfig(
                 num_slots=B, max_seq_len=hi + 1, attention=attention, matmul=matmul, layer_loop="scan",
-                kv_cache_tokens=B * (hi + 1),
+                kv_cache_tokens=B * (hi + 1), kv_dtype=args.kv_dtype,
             )  # fmt: skip
             runner = Runner(cfg, graphdef, params, load_layout("1x1"), ecfg, device)
             runner.step(decode_batch(runner, positions, greedy)).host()  # compiles, installs greedy rows
             if args.batches[0] == B:
                 print(f"  {name}: {runner.kernels.describe()}")
-            runs[name] = [runner, decode_batch(runner, positions), []]
-        for _ in range(args.rounds):
-            for runner, batch, times in runs.values():
-                runner.step(batch).host()
-                t0 = time.perf_counter()
-                for _ in range(3):
-                    out = runner.step(batch)
-                out.host()
-                times.append((time.perf_counter() - t0) / 3 * 1e3)
-        medians = {k: statistics.median(r[2]) for k, r in runs.items()}
+            runs[name] = (runner, decode_batch(runner, positions))
+        times = time_in_turns(runs, args.rounds)
+        medians = {k: statistics.median(t) for k, t in times.items()}
         cols = "; ".join(
-            f"{k} min {min(runs[k][2]):6.1f} median {medians[k]:6.1f} ms ({medians['xla'] / medians[k]:.2f}x)"
+            f"{k} min {min(times[k]):6.1f} median {medians[k]:6.1f} ms ({medians['xla'] / medians[k]:.2f}x)"
             for k in VARIANTS
         )
         print(f"B={B:3d}: {cols}")

@@ -30,7 +30,6 @@ PAGE_AXES = ("layers", "pages", "kv_heads", "page_len", "head_dim")
 # codes followed by its scale, a float16 bitcast into 2 more int8s (llama.cpp's Q8_0 rule, one
 # block per row: ``to_stored``): H + 2 bytes where bfloat16 takes 2 H.
 QUANTIZED = jnp.dtype(jnp.int8)
-SCALE_BYTES = KV_SCALE_BYTES
 _CODE_MAX = 127.0
 _SCALE_MAX = float(jnp.finfo(jnp.float16).max)
 
@@ -61,19 +60,19 @@ def value_dtype(pages_dtype: Any) -> jnp.dtype:
 
 def stored_head_dim(head_dim: int, dtype: Any) -> int:
     """The last axis of the page arrays in ``dtype``: ``head_dim``, plus the scale's
-    ``SCALE_BYTES`` in an 8-bit cache."""
-    return head_dim + SCALE_BYTES if jnp.dtype(dtype) == QUANTIZED else head_dim
+    ``KV_SCALE_BYTES`` in an 8-bit cache."""
+    return head_dim + KV_SCALE_BYTES if jnp.dtype(dtype) == QUANTIZED else head_dim
 
 
 def head_dim_of(pages: jax.Array) -> int:
     """H, the head dim, of page arrays [..., H'] (``stored_head_dim``'s inverse)."""
-    return int(pages.shape[-1]) - (SCALE_BYTES if pages.dtype == QUANTIZED else 0)
+    return int(pages.shape[-1]) - (KV_SCALE_BYTES if pages.dtype == QUANTIZED else 0)
 
 
 def to_stored(x: jax.Array, dtype: Any) -> jax.Array:
     """Keys or values [..., H] as pages of ``dtype`` hold them: rounded to a float dtype
-    (nearest even; to bfloat16's bits for ``BF16_BITS``), or, in an 8-bit cache, [..., H + 2] int8: llama.cpp's Q8_0 rule with one
-    block per row (``ggml-quants.c``; gguf's ``Q8_0.quantize_blocks`` is its bit-exact
+    (nearest even; to bfloat16's bits for ``BF16_BITS``), or, in an 8-bit cache, [..., H + 2]
+    int8: llama.cpp's Q8_0 rule with one block per row (``ggml-quants.c``; gguf's ``Q8_0.quantize_blocks`` is its bit-exact
     reference): d = max|x| / 127 in float32, codes round(x x (1 / d)) half away from zero (0
     where d = 0), then d's float16 bytes. Dettmers et al. 2022 ("LLM.int8()", §3.1) give the
     absmax rule; a scale per token and KV head is what vLLM's and llama.cpp's 8-bit caches keep."""
@@ -87,7 +86,7 @@ def to_stored(x: jax.Array, dtype: Any) -> jax.Array:
     inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
     scaled = x * inv
     codes = jnp.clip(jnp.trunc(scaled + jnp.copysign(0.5, scaled)), -_CODE_MAX, _CODE_MAX).astype(QUANTIZED)
-    scale_bytes = jax.lax.bitcast_convert_type(d.astype(jnp.float16), QUANTIZED).reshape(*x.shape[:-1], SCALE_BYTES)
+    scale_bytes = jax.lax.bitcast_convert_type(d.astype(jnp.float16), QUANTIZED).reshape(*x.shape[:-1], KV_SCALE_BYTES)
     return jnp.concatenate([codes, scale_bytes], axis=-1)
 
 
